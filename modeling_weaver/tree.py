@@ -1,0 +1,203 @@
+"""Proposal trees: one structure, three builders (chain, DDTree, Weaver best-first). DESIGN.md §4.
+
+A tree's node 0 is the root, the bonus token the target chose last; draft nodes follow in topological order
+(every parent before its children). The budget counts draft nodes, so a tree has at most ``budget + 1`` nodes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Tree:
+    """A proposal tree (batch 1).
+
+    Attributes:
+        tokens: ``[N]`` token ids; ``tokens[0]`` is the root (bonus token).
+        parents: ``[N]`` parent index of each node, ``-1`` for the root; ``parents[i] < i``.
+        logq: ``[N]`` log-probability of each node under its parent's proposal distribution (0 for the root).
+            Traversal verification renormalises these over each node's children.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    logq: torch.Tensor
+
+    def __post_init__(self):
+        if self.tokens.dim() != 1 or self.tokens.shape != self.parents.shape:
+            raise ValueError("tokens and parents must be 1-D tensors of the same length")
+        if int(self.parents[0]) != -1:
+            raise ValueError("node 0 must be the root (parent -1)")
+
+    @classmethod
+    def from_lists(cls, tokens, parents, logq=None, device=None) -> Tree:
+        logq = [0.0] * len(tokens) if logq is None else logq
+        return cls(
+            torch.tensor(tokens, dtype=torch.long, device=device),
+            torch.tensor(parents, dtype=torch.long, device=device),
+            torch.tensor(logq, dtype=torch.float32, device=device),
+        )
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_drafts(self) -> int:
+        return len(self) - 1
+
+    @property
+    def depths(self) -> torch.Tensor:
+        """``[N]`` depth of each node (root 0)."""
+        parents = self.parents.tolist()
+        depths = [0] * len(parents)
+        for i in range(1, len(parents)):
+            depths[i] = depths[parents[i]] + 1
+        return torch.tensor(depths, dtype=torch.long, device=self.tokens.device)
+
+    @property
+    def ancestor_mask(self) -> torch.Tensor:
+        """``[N, N]`` bool, ``mask[i, j]`` iff j is i or an ancestor of i."""
+        parents = self.parents.tolist()
+        n = len(parents)
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            mask[i, i] = True
+            if parents[i] >= 0:
+                mask[i] |= mask[parents[i]]
+        return mask.to(self.tokens.device)
+
+    def children(self) -> list[list[int]]:
+        """Children of every node, in node order."""
+        kids: list[list[int]] = [[] for _ in range(len(self))]
+        for i, p in enumerate(self.parents.tolist()):
+            if p >= 0:
+                kids[p].append(i)
+        return kids
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices root..node."""
+        parents = self.parents.tolist()
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        return path[::-1]
+
+
+def chain_tree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
+    """Plain DFlash: the argmax of each block position, as a single path of ``min(budget, depth)`` drafts.
+
+    Args:
+        root: the bonus token.
+        draft_logits: ``[D, V]`` DFlash marginal logits for depths ``1..D``.
+    """
+    logp = torch.log_softmax(draft_logits[:budget].float(), dim=-1)
+    best = logp.max(dim=-1)
+    n = best.indices.shape[0]
+    tokens = [root] + best.indices.tolist()
+    return Tree.from_lists(tokens, list(range(-1, n)), [0.0] + best.values.tolist(), device=draft_logits.device)
+
+
+def ddtree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
+    """DDTree: best-first over the per-depth marginals (optimal under the factorised distribution).
+
+    Heap entries are (depth, rank) with cumulative log-prob of the path made of rank-0.. choices; popping an entry
+    pushes its next sibling (same depth, rank + 1) and its first child (rank 0 at depth + 1).
+    """
+    depth_max = draft_logits.shape[0]
+    k = min(budget, draft_logits.shape[-1])
+    top = torch.log_softmax(draft_logits.float(), dim=-1).topk(k, dim=-1)
+    top_logp, top_ids = top.values.tolist(), top.indices.tolist()
+
+    tokens, parents, logq = [root], [-1], [0.0]
+    # entry: (-score, tiebreak, depth, rank, parent_node, parent_score)
+    heap = [(-top_logp[0][0], 0, 0, 0, 0, 0.0)] if depth_max > 0 else []
+    counter = 1
+    while heap and len(tokens) <= budget:
+        neg, _, d, r, parent, parent_score = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(top_ids[d][r])
+        parents.append(parent)
+        logq.append(top_logp[d][r])
+        if r + 1 < k:
+            heapq.heappush(heap, (-(parent_score + top_logp[d][r + 1]), counter, d, r + 1, parent, parent_score))
+            counter += 1
+        if d + 1 < depth_max:
+            heapq.heappush(heap, (neg - top_logp[d + 1][0], counter, d + 1, 0, node, -neg))
+            counter += 1
+    return Tree.from_lists(tokens, parents, logq, device=draft_logits.device)
+
+
+def weaver_tree(
+    root: int,
+    weaver,
+    prompt,
+    draft_logits: torch.Tensor,
+    embed_tokens: torch.nn.Module,
+    lm_head_weight: torch.Tensor,
+    budget: int,
+    children_per_node: int = 8,
+    width: int | None = None,
+) -> Tree:
+    """Weaver best-first: batched expansion rounds over the frontier (DESIGN.md §4).
+
+    Each round takes the ``width`` best frontier entries (cumulative log-prob), runs one batched Weaver node step on
+    them and publishes each node's top ``children_per_node`` pool candidates to the frontier. A frontier entry
+    becomes a tree node when it is selected for expansion; the final round's leftovers fill the remaining budget.
+
+    Args:
+        weaver: a :class:`~modeling_weaver.modeling_weaver.WeaverModel`.
+        prompt: the Weaver prompt for this step (``weaver.encode_prompt``).
+        draft_logits: ``[D, V]`` DFlash marginal logits for depths ``1..D``; depth is capped at
+            ``min(D, weaver.config.K)``.
+    """
+    device = draft_logits.device
+    max_depth = min(draft_logits.shape[0], weaver.config.K)
+    if width is None:
+        width = min(32, math.ceil(budget / 16))
+    pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])
+    pool_logits, pool_ids = draft_logits[:max_depth].float().topk(pool, dim=-1)  # [D, pool]
+    cache = weaver.new_node_cache(budget + 1, device=device, dtype=lm_head_weight.dtype)
+
+    tokens, parents, logq, depths, scores = [root], [-1], [0.0], [0], [0.0]
+    frontier: list[tuple[float, int, int, int, float]] = []  # (-score, tiebreak, token, parent, logq)
+    expand = [0]  # nodes to run through Weaver this round
+    counter = 0
+    mask = torch.zeros(budget + 1, budget + 1, dtype=torch.bool, device=device)
+    mask[0, 0] = True
+    while expand:
+        idx = torch.tensor(expand, device=device)
+        node_depth = torch.tensor([depths[i] for i in expand], device=device)
+        x = weaver.node_inputs(embed_tokens(torch.tensor([tokens[i] for i in expand], device=device)))
+        query = weaver.step(prompt, cache, x[None], node_depth[None], idx[None], mask[idx][None])[0]
+        cand_logits = weaver.candidate_logits(query, pool_ids[node_depth], pool_logits[node_depth], lm_head_weight)
+        cand_logp = torch.log_softmax(cand_logits.float(), dim=-1)
+        top = cand_logp.topk(min(children_per_node, pool), dim=-1)
+        top_ids = pool_ids[node_depth].gather(-1, top.indices).tolist()
+        for row, node in enumerate(expand):
+            if depths[node] + 1 > max_depth:
+                continue
+            for lp, tok in zip(top.values[row].tolist(), top_ids[row]):
+                heapq.heappush(frontier, (-(scores[node] + lp), counter, tok, node, lp))
+                counter += 1
+        # Select the next nodes: up to `width` best entries become tree nodes now.
+        expand = []
+        while frontier and len(expand) < width and len(tokens) <= budget:
+            neg, _, tok, parent, lp = heapq.heappop(frontier)
+            node = len(tokens)
+            tokens.append(tok)
+            parents.append(parent)
+            logq.append(lp)
+            depths.append(depths[parent] + 1)
+            scores.append(-neg)
+            mask[node] = mask[parent]
+            mask[node, node] = True
+            if depths[node] < max_depth:
+                expand.append(node)
+        if len(tokens) > budget:
+            break
+    return Tree.from_lists(tokens, parents, logq, device=device)
