@@ -1,0 +1,353 @@
+"""The speculative decoding loop: draft → tree → verify → accept → commit (DESIGN.md §1), batch 1.
+
+``speculative_generate`` is the plain-function API; ``generate`` is the same loop behind
+``target.generate(input_ids, custom_generate=generate, drafter=..., weaver=...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+from transformers.generation import (
+    EosTokenCriteria,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    MinPLogitsWarper,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from .accept import accept_greedy, accept_target_only, accept_traversal
+from .target import TargetAdapter, text_config
+from .tree import Tree, chain_tree, ddtree, weaver_tree
+
+MODES = ("weaver", "ddtree", "chain")
+VERIFICATIONS = ("target_only", "traversal")
+# Processors whose output row depends only on that row's logits: applied to all tree nodes at once they give each
+# node exactly the distribution sequential sampling would use.
+ROW_WISE_PROCESSORS = (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+)
+
+
+@dataclass
+class SpeculativeStats:
+    """Per-generation statistics. ``accepted_lengths[s]`` counts the tokens committed at verify step s (bonus incl.)."""
+
+    accepted_lengths: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    num_new_tokens: int = 0
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.accepted_lengths)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """MAL τ: tokens committed per verify step, bonus included."""
+        return sum(self.accepted_lengths) / max(1, self.num_steps)
+
+
+def _check_pair(target, drafter, weaver, mode: str, tree_budget: int, verification: str | None, do_sample: bool):
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "weaver" and weaver is None:
+        raise ValueError('mode="weaver" needs a Weaver adapter: pass weaver=WeaverModel, or use mode="ddtree"/"chain"')
+    if not isinstance(tree_budget, int) or tree_budget < 1:
+        raise ValueError(f"tree_budget counts draft nodes and must be an integer >= 1, got {tree_budget!r}")
+    if verification is not None:
+        if verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be one of {VERIFICATIONS} or None, got {verification!r}")
+        if not do_sample:
+            raise ValueError("verification only applies when sampling (do_sample=True); greedy is always exact")
+    if drafter is None:
+        raise ValueError("a DFlash drafter is required: pass drafter=DFlashDraftModel")
+    tcfg = text_config(target.config)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    dcfg = drafter.config
+    if dcfg.hidden_size != tcfg.hidden_size:
+        raise ValueError(f"drafter hidden_size {dcfg.hidden_size} does not match the target's {tcfg.hidden_size}")
+    if dcfg.vocab_size != vocab:
+        raise ValueError(f"drafter vocab_size {dcfg.vocab_size} does not match the target's lm_head ({vocab})")
+    num_layers = tcfg.num_hidden_layers
+    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"drafter target_layer_ids {bad} do not exist in the target ({num_layers} layers)")
+    if weaver is not None:
+        if weaver.config.d_model != tcfg.hidden_size:
+            raise ValueError(f"weaver d_model {weaver.config.d_model} does not match the target's {tcfg.hidden_size}")
+        d_embed = target.get_input_embeddings().weight.shape[1]
+        if weaver.config.d_embed != d_embed:
+            raise ValueError(f"weaver d_embed {weaver.config.d_embed} does not match the target's embedding ({d_embed})")
+
+
+def _check_processors(processors: LogitsProcessorList):
+    for proc in processors:
+        if not isinstance(proc, ROW_WISE_PROCESSORS):
+            raise ValueError(
+                f"{type(proc).__name__} is not supported by tree speculative decoding: only processors that act on "
+                f"each distribution independently are ({', '.join(p.__name__ for p in ROW_WISE_PROCESSORS)})"
+            )
+
+
+def _warpers(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    procs = LogitsProcessorList()
+    if temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None and top_k > 0:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+    return procs
+
+
+class DFlashRunner:
+    """Drives a DFlash drafter across steps: its KV cache of projected context, block inputs and the target's lm_head.
+
+    Any object with the same ``draft`` method can stand in for it (tests plant drafts through this seam).
+    """
+
+    def __init__(self, drafter, target):
+        self.drafter = drafter
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.block_size = drafter.config.block_size
+        self.feature_layer_ids = list(drafter.config.target_layer_ids)
+        self.dtype = next(drafter.parameters()).dtype
+        self.cache = DynamicCache()
+
+    def draft(self, bonus: int, context: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block ``[bonus, MASK…]`` at positions ``n..n+B-1``, reading ``context [C, n_layers·H]``: the target
+        features of the positions ``n-C..n-1`` not yet in the drafter's cache. Returns the drafter's hidden states
+        and marginal logits for depths ``1..B-1`` (``[B-1, H]``, ``[B-1, V]``)."""
+        device = self.lm_head.weight.device
+        block = self.drafter.block_embeddings(torch.tensor([bonus], device=device), self.embed_tokens).to(self.dtype)
+        position_ids = torch.arange(n - context.shape[0], n + self.block_size, device=device)[None]
+        hidden = self.drafter(
+            noise_embedding=block, target_hidden=context[None].to(self.dtype), position_ids=position_ids,
+            past_key_values=self.cache, use_cache=True,
+        )[0, 1:]
+        self.cache.crop(n)  # block K/V never persist
+        return hidden, self.lm_head(hidden.to(self.lm_head.weight.dtype))
+
+
+class _Output:
+    """Emitted tokens, stopping rules and the streamer, one token at a time."""
+
+    def __init__(self, prompt: torch.Tensor, stopping_criteria: StoppingCriteriaList, streamer):
+        self.ids = prompt[None].clone()
+        self.prompt_len = prompt.shape[0]
+        self.stopping_criteria, self.streamer = stopping_criteria, streamer
+        self.done = False
+
+    def emit(self, tokens: list[int]) -> int:
+        """Append tokens until a stopping rule fires; returns how many were kept."""
+        kept = 0
+        for tok in tokens:
+            if self.done:
+                break
+            self.ids = torch.cat([self.ids, self.ids.new_tensor([[tok]])], dim=1)
+            kept += 1
+            self.done = bool(self.stopping_criteria(self.ids, None).any())
+        if kept and self.streamer is not None:
+            self.streamer.put(self.ids[0, -kept:].cpu())
+        return kept
+
+
+@torch.no_grad()
+def _decode(
+    target,
+    prompt: torch.Tensor,
+    *,
+    runner: DFlashRunner,
+    weaver,
+    mode: str,
+    tree_budget: int,
+    max_new_tokens: int,
+    processors: LogitsProcessorList,
+    do_sample: bool,
+    verification: str,
+    stopping_criteria: StoppingCriteriaList,
+    streamer,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, SpeculativeStats]:
+    stats = SpeculativeStats()
+    out = _Output(prompt, stopping_criteria, streamer)
+    embed_tokens = target.get_input_embeddings()
+    lm_head = target.get_output_embeddings()
+    target_cache = TargetAdapter(
+        target, max_length=prompt.shape[0] + max_new_tokens + tree_budget + 2,
+        feature_layer_ids=runner.feature_layer_ids,
+    )
+
+    def distribution(logits: torch.Tensor) -> torch.Tensor:
+        # Row-wise processors ignore input_ids; the prompt stands in for every row.
+        scores = processors(out.ids.expand(logits.shape[0], -1), logits.float())
+        return scores.softmax(-1) if do_sample else scores
+
+    def first_token(logits: torch.Tensor) -> int:
+        scores = distribution(logits[None])
+        if do_sample:
+            return int(torch.multinomial(scores.cpu(), 1, generator=generator))
+        return int(scores.argmax(-1))
+
+    verified = target_cache.prefill(prompt)
+    context, last_hidden = verified.features, verified.hidden[-1]
+    bonus = first_token(verified.logits[-1])
+    stats.num_new_tokens += out.emit([bonus])
+
+    while not out.done:
+        draft_hidden, draft_logits = runner.draft(bonus, context, target_cache.length)
+
+        # Tree.
+        if mode == "chain":
+            tree = chain_tree(bonus, draft_logits, tree_budget)
+        elif mode == "ddtree":
+            tree = ddtree(bonus, draft_logits, tree_budget)
+        else:
+            depth = min(draft_hidden.shape[0], weaver.config.K)
+            prompt_kv = weaver.encode_prompt(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
+            tree = weaver_tree(bonus, weaver, prompt_kv, draft_logits, embed_tokens, lm_head.weight, tree_budget)
+
+        # Verify, accept, commit.
+        verified = target_cache.verify(tree)
+        scores = distribution(verified.logits)
+        if not do_sample:
+            accepted = accept_greedy(tree, scores)
+        elif verification == "traversal":
+            accepted = accept_traversal(tree, scores, generator)
+        else:
+            accepted = accept_target_only(tree, scores, generator)
+        target_cache.commit(accepted.path)
+        context = verified.features[accepted.path]
+        last_hidden = verified.hidden[accepted.path[-1]]
+        bonus = accepted.bonus
+
+        stats.accepted_lengths.append(len(accepted.path))
+        stats.tree_sizes.append(len(tree))
+        stats.num_new_tokens += out.emit(tree.tokens[accepted.path[1:]].tolist() + [bonus])
+
+    if streamer is not None:
+        streamer.end()
+    return out.ids, stats
+
+
+def speculative_generate(
+    target,
+    input_ids: torch.Tensor,
+    *,
+    drafter,
+    weaver=None,
+    mode: str = "weaver",
+    tree_budget: int = 64,
+    max_new_tokens: int = 128,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | list[int] | None = None,
+    streamer=None,
+    return_stats: bool = False,
+    verification: str | None = None,
+    generator: torch.Generator | None = None,
+):
+    """Lossless tree speculative decoding of ``target`` with a DFlash ``drafter`` (and optionally a Weaver).
+
+    Greedy output is token-identical to ``target.generate(input_ids, do_sample=False)``; sampled output follows the
+    target's (temperature / top-k / top-p processed) distribution exactly.
+
+    Args:
+        target: a supported causal LM (see :mod:`modeling_weaver.target`).
+        input_ids: ``[1, T]`` prompt (batch 1), on the target's device.
+        drafter: :class:`~modeling_weaver.modeling_dflash.DFlashDraftModel` trained for this target.
+        weaver: :class:`~modeling_weaver.modeling_weaver.WeaverModel`; required for ``mode="weaver"``.
+        mode: ``"weaver"`` (Weaver best-first tree), ``"ddtree"`` (best-first over DFlash marginals) or
+            ``"chain"`` (plain DFlash).
+        tree_budget: draft nodes per tree (the root/bonus token is extra).
+        eos_token_id: one id or several; defaults to the target's generation config.
+        streamer: a transformers streamer (``put``/``end``); receives the prompt, then tokens as they are committed.
+        verification: when sampling, ``"target_only"`` (any tree) or ``"traversal"`` (default for Weaver trees).
+        generator: random source for sampling.
+
+    Returns:
+        ``[1, T + new]`` token ids, and a :class:`SpeculativeStats` when ``return_stats=True``.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("input_ids must be a 2-D tensor [batch, length]")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding supports batch size 1 only, got batch {input_ids.shape[0]}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    _check_pair(target, drafter, weaver, mode, tree_budget, verification, do_sample)
+    processors = _warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
+    if eos_token_id is None:
+        eos_token_id = target.generation_config.eos_token_id
+    stopping = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
+    if eos_token_id is not None:
+        stopping.append(EosTokenCriteria(eos_token_id))
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    ids, stats = _decode(
+        target, input_ids[0], runner=DFlashRunner(drafter, target), weaver=weaver, mode=mode, tree_budget=tree_budget,
+        max_new_tokens=max_new_tokens, processors=processors, do_sample=do_sample,
+        verification=verification or ("traversal" if mode == "weaver" else "target_only"),
+        stopping_criteria=stopping, streamer=streamer, generator=generator,
+    )
+    return (ids, stats) if return_stats else ids
+
+
+def generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    drafter=None,
+    weaver=None,
+    mode: str = "weaver",
+    tree_budget: int = 64,
+    verification: str | None = None,
+    **model_kwargs,
+):
+    """``target.generate(input_ids, custom_generate=generate, drafter=..., weaver=..., mode=..., tree_budget=...)``.
+
+    transformers has already applied ``generation_config`` (``max_new_tokens``, ``eos_token_id``, ``do_sample``,
+    temperature/top-k/top-p) and built the processors and stopping criteria this loop honours.
+    """
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding supports batch size 1 only, got batch {input_ids.shape[0]}")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("padded prompts are not supported (batch size 1, no padding)")
+    do_sample = bool(generation_config.do_sample)
+    _check_pair(model, drafter, weaver, mode, tree_budget, verification, do_sample)
+    _check_processors(logits_processor)
+    max_new_tokens = generation_config.max_length - input_ids.shape[1]
+    if max_new_tokens < 1:
+        raise ValueError(f"max_length {generation_config.max_length} leaves no room after the prompt")
+    ids, _ = _decode(
+        model, input_ids[0], runner=DFlashRunner(drafter, model), weaver=weaver, mode=mode, tree_budget=tree_budget,
+        max_new_tokens=max_new_tokens, processors=logits_processor, do_sample=do_sample,
+        verification=verification or ("traversal" if mode == "weaver" else "target_only"),
+        stopping_criteria=stopping_criteria, streamer=streamer, generator=None,
+    )
+    return ids

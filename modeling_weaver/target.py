@@ -1,0 +1,227 @@
+"""Target adapters: run a proposal tree through an unmodified transformers causal LM and commit the accepted path.
+
+The adapter reuses the target's own modules (embedding, norms, projections, MLPs, rotary embedding, lm_head) and
+keeps its own committed caches: attention K/V per full-attention layer; recurrent state and conv window per Gated
+DeltaNet layer. ``verify`` reads the committed caches and writes nothing into them; ``commit`` moves the accepted
+path in (KV compaction; GDN state advanced from the verification intermediates, never by re-running the target).
+
+Supported: Llama, Qwen2, Qwen3 (attention only) and Qwen3.5/3.6 (hybrid GDN + gated attention), either as
+``*ForCausalLM`` or as the text model inside ``Qwen3_5ForConditionalGeneration``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import weaver_kernels
+
+from .tree import Tree
+
+ATTENTION_ONLY = ("llama", "qwen2", "qwen3")
+HYBRID_GDN = ("qwen3_5", "qwen3_5_text")
+SUPPORTED = ATTENTION_ONLY + HYBRID_GDN
+SUPPORTED_CLASSES = (
+    "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration"
+)
+
+
+def text_config(config):
+    """The text part of a (possibly multimodal) target config."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+@dataclass
+class TreeOutput:
+    """What one target pass over a tree gives the loop.
+
+    Attributes:
+        logits: ``[N, V]`` target logits at every node.
+        hidden: ``[N, H]`` final-normed hidden state at every node (the lm_head input; Weaver's ``u0``).
+        features: ``[N, len(feature_layer_ids) * H]`` outputs of the drafter's target layers, concatenated.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    features: torch.Tensor | None
+
+
+class AttentionLayerCache:
+    """Committed K/V of one full-attention layer, and tree attention over prefix + ancestor-or-self."""
+
+    def __init__(self, attn: torch.nn.Module, config, max_length: int, device, dtype):
+        self.attn = attn
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        if getattr(attn, "sliding_window", None):
+            raise ValueError("sliding-window attention layers are not supported yet")
+        # Qwen3.5 packs a per-head output gate next to each query head.
+        self.gated = attn.q_proj.out_features == 2 * self.num_heads * self.head_dim
+        self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        shape = (1, self.num_kv_heads, max_length, self.head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward_tree(self, h: torch.Tensor, rope, mask: torch.Tensor, n: int) -> torch.Tensor:
+        """``h [1, N, H]`` → attention output ``[1, N, H]``; ``mask [N, n + N]`` bool (True = attend)."""
+        attn, N = self.attn, h.shape[1]
+        q = attn.q_proj(h).view(1, N, self.num_heads, -1)
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)
+            gate = gate.reshape(1, N, -1)
+        k = attn.k_proj(h).view(1, N, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(1, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
+        self.pending = (k, v)
+        keys = torch.cat([self.keys[:, :, :n], k], dim=2)
+        values = torch.cat([self.values[:, :, :n], v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        out = out.transpose(1, 2).reshape(1, N, -1)
+        if self.gated:
+            out = out * torch.sigmoid(gate)
+        return attn.o_proj(out)
+
+    def commit(self, path: torch.Tensor, n: int):
+        k, v = self.pending
+        self.keys[:, :, n : n + len(path)] = k[:, :, path]
+        self.values[:, :, n : n + len(path)] = v[:, :, path]
+        self.pending = None
+
+
+class GatedDeltaNetLayerCache:
+    """Committed recurrent state and conv window of one Gated DeltaNet layer, and its tree forward.
+
+    The tree ops are the seams in :mod:`weaver_kernels` (Triton on CUDA, torch reference elsewhere).
+    """
+
+    def __init__(self, gdn: torch.nn.Module, device, dtype):
+        self.gdn = gdn
+        self.state = torch.zeros(1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, device=device, dtype=torch.float32)
+        self.window = torch.zeros(1, gdn.conv_dim, gdn.conv_kernel_size - 1, device=device, dtype=dtype)
+        self.pending: tuple[torch.Tensor, ...] | None = None
+
+    def forward_tree(self, h: torch.Tensor, tree_mask: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        gdn, N = self.gdn, h.shape[1]
+        mixed = gdn.in_proj_qkv(h)  # [1, N, conv_dim]
+        z = gdn.in_proj_z(h).reshape(1, N, -1, gdn.head_v_dim)
+        beta = gdn.in_proj_b(h).sigmoid()
+        g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(h).float() + gdn.dt_bias)
+        conv = weaver_kernels.conv_tree(
+            mixed, self.window, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, parents, activation=gdn.activation
+        )
+        q, k, v = conv.split([gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+        q = q.reshape(1, N, -1, gdn.head_k_dim)
+        k = k.reshape(1, N, -1, gdn.head_k_dim)
+        v = v.reshape(1, N, -1, gdn.head_v_dim)
+        o, u, gamma = weaver_kernels.gdn_tree_verify(
+            q, k, v, g, beta, self.state, tree_mask, use_qk_l2norm_in_kernel=True
+        )
+        self.pending = (mixed, k, u, gamma)
+        o = gdn.norm(o.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
+        return gdn.out_proj(o.reshape(1, N, -1))
+
+    def commit(self, path: torch.Tensor, n: int):
+        mixed, k, u, gamma = self.pending
+        weaver_kernels.conv_tree_commit(self.window, mixed, path)
+        weaver_kernels.gdn_tree_commit(self.state, k, u, gamma, path, use_qk_l2norm_in_kernel=True)
+        self.pending = None
+
+
+class TargetAdapter:
+    """A transformers causal LM seen as a tree verifier with committed caches (batch 1).
+
+    Args:
+        model: the target (``*ForCausalLM`` or ``Qwen3_5ForConditionalGeneration``); never modified.
+        max_length: committed cache capacity in tokens (prompt + generated + one tree).
+        feature_layer_ids: target layers whose outputs the drafter reads (DFlash ``target_layer_ids``).
+    """
+
+    def __init__(self, model, max_length: int, feature_layer_ids=()):
+        config = text_config(model.config)
+        model_type = getattr(model.config, "model_type", None)
+        if model_type not in SUPPORTED:
+            raise ValueError(
+                f"modeling-weaver cannot verify trees on {type(model).__name__} (model_type {model_type!r}); "
+                f"supported targets: {SUPPORTED_CLASSES}"
+            )
+        decoder = model.model
+        if hasattr(decoder, "language_model"):  # Qwen3_5ForConditionalGeneration
+            decoder = decoder.language_model
+        self.model, self.config, self.decoder = model, config, decoder
+        self.lm_head = model.get_output_embeddings()
+        self.embed_tokens = model.get_input_embeddings()
+        self.max_length = max_length
+        self.feature_layer_ids = list(feature_layer_ids)
+        num_layers = len(decoder.layers)
+        bad = [i for i in self.feature_layer_ids if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"feature layer ids {bad} are outside the target's {num_layers} layers")
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.layer_caches = []
+        for layer in decoder.layers:
+            if hasattr(layer, "linear_attn"):
+                self.layer_caches.append(GatedDeltaNetLayerCache(layer.linear_attn, self.device, self.dtype))
+            else:
+                self.layer_caches.append(
+                    AttentionLayerCache(layer.self_attn, config, max_length, self.device, self.dtype)
+                )
+        self.length = 0  # committed tokens
+        self._pending_tree: Tree | None = None
+
+    @torch.no_grad()
+    def verify(self, tree: Tree) -> TreeOutput:
+        """One target pass over ``tree`` placed right after the committed tokens. Writes no committed state."""
+        n, N = self.length, len(tree)
+        if n + N > self.max_length:
+            raise ValueError(f"tree of {N} nodes after {n} tokens exceeds the cache capacity {self.max_length}")
+        tree_mask = tree.ancestor_mask
+        positions = (n + tree.depths)[None]
+        x = self.embed_tokens(tree.tokens[None])
+        rope = self.decoder.rotary_emb(x, positions)
+        attn_mask = torch.cat([torch.ones(N, n, dtype=torch.bool, device=x.device), tree_mask], dim=1)
+        features = {}
+        for i, (layer, cache) in enumerate(zip(self.decoder.layers, self.layer_caches)):
+            h = layer.input_layernorm(x)
+            if isinstance(cache, GatedDeltaNetLayerCache):
+                x = x + cache.forward_tree(h, tree_mask, tree.parents)
+            else:
+                x = x + cache.forward_tree(h, rope, attn_mask, n)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in self.feature_layer_ids:
+                features[i] = x
+        hidden = self.decoder.norm(x)
+        self._pending_tree = tree
+        feats = torch.cat([features[i] for i in self.feature_layer_ids], -1)[0] if features else None
+        return TreeOutput(logits=self.lm_head(hidden)[0], hidden=hidden[0], features=feats)
+
+    def commit(self, path) -> None:
+        """Append the accepted nodes ``path`` (root..leaf of the last verified tree) to the committed caches."""
+        if self._pending_tree is None:
+            raise RuntimeError("commit() must follow verify()")
+        path = torch.as_tensor(path, dtype=torch.long, device=self.device)
+        for cache in self.layer_caches:
+            cache.commit(path, self.length)
+        self.length += len(path)
+        self._pending_tree = None
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, chunk_size: int = 128) -> TreeOutput:
+        """Commit a prompt ``[T]`` in chains of ``chunk_size``; returns the outputs of every prompt position."""
+        outs = []
+        for start in range(0, input_ids.shape[0], chunk_size):
+            chunk = input_ids[start : start + chunk_size]
+            tree = Tree(chunk, torch.arange(-1, len(chunk) - 1, device=chunk.device), torch.zeros(len(chunk)))
+            outs.append(self.verify(tree))
+            self.commit(torch.arange(len(chunk)))
+        cat = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
+        return TreeOutput(*(cat([getattr(o, f) for o in outs]) for f in ("logits", "hidden", "features")))

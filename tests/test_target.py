@@ -1,0 +1,151 @@
+"""Tree verification through real transformers targets equals sequential decoding; commits equal sequential caches."""
+
+import pytest
+import torch
+from tiny_targets import TINY_TARGETS, VOCAB
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from modeling_weaver.target import AttentionLayerCache, GatedDeltaNetLayerCache, TargetAdapter
+from modeling_weaver.tree import Tree
+
+
+def random_tree(num_nodes: int, gen: torch.Generator, max_children: int = 3) -> Tree:
+    """A random topological tree; children are not grouped by depth (node order mixes depths)."""
+    parents, kids = [-1], [0]
+    for i in range(1, num_nodes):
+        open_nodes = [j for j in range(i) if kids[j] < max_children]
+        parents.append(open_nodes[int(torch.randint(len(open_nodes), (1,), generator=gen))])
+        kids[parents[-1]] += 1
+        kids.append(0)
+    tokens = torch.randint(0, VOCAB, (num_nodes,), generator=gen).tolist()
+    return Tree.from_lists(tokens, parents)
+
+
+def sequential(model, ids: torch.Tensor):
+    """HF forward over ``ids`` with its own cache: (logits [T, V], cache, hidden_states)."""
+    out = model(ids[None], use_cache=True, output_hidden_states=True)
+    return out.logits[0], out.past_key_values, out.hidden_states
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_tree_logits_equal_sequential_along_every_path(name):
+    model = TINY_TARGETS[name]()
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (13,), generator=gen)
+    target = TargetAdapter(model, max_length=128, feature_layer_ids=[0, 1])
+    target.prefill(prompt, chunk_size=5)
+    for num_nodes in (1, 2, 9, 24):
+        tree = random_tree(num_nodes, gen)
+        out = target.verify(tree)
+        for i in range(len(tree)):
+            ids = torch.cat([prompt, tree.tokens[tree.path_to(i)]])
+            logits, _, hidden = sequential(model, ids)
+            assert rel(out.logits[i], logits[-1]) < 1e-4, (name, num_nodes, i)
+            assert rel(out.features[i, :32], hidden[1][0, -1]) < 1e-4
+            assert rel(out.features[i, 32:], hidden[2][0, -1]) < 1e-4
+    assert target.length == len(prompt)  # verify never commits
+
+
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_commit_equals_sequential_caches(name):
+    """After several verify/commit rounds on random trees, the committed caches equal HF's sequential caches."""
+    model = TINY_TARGETS[name]()
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, VOCAB, (9,), generator=gen)
+    target = TargetAdapter(model, max_length=200)
+    target.prefill(prompt, chunk_size=4)
+    committed = prompt
+    for num_nodes in (5, 17, 1, 12):
+        tree = random_tree(num_nodes, gen)
+        target.verify(tree)
+        leaf = int(torch.randint(len(tree), (1,), generator=gen))  # any root→node path may be accepted
+        path = tree.path_to(leaf)
+        target.commit(path)
+        committed = torch.cat([committed, tree.tokens[path]])
+        assert target.length == len(committed)
+
+    _, cache, _ = sequential(model, committed)
+    n = len(committed)
+    saw = set()
+    for i, layer in enumerate(target.layer_caches):
+        if isinstance(layer, AttentionLayerCache):
+            saw.add("kv")
+            assert rel(layer.keys[:, :, :n], cache.layers[i].keys) < 1e-5
+            assert rel(layer.values[:, :, :n], cache.layers[i].values) < 1e-5
+            assert not layer.keys[:, :, n:].any(), "nothing beyond the committed length was ever written"
+        else:
+            assert isinstance(layer, GatedDeltaNetLayerCache)
+            saw.add("gdn")
+            assert rel(layer.state, cache.get_recurrent_state(i).float()) < 1e-4
+            conv = cache.get_conv_state(i)
+            assert rel(layer.window, conv[..., -layer.window.shape[-1]:]) < 1e-5
+    assert saw == ({"kv", "gdn"} if name == "qwen3_5" else {"kv"})
+
+
+def test_hybrid_commit_state_from_verification_only(monkeypatch):
+    """Commit must use the verification intermediates: the target is never re-run and verify writes no state."""
+    model = TINY_TARGETS["qwen3_5"]()
+    target = TargetAdapter(model, max_length=64)
+    target.prefill(torch.arange(7))
+    gdn = [c for c in target.layer_caches if isinstance(c, GatedDeltaNetLayerCache)][0]
+    before = (gdn.state.clone(), gdn.window.clone())
+    tree = Tree.from_lists([1, 2, 3, 4, 5], [-1, 0, 0, 1, 3])
+    target.verify(tree)
+    assert torch.equal(gdn.state, before[0]) and torch.equal(gdn.window, before[1])
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("commit ran a target module")
+
+    for module in model.modules():
+        monkeypatch.setattr(module, "forward", forbidden)
+    target.commit([0, 1, 3, 4])
+    assert not torch.equal(gdn.state, before[0])
+
+
+def test_prefill_matches_hf_forward():
+    for name, make in TINY_TARGETS.items():
+        model = make()
+        prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
+        out = TargetAdapter(model, max_length=64).prefill(prompt, chunk_size=16)
+        assert rel(out.logits, model(prompt[None]).logits[0]) < 1e-4, name
+
+
+def test_multimodal_wrapper_text_model():
+    """Qwen3_5ForConditionalGeneration: trees run through its language model and lm_head."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = TINY_TARGETS["qwen3_5"]().config.to_dict()
+    config = Qwen3_5Config(
+        text_config=text,
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32),
+    )
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    prompt = torch.arange(5, 12)
+    target = TargetAdapter(model, max_length=64)
+    target.prefill(prompt)
+    tree = Tree.from_lists([3, 4, 6], [-1, 0, 0])
+    out = target.verify(tree)
+    ref = model(torch.cat([prompt, torch.tensor([3, 6])])[None]).logits[0, -1]
+    assert rel(out.logits[2], ref) < 1e-4
+
+
+def test_unsupported_architecture_is_refused():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="supported targets: LlamaForCausalLM"):
+        TargetAdapter(model, max_length=16)
+
+
+def test_capacity_and_commit_order_errors():
+    target = TargetAdapter(TINY_TARGETS["llama"](), max_length=8)
+    with pytest.raises(RuntimeError, match="must follow verify"):
+        target.commit([0])
+    target.prefill(torch.arange(6))
+    with pytest.raises(ValueError, match="capacity"):
+        target.verify(Tree.from_lists([1, 2, 3], [-1, 0, 1]))
+    with pytest.raises(ValueError, match="outside the target"):
+        TargetAdapter(TINY_TARGETS["llama"](), max_length=8, feature_layer_ids=[7])

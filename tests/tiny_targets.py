@@ -1,0 +1,57 @@
+"""Tiny random transformers targets shared by the tests (fp32, CPU, eager attention)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB = 97
+
+
+def tiny_llama(seed: int = 0, vocab: int = VOCAB) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=None,
+        bos_token_id=None, pad_token_id=None,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_qwen3(seed: int = 0, vocab: int = VOCAB) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=True,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )
+    return Qwen3ForCausalLM(config).eval()
+
+
+def tiny_qwen3_5(seed: int = 0, vocab: int = VOCAB) -> Qwen3_5ForCausalLM:
+    """Hybrid target: 2 Gated DeltaNet layers then 1 gated full-attention layer, twice (grouped GDN heads)."""
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, max_position_embeddings=512, tie_word_embeddings=False,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )
+    model = Qwen3_5ForCausalLM(config).eval()
+    # Random init leaves RMSNorm weights at zero-centred 0 and small weights; spread the logits a little so greedy
+    # argmax is not decided by float noise.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+TINY_TARGETS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5}
