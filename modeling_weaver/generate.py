@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 from transformers.generation import (
     EosTokenCriteria,
     EpsilonLogitsWarper,
@@ -129,7 +128,7 @@ class DFlashRunner:
         self.block_size = drafter.config.block_size
         self.feature_layer_ids = list(drafter.config.target_layer_ids)
         self.dtype = next(drafter.parameters()).dtype
-        self.cache = DynamicCache()
+        self.cache = drafter.new_cache()
 
     def draft(self, bonus: int, context: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One block ``[bonus, MASK…]`` at positions ``n..n+B-1``, reading ``context [C, n_layers·H]``: the target
@@ -142,7 +141,7 @@ class DFlashRunner:
             noise_embedding=block, target_hidden=context[None].to(self.dtype), position_ids=position_ids,
             past_key_values=self.cache, use_cache=True,
         )[0, 1:]
-        self.cache.crop(n)  # block K/V never persist
+        self.drafter.crop_cache(self.cache, n)  # block K/V never persist
         return hidden, self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
 

@@ -50,7 +50,12 @@ def conv_tree_ref(
 
 
 def conv_tree_commit_ref(window: torch.Tensor, x: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
-    """Slide the committed window in place along the accepted ``path`` (node indices root..leaf)."""
+    """Slide the committed window in place along the accepted ``path`` (node indices root..leaf).
+
+    ``path`` may be right-padded with -1 (ignored; fixed-size buffers for CUDA graphs).
+    """
+    path = path.to(x.device)
+    path = path[path >= 0]
     seq = torch.cat([window, x[:, path].transpose(1, 2).to(window.dtype)], dim=2)
     window.copy_(seq[..., -window.shape[-1] :])
     return window

@@ -85,7 +85,12 @@ def gdn_tree_commit_ref(
     """Advance ``state`` in place along the accepted ``path`` (node indices root..leaf) and return it.
 
     ``S* = exp(Γ_ℓ) S0 + Σ_{j ∈ path} exp(Γ_ℓ − Γ_j) k_j u_jᵀ`` with ℓ = path[-1]: no re-solve, no speculative state.
+    ``path`` may be right-padded with -1 (ignored; fixed-size buffers for CUDA graphs).
     """
+    path = path.to(k.device)
+    path = path[path >= 0]
+    if path.numel() == 0:
+        return state
     HV = state.shape[1]
     kp = _expand_qk(k[:, path], HV, use_qk_l2norm_in_kernel)  # [B, HV, L, K]
     up = _acc(u[:, path]).transpose(1, 2)  # [B, HV, L, V]

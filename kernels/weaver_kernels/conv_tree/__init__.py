@@ -1,0 +1,1 @@
+"""Depthwise causal conv1d over a tree: torch reference (naive) and Triton kernels (conv)."""

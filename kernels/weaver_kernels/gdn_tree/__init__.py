@@ -1,0 +1,1 @@
+"""Tree gated delta rule: torch reference (naive), Triton verify/commit (chunk), mainline baseline."""

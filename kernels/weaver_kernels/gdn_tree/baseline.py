@@ -1,0 +1,132 @@
+"""The mainline approach to tree verification through GDN layers (what SGLang/vLLM do today), as a benchmark baseline.
+
+A recurrent kernel walks the flattened tree in topological order, one node after another: it starts each node
+from its parent's state — kept in registers when the parent is the previous node, otherwise reloaded from the
+intermediate-state buffer (the committed state for the root) — applies the delta rule, emits o, and writes the node's
+full state ``[K, V]`` to the intermediate buffer ``[B, T, HV, K, V]`` (fp32, the state dtype). After acceptance the
+accepted leaf's state is copied into the committed state (:func:`recurrent_tree_accept`).
+
+This writes T full states per layer (T·HV·K·V·4 bytes: 201 MB at T=64 for Qwen3.6-27B's GDN shape), which is
+what the rollback-free kernels in :mod:`.chunk` avoid. It is correct (tests compare it with the references) and
+tuned only by its block size: it is a baseline, not a proposal.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import is_interpret, launch_ctx, next_pow2
+
+_INTERPRET = is_interpret()
+
+
+# Only Triton builtins and this module's own @triton.jit helpers are used inside the kernels (no tl.sum/tl.cdiv/
+# tl.sigmoid, which are @jit functions of triton.language itself): utils.load_interpreted can then run this module
+# on Triton's CPU interpreter even in a process that imported Triton in compiled mode.
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _rsum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
+
+
+@triton.jit
+def _recurrent_tree_kernel(
+    q, k, v, g, beta, s0, parents, o, inter,
+    T, scale,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_b64 = i_b.to(tl.int64)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_h = m_k[:, None] & m_v[None, :]
+    tile = o_k[:, None] * V + o_v[None, :]
+
+    s0_ptr = s0 + (i_b64 * HV + i_hv) * K * V + tile
+    inter_base = inter + (i_b64 * T * HV + i_hv) * K * V + tile  # + t * HV * K * V
+    st = i_b64 * 0 + HV * K * V  # int64 stride between nodes' states
+    h = tl.load(s0_ptr, mask=m_h, other=0.0).to(tl.float32)
+    for t in range(0, T):
+        par = tl.load(parents + t).to(tl.int32)
+        par_t = par + tl.full([BK, BV], 0, tl.int32)  # block-shaped predicates (scalar & block masks upset
+        is_root = par_t < 0  # the interpreter)
+        reload = (par_t >= 0) & (par_t != t - 1)
+        h_root = tl.load(s0_ptr, mask=m_h & is_root, other=0.0).to(tl.float32)
+        h_par = tl.load(inter_base + tl.where(par >= 0, par, 0) * st, mask=m_h & reload, other=0.0)
+        h = tl.where(is_root, h_root, tl.where(reload, h_par, h))
+
+        kt = tl.load(k + i_b64 * sk_b + t * sk_t + i_h * sk_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+        qt = tl.load(q + i_b64 * sq_b + t * sq_t + i_h * sq_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+        if L2NORM:
+            kt = kt * tl.rsqrt(_rsum(kt * kt, axis=0) + 1e-6)
+            qt = qt * tl.rsqrt(_rsum(qt * qt, axis=0) + 1e-6)
+        vt = tl.load(v + i_b64 * sv_b + t * sv_t + i_hv * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
+        gt = tl.load(g + i_b64 * sg_b + t * sg_t + i_hv * sg_h).to(tl.float32)
+        bt = tl.load(beta + i_b64 * sb_b + t * sb_t + i_hv * sb_h).to(tl.float32)
+
+        h = h * tl.exp(gt)
+        delta = bt * (vt - _rsum(h * kt[:, None], axis=0))
+        h = h + kt[:, None] * delta[None, :]
+        ot = _rsum(h * qt[:, None], axis=0) * scale
+        tl.store(o + ((i_b64 * T + t) * HV + i_hv) * V + o_v, ot.to(o.dtype.element_ty), mask=m_v)
+        tl.store(inter_base + t * st, h, mask=m_h)
+        tl.debug_barrier()  # a later node may reload this state
+
+
+def recurrent_tree_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    parents: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    intermediate: torch.Tensor | None = None,
+    BV: int = 32,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mainline tree verify: returns ``o [B, T, HV, V]`` and every node's state ``[B, T, HV, K, V]`` (fp32)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scale = K**-0.5 if scale is None else float(scale)
+    o = torch.empty((B, T, HV, V), dtype=v.dtype, device=v.device)
+    if intermediate is None:
+        intermediate = torch.empty((B, T, HV, K, V), dtype=torch.float32, device=v.device)
+    s0 = initial_state.contiguous()
+    BV = min(BV, max(16, next_pow2(V)))
+    with launch_ctx(_INTERPRET):
+        _recurrent_tree_kernel[(triton.cdiv(V, BV), B * HV)](
+            q, k, v, g, beta, s0, parents.to(v.device), o, intermediate, T, scale,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), g.stride(2),
+            beta.stride(0), beta.stride(1), beta.stride(2),
+            H=H, HV=HV, K=K, V=V, BK=max(16, next_pow2(K)), BV=BV, L2NORM=bool(use_qk_l2norm_in_kernel),
+            num_warps=num_warps, num_stages=1,
+        )
+    return o, intermediate
+
+
+def recurrent_tree_accept(state: torch.Tensor, intermediate: torch.Tensor, leaf: torch.Tensor | int) -> torch.Tensor:
+    """Copy the accepted leaf's intermediate state into the committed state (one read + one write of S)."""
+    if isinstance(leaf, torch.Tensor):
+        state.copy_(intermediate.index_select(1, leaf.reshape(1)).squeeze(1))
+    else:
+        state.copy_(intermediate[:, leaf])
+    return state

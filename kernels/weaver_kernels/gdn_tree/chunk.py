@@ -1,0 +1,360 @@
+"""Triton kernels for the tree gated delta rule (DESIGN.md §5): rollback-free verify and accepted-path commit.
+
+Verify (one launch, writes no state). For a tree of T nodes in topological order with committed state S0, per value
+head::
+
+    Γ_i   = Σ_{j ∈ path(i)} g_j                     (path sums instead of cumsum: one masked row reduction)
+    D_ij  = exp(Γ_i − Γ_j) if j ∈ path(i) else 0    (ancestor mask instead of tril, applied before the exp)
+    A     = β ⊙ (K Kᵀ ⊙ D ⊙ M_strict)
+    (I + A) U = β ⊙ (V − exp(Γ) ⊙ K S0)
+    O     = scale · (exp(Γ) ⊙ Q S0 + (Q Kᵀ ⊙ D) U)
+
+The masked unit-lower-triangular solve is blockwise forward substitution over row blocks of BT=16 nodes (fla's
+``solve_tril`` idea, left-looking): for block i, ``U_i = (I + A_ii)^{-1} (rhs_i − A_{i,<i} U_{<i})``. The 16×16
+diagonal inverse is exact for a strictly lower ``A_ii`` (nilpotent, N^16 = 0) as the product
+``(I−A)(I+A²)(I+A⁴)(I+A⁸)`` — six tiny fp32 dots instead of 16 dependent row steps. Solved rows of U go straight to
+the ``u`` output, which doubles as the scratch the later blocks read back (same program, after a CTA barrier).
+Everything that does not depend on U (K S0, Q S0, the [16, T] score rows, Γ, D) is fused in the same pass, so a
+head's S0 tile is read once and no [T, T] matrix ever touches memory.
+
+Grid: (V / BV, B·HV). Each program owns one value head and BV value columns, and holds the whole tree's keys
+([T, K]) plus its S0 tile ([K, BV]) in registers. Limit: T ≤ 128 nodes (``MAX_NODES``): the keys of all nodes and
+full-width [16, T] score rows stay register-resident (T = 256 would need ~2× the registers and spill).
+
+Commit (one launch, one read + one write of S): for the accepted leaf ℓ,
+``S* = exp(Γ_ℓ) S0 + Σ_{j ∈ path(ℓ)} exp(Γ_ℓ − Γ_j) k_j u_jᵀ``, in place. ``path`` may be right-padded with -1 so
+a fixed-size buffer works under CUDA graphs.
+
+Precision: accumulation is fp32. Products of 16-bit inputs are exact; dots with an fp32 operand (S0, U) use tf32
+when q/k/v are 16-bit and IEEE fp32 when they are fp32; the diagonal inverse and the commit are always IEEE fp32.
+With ``use_qk_l2norm_in_kernel`` the norms are applied as fp32 row/column scalings of the raw dots (no
+re-rounding of normalised vectors).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import is_interpret, launch_ctx, next_pow2
+
+MAX_NODES = 128
+
+_INTERPRET = is_interpret()  # evaluated when this module is executed (see utils.load_interpreted)
+
+
+# Only Triton builtins and this module's own @triton.jit helpers are used inside the kernels (no tl.sum/tl.cdiv/
+# tl.sigmoid, which are @jit functions of triton.language itself): utils.load_interpreted can then run this module
+# on Triton's CPU interpreter even in a process that imported Triton in compiled mode.
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _rsum(x, axis: tl.constexpr):
+    return tl.reduce(x, axis, _add)
+
+if _INTERPRET:
+    _VERIFY_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
+else:
+    # num_stages=1 on purpose: the loop reads back rows of `u` that the same program stored one iteration earlier;
+    # a software-pipelined (prefetched) load could be issued before that store and its barrier.
+    _VERIFY_CONFIGS = [
+        triton.Config({"BV": bv}, num_warps=w, num_stages=1) for bv in (16, 32, 64) for w in (2, 4, 8)
+    ]
+
+
+@triton.jit
+def _gdn_tree_verify_kernel(
+    q, k, v, g, beta, s0, tmask, o, u, gamma,
+    T, scale,
+    sq_b, sq_t, sq_h,
+    sk_b, sk_t, sk_h,
+    sv_b, sv_t, sv_h,
+    sg_b, sg_t, sg_h,
+    sb_b, sb_t, sb_h,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr,
+    L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_n = tl.arange(0, TP)
+    m_n = o_n < T
+    o_r = tl.arange(0, BT)
+
+    i_b64 = i_b.to(tl.int64)
+    q_base = q + i_b64 * sq_b + i_h * sq_h
+    k_base = k + i_b64 * sk_b + i_h * sk_h
+    v_base = v + i_b64 * sv_b + i_hv * sv_h
+    g_base = g + i_b64 * sg_b + i_hv * sg_h
+    b_base = beta + i_b64 * sb_b + i_hv * sb_h
+    s_base = s0 + (i_b64 * HV + i_hv) * K * V
+    # outputs are contiguous [B, T, HV, V] / [B, T, HV]
+    o_base = o + i_b64 * T * HV * V + i_hv * V
+    u_base = u + i_b64 * T * HV * V + i_hv * V
+    gm_base = gamma + i_b64 * T * HV + i_hv
+
+    # path sums Γ for all nodes (needed as the column side of D)
+    g_all = tl.load(g_base + o_n * sg_t, mask=m_n, other=0.0).to(tl.float32)
+    M_all = tl.load(tmask + o_n[:, None] * T + o_n[None, :], mask=m_n[:, None] & m_n[None, :], other=0) != 0
+    G_all = _rsum(tl.where(M_all, g_all[None, :], 0.0), axis=1)
+
+    # all keys of the tree (raw dtype) and, for l2norm, their inverse norms
+    K_all = tl.load(k_base + o_n[:, None] * sk_t + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
+    if DOT_F32:
+        K_all = K_all.to(tl.float32)
+    if L2NORM:
+        kf_all = K_all.to(tl.float32)
+        rk_all = tl.rsqrt(_rsum(kf_all * kf_all, axis=1) + 1e-6)
+    KT_all = tl.trans(K_all)
+
+    # committed state tile [BK, BV], read once
+    S = tl.load(s_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+
+    eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    strict = o_r[:, None] > o_r[None, :]
+    m_kv = m_k[None, :]
+    m_vv = m_v[None, :]
+
+    for i in range(0, (T + BT - 1) // BT):
+        r0 = i * BT
+        t_r = r0 + o_r
+        m_r = t_r < T
+        k_i = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
+        q_i = tl.load(q_base + t_r[:, None] * sq_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
+        if DOT_F32:
+            k_i = k_i.to(tl.float32)
+            q_i = q_i.to(tl.float32)
+        v_i = tl.load(v_base + t_r[:, None] * sv_t + o_v[None, :], mask=m_r[:, None] & m_vv, other=0.0).to(tl.float32)
+        b_i = tl.load(b_base + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
+
+        # Γ of this block's rows, and D against all earlier blocks (ancestors in the same block: diagonal part)
+        M_i = tl.load(tmask + t_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0) != 0
+        G_i = _rsum(tl.where(M_i, g_all[None, :], 0.0), axis=1)
+        D = tl.exp(tl.where(M_i & (o_n[None, :] < r0), G_i[:, None] - G_all[None, :], float("-inf")))
+
+        kk = tl.dot(k_i, KT_all, input_precision=DOT_PREC)  # [BT, TP]
+        qk = tl.dot(q_i, KT_all, input_precision=DOT_PREC)
+        kT_i = tl.trans(k_i)
+        kk_d = tl.dot(k_i, kT_i, input_precision=DOT_PREC)  # [BT, BT]
+        qk_d = tl.dot(q_i, kT_i, input_precision=DOT_PREC)
+        kS = tl.dot(k_i.to(tl.float32), S, input_precision=DOT_PREC)  # [BT, BV]
+        qS = tl.dot(q_i.to(tl.float32), S, input_precision=DOT_PREC)
+        if L2NORM:
+            kf_i = k_i.to(tl.float32)
+            qf_i = q_i.to(tl.float32)
+            rk_i = tl.rsqrt(_rsum(kf_i * kf_i, axis=1) + 1e-6)
+            rq_i = tl.rsqrt(_rsum(qf_i * qf_i, axis=1) + 1e-6)
+            kk = kk * rk_i[:, None] * rk_all[None, :]
+            qk = qk * rq_i[:, None] * rk_all[None, :]
+            kk_d = kk_d * rk_i[:, None] * rk_i[None, :]
+            qk_d = qk_d * rq_i[:, None] * rk_i[None, :]
+            kS = kS * rk_i[:, None]
+            qS = qS * rq_i[:, None]
+
+        A_off = kk * D * b_i[:, None]
+        Q_off = qk * D
+        M_d = tl.load(tmask + t_r[:, None] * T + t_r[None, :], mask=m_r[:, None] & m_r[None, :], other=0) != 0
+        D_d = tl.exp(tl.where(M_d, G_i[:, None] - G_i[None, :], float("-inf")))
+        A_d = tl.where(strict, kk_d * D_d * b_i[:, None], 0.0)
+        Q_d = qk_d * D_d
+
+        eG = tl.exp(G_i)
+        rhs = b_i[:, None] * (v_i - eG[:, None] * kS)
+        # rows of U solved by earlier blocks (this program wrote them; the barrier at the loop end orders it)
+        U_prev = tl.load(u_base + o_n[:, None] * (HV * V) + o_v[None, :], mask=(o_n < r0)[:, None] & m_vv, other=0.0)
+        rhs = rhs - tl.dot(A_off, U_prev, input_precision=DOT_PREC)
+
+        # (I + A_d)^{-1} = Σ_{m<BT} (−A_d)^m = (I + N)(I + N²)(I + N⁴)…, N = −A_d strictly lower (N^BT = 0)
+        X = -A_d
+        P = eye + X
+        for _ in tl.static_range(LOG2_BT - 1):
+            X = tl.dot(X, X, input_precision="ieee")
+            P = P + tl.dot(P, X, input_precision="ieee")
+        U_i = tl.dot(P, rhs, input_precision="ieee")
+        tl.store(u_base + t_r[:, None] * (HV * V) + o_v[None, :], U_i, mask=m_r[:, None] & m_vv)
+
+        o_i = eG[:, None] * qS + tl.dot(Q_off, U_prev, input_precision=DOT_PREC)
+        o_i = o_i + tl.dot(Q_d, U_i, input_precision=DOT_PREC)
+        tl.store(o_base + t_r[:, None] * (HV * V) + o_v[None, :], (o_i * scale).to(o.dtype.element_ty),
+                 mask=m_r[:, None] & m_vv)
+        if i_v == 0:
+            tl.store(gm_base + t_r * HV, G_i, mask=m_r)
+        tl.debug_barrier()
+
+
+_gdn_tree_verify_autotuned = triton.autotune(
+    configs=_VERIFY_CONFIGS, key=["TP", "K", "V", "H", "HV", "L2NORM", "DOT_PREC", "DOT_F32"]
+)(_gdn_tree_verify_kernel)
+
+
+@triton.jit
+def _gdn_tree_commit_kernel(
+    state, k, u, gamma, path, L, T,
+    sk_b, sk_t, sk_h,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_b64 = i_b.to(tl.int64)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_l = tl.arange(0, LP)
+
+    p = tl.load(path + o_l, mask=o_l < L, other=-1).to(tl.int32)
+    valid = p >= 0
+    n = _rsum(valid.to(tl.int32), axis=0)
+    leaf = _rsum(tl.where(o_l == n - 1, p, 0), axis=0)
+    p = tl.where(valid, p, 0)
+
+    gm_base = gamma + i_b64 * T * HV + i_hv
+    G_leaf = tl.load(gm_base + leaf * HV, mask=n > 0, other=0.0)
+    G_p = tl.load(gm_base + p * HV, mask=valid, other=0.0)
+    coef = tl.where(valid, tl.exp(tl.where(valid, G_leaf - G_p, 0.0)), 0.0)
+
+    kp = tl.load(k + i_b64 * sk_b + i_h * sk_h + p[:, None] * sk_t + o_k[None, :],
+                 mask=valid[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    if L2NORM:
+        coef = coef * tl.rsqrt(_rsum(kp * kp, axis=1) + 1e-6)
+    up = tl.load(u + i_b64 * T * HV * V + i_hv * V + p[:, None] * (HV * V) + o_v[None, :],
+                 mask=valid[:, None] & m_v[None, :], other=0.0)
+    delta = tl.dot(tl.trans(kp * coef[:, None]), up, input_precision="ieee")  # [BK, BV]
+
+    s_ptr = state + (i_b64 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    S = tl.load(s_ptr, mask=m_s, other=0.0).to(tl.float32)
+    S = tl.exp(G_leaf) * S + delta
+    tl.store(s_ptr, S.to(state.dtype.element_ty), mask=m_s)
+
+
+def _last_contig(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def gdn_tree_verify_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    tree_mask: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    BV: int | None = None,
+    num_warps: int = 4,
+    o: torch.Tensor | None = None,
+    u: torch.Tensor | None = None,
+    gamma: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`~weaver_kernels.gdn_tree.naive.gdn_tree_verify_ref` (same shapes and outputs).
+
+    ``BV``/``num_warps`` pin a config instead of autotuning (tests, benchmarks). ``o``/``u``/``gamma`` may be
+    given as preallocated contiguous outputs (static buffers for CUDA graphs; poisoned buffers in tests).
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        raise ValueError(f"value heads ({HV}) must be a multiple of q/k heads ({H})")
+    if T > MAX_NODES:
+        raise ValueError(f"gdn_tree_verify_triton supports at most {MAX_NODES} nodes, got {T}")
+    if tuple(tree_mask.shape) != (T, T):
+        raise ValueError(f"tree_mask must be [{T}, {T}], got {tuple(tree_mask.shape)}")
+    scale = K**-0.5 if scale is None else float(scale)
+    q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    s0 = initial_state.contiguous()
+    mask = tree_mask.contiguous()
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    o = torch.empty((B, T, HV, V), dtype=v.dtype, device=v.device) if o is None else o
+    u = torch.empty((B, T, HV, V), dtype=torch.float32, device=v.device) if u is None else u
+    gamma = torch.empty((B, T, HV), dtype=torch.float32, device=v.device) if gamma is None else gamma
+    for name, t, shape in (("o", o, (B, T, HV, V)), ("u", u, (B, T, HV, V)), ("gamma", gamma, (B, T, HV))):
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {shape} tensor")
+    if u.dtype != torch.float32 or gamma.dtype != torch.float32:
+        raise ValueError("u and gamma must be float32")
+    TP = max(16, next_pow2(T))
+    BT = 16
+    common = dict(
+        H=H, HV=HV, K=K, V=V, TP=TP, BK=max(16, next_pow2(K)), BT=BT, LOG2_BT=BT.bit_length() - 1,
+        L2NORM=bool(use_qk_l2norm_in_kernel), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        # Triton's interpreter multiplies 16-bit dot operands as raw bit patterns: upcast there (exact anyway)
+        DOT_F32=_INTERPRET or q.dtype == torch.float32,
+    )
+    args = (
+        q, k, v, g, beta, s0, mask, o, u, gamma, T, scale,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        g.stride(0), g.stride(1), g.stride(2),
+        beta.stride(0), beta.stride(1), beta.stride(2),
+    )
+    if BV is None and _INTERPRET:
+        BV = _VERIFY_CONFIGS[0].kwargs["BV"]
+        num_warps = _VERIFY_CONFIGS[0].num_warps
+    with launch_ctx(_INTERPRET):
+        if BV is None:
+            grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)  # noqa: E731
+            _gdn_tree_verify_autotuned[grid](*args, **common)
+        else:
+            _gdn_tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
+                *args, **common, BV=BV, num_warps=num_warps, num_stages=1
+            )
+    return o, u, gamma
+
+
+def gdn_tree_commit_triton(
+    state: torch.Tensor,
+    k: torch.Tensor,
+    u: torch.Tensor,
+    gamma: torch.Tensor,
+    path: torch.Tensor,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    BV: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Triton version of :func:`~weaver_kernels.gdn_tree.naive.gdn_tree_commit_ref`: advances ``state`` in place.
+
+    ``path`` (node indices root..leaf, on the device) may be right-padded with -1.
+    """
+    B, T, H, K = k.shape
+    HV, V = u.shape[2], u.shape[3]
+    if not state.is_contiguous():
+        raise ValueError("state must be contiguous [B, HV, K, V]")
+    k = _last_contig(k)
+    u = u.contiguous()
+    gamma = gamma.contiguous()
+    path = path.to(device=state.device)
+    L = path.numel()
+    BK = max(16, next_pow2(K))
+    if BV is None:
+        BV = min(32, max(16, next_pow2(V)))
+    with launch_ctx(_INTERPRET):
+        _gdn_tree_commit_kernel[(triton.cdiv(V, BV), B * HV)](
+            state, k, u, gamma, path, L, T,
+            k.stride(0), k.stride(1), k.stride(2),
+            H=H, HV=HV, K=K, V=V, LP=max(16, next_pow2(L)), BK=BK, BV=BV,
+            L2NORM=bool(use_qk_l2norm_in_kernel), num_warps=num_warps, num_stages=1,
+        )
+    return state

@@ -1,0 +1,148 @@
+"""``torch.library`` custom ops ``weaver::*`` for the four tree seams, with fake (meta) implementations.
+
+Dispatch: Triton kernels for CUDA tensors, the plain torch references otherwise (CPU). Being custom ops with fake
+implementations, they trace as single opaque nodes: ``torch.compile(fullgraph=True)`` of a layer's tree forward
+has no graph breaks, and the commits are declared as in-place mutations (``mutates_args``), so functionalization
+handles them. Triton is imported only when a CUDA tensor arrives (CPU-only installs never need it).
+
+The public functions below keep the reference signatures (``weaver_kernels.gdn_tree_verify`` etc.).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .conv_tree.naive import conv_tree_commit_ref, conv_tree_ref
+from .gdn_tree.naive import gdn_tree_commit_ref, gdn_tree_verify_ref
+
+
+def _contig(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------------- GDN
+@torch.library.custom_op("weaver::gdn_tree_verify", mutates_args=())
+def _gdn_tree_verify_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor,
+    tree_mask: Tensor,
+    scale: float,
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if q.is_cuda:
+        from .gdn_tree.chunk import gdn_tree_verify_triton
+
+        return gdn_tree_verify_triton(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel)
+    o, u, gamma = gdn_tree_verify_ref(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel)
+    return _contig(o), _contig(u), _contig(gamma)
+
+
+@_gdn_tree_verify_op.register_fake
+def _(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel):
+    B, T, HV, V = v.shape
+    acc = torch.promote_types(v.dtype, torch.float32)
+    return v.new_empty((B, T, HV, V)), v.new_empty((B, T, HV, V), dtype=acc), v.new_empty((B, T, HV), dtype=acc)
+
+
+@torch.library.custom_op("weaver::gdn_tree_commit", mutates_args=("state",))
+def _gdn_tree_commit_op(
+    state: Tensor, k: Tensor, u: Tensor, gamma: Tensor, path: Tensor, use_qk_l2norm_in_kernel: bool
+) -> None:
+    if state.is_cuda:
+        from .gdn_tree.chunk import gdn_tree_commit_triton
+
+        gdn_tree_commit_triton(state, k, u, gamma, path, use_qk_l2norm_in_kernel)
+    else:
+        gdn_tree_commit_ref(state, k, u, gamma, path, use_qk_l2norm_in_kernel)
+
+
+@_gdn_tree_commit_op.register_fake
+def _(state, k, u, gamma, path, use_qk_l2norm_in_kernel):
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------- conv
+@torch.library.custom_op("weaver::conv_tree", mutates_args=())
+def _conv_tree_op(
+    x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, parents: Tensor, activation: str | None
+) -> Tensor:
+    if x.is_cuda:
+        from .conv_tree.conv import conv_tree_triton
+
+        return conv_tree_triton(x, window, weight, bias, parents, activation)
+    return _contig(conv_tree_ref(x, window, weight, bias, parents, activation))
+
+
+@_conv_tree_op.register_fake
+def _(x, window, weight, bias, parents, activation):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("weaver::conv_tree_commit", mutates_args=("window",))
+def _conv_tree_commit_op(window: Tensor, x: Tensor, path: Tensor) -> None:
+    if window.is_cuda:
+        from .conv_tree.conv import conv_tree_commit_triton
+
+        conv_tree_commit_triton(window, x, path)
+    else:
+        conv_tree_commit_ref(window, x, path)
+
+
+@_conv_tree_commit_op.register_fake
+def _(window, x, path):
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ public seams
+def gdn_tree_verify(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor,
+    tree_mask: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Tree gated delta rule from the committed state; writes no state. See ``gdn_tree.naive.gdn_tree_verify_ref``.
+
+    Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32, ``gamma [B, T, HV]`` fp32.
+    CUDA: one Triton launch, T ≤ 128 nodes (``gdn_tree.chunk.MAX_NODES``).
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return torch.ops.weaver.gdn_tree_verify(
+        q, k, v, g, beta, initial_state, tree_mask, float(scale), bool(use_qk_l2norm_in_kernel)
+    )
+
+
+def gdn_tree_commit(
+    state: Tensor, k: Tensor, u: Tensor, gamma: Tensor, path: Tensor, use_qk_l2norm_in_kernel: bool = False
+) -> Tensor:
+    """Advance ``state`` in place along the accepted ``path`` (root..leaf, may be right-padded with -1); returns it."""
+    torch.ops.weaver.gdn_tree_commit(state, k, u, gamma, path, bool(use_qk_l2norm_in_kernel))
+    return state
+
+
+def conv_tree(
+    x: Tensor,
+    window: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    parents: Tensor,
+    activation: str | None = "silu",
+) -> Tensor:
+    """Depthwise causal conv1d over the tree (+ SiLU); reads the committed window. See ``conv_tree.naive``."""
+    return torch.ops.weaver.conv_tree(x, window, weight, bias, parents, activation)
+
+
+def conv_tree_commit(window: Tensor, x: Tensor, path: Tensor) -> Tensor:
+    """Slide the committed window in place along ``path`` (may be right-padded with -1); returns it."""
+    torch.ops.weaver.conv_tree_commit(window, x, path)
+    return window

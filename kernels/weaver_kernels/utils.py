@@ -1,0 +1,65 @@
+"""Small helpers shared by the kernel modules (no Triton import here: CPU-only installs never need Triton)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import types
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two ≥ max(n, 1)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def is_interpret() -> bool:
+    """True when Triton's CPU interpreter is switched on (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@contextlib.contextmanager
+def interpret_env(on: bool = True):
+    """Set ``TRITON_INTERPRET`` for the duration of the block, then restore the previous value."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def launch_ctx(interpret: bool):
+    """Context for a kernel launch: under the interpreter Triton also reads ``TRITON_INTERPRET`` at call time."""
+    return interpret_env(True) if interpret else contextlib.nullcontext()
+
+
+def load_interpreted(module_name: str) -> types.ModuleType:
+    """A fresh, private copy of a kernel module whose ``@triton.jit`` kernels run on Triton's CPU interpreter.
+
+    Triton decides at *decoration* time (``@triton.jit``) whether a kernel is compiled or interpreted, from
+    ``TRITON_INTERPRET``. Tests that share one process with code that already imported the kernels in compiled mode
+    (any CPU-only pytest run) therefore cannot flip the variable afterwards. This executes the module's source
+    again under ``TRITON_INTERPRET=1`` without touching ``sys.modules``: the normal module stays as it was, the
+    copy's kernels accept CPU tensors, and its autotuners are collapsed to one config (each module checks
+    :func:`is_interpret` when it is executed). Relative imports resolve to the already-imported package.
+
+    Triton's own ``@jit`` library functions (``tl.sum``, ``tl.cdiv``, ``tl.sigmoid``…) keep the mode of the process's
+    first ``import triton``, so kernels meant for this must call only Triton builtins and their module's own jit
+    helpers (ours do). Triton is imported here first, outside interpreter mode, so that loading an interpreted copy
+    never turns the process's Triton library into interpreted functions (which would break compiled kernels and
+    torch.compile later in the same process).
+    """
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.loader is None:
+        raise ImportError(module_name)
+    import triton  # noqa: F401  (first import in the process's own mode, never in interpreter mode by accident)
+
+    with interpret_env(True):
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return mod

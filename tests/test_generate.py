@@ -1,0 +1,253 @@
+"""The speculative loop is lossless: greedy output equals ``target.generate(do_sample=False)`` token for token."""
+
+import pytest
+import torch
+from tiny_targets import TINY_TARGETS, VOCAB
+from transformers import AutoModel
+
+from modeling_weaver import (
+    DFlashConfig,
+    DFlashDraftModel,
+    WeaverConfig,
+    WeaverModel,
+    generate,
+    speculative_generate,
+)
+from modeling_weaver.generate import MODES, DFlashRunner, _decode
+from modeling_weaver.target import text_config
+from transformers.generation import EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+
+NEW_TOKENS = 64
+BLOCK = 8
+
+
+def make_drafters(target, seed: int = 0, mask_token_id=None):
+    torch.manual_seed(seed)
+    dconfig = DFlashConfig.from_target_config(
+        target.config, num_hidden_layers=2, block_size=BLOCK, mask_token_id=mask_token_id,
+        target_layer_ids=[0, 1],
+    )
+    drafter = DFlashDraftModel(dconfig).eval()
+    wconfig = WeaverConfig.from_target_config(target.config, dconfig, d_rank=32, num_heads=4, mlp_dim=64,
+                                              candidate_pool_size=16)
+    weaver = WeaverModel(wconfig).eval()
+    return drafter, weaver
+
+
+def prompts(n=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (1, length), generator=gen) for length in (1, 7, 23)[:n]]
+
+
+def reference(target, ids, max_new_tokens, eos_token_id=None):
+    return target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                           pad_token_id=0, min_new_tokens=0)
+
+
+class OracleRunner:
+    """A drafter that knows the target's greedy continuation: its marginals put the true token first with
+    probability ``agree`` and second otherwise, so long paths are accepted and branches matter."""
+
+    def __init__(self, reference_ids: torch.Tensor, hidden_size: int, block_size: int = BLOCK, agree: float = 0.85,
+                 seed: int = 0):
+        self.ref = reference_ids[0].tolist()
+        self.hidden_size, self.block_size, self.agree = hidden_size, block_size, agree
+        self.gen = torch.Generator().manual_seed(seed)
+        self.feature_layer_ids = [0, 1]
+
+    def draft(self, bonus, context, n):
+        assert bonus == self.ref[n], "the loop's bonus token must be the target's own choice"
+        depth = self.block_size - 1
+        logits = 0.1 * torch.randn(depth, VOCAB, generator=self.gen)
+        for j in range(depth):
+            pos = n + 1 + j
+            true = self.ref[pos] if pos < len(self.ref) else int(torch.randint(VOCAB, (1,), generator=self.gen))
+            if float(torch.rand((), generator=self.gen)) < self.agree:
+                logits[j, true] += 6.0
+            else:
+                logits[j, (true + 1 + int(torch.randint(VOCAB - 1, (1,), generator=self.gen))) % VOCAB] += 6.0
+                logits[j, true] += 4.0
+        return torch.randn(depth, self.hidden_size, generator=self.gen), logits
+
+
+def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=None, seed=0):
+    ref = reference(target, ids, max_new_tokens + 2 * BLOCK)
+    stopping = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + max_new_tokens)])
+    if eos_token_id is not None:
+        stopping.append(EosTokenCriteria(eos_token_id))
+    return _decode(
+        target, ids[0], runner=OracleRunner(ref, text_config(target.config).hidden_size, seed=seed), weaver=weaver,
+        mode=mode, tree_budget=budget, max_new_tokens=max_new_tokens, processors=LogitsProcessorList(),
+        do_sample=False, verification="target_only", stopping_criteria=stopping, streamer=None, generator=None,
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_greedy_identity_random_drafters(name, mode):
+    target = TINY_TARGETS[name]()
+    drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else VOCAB - 1)
+    for ids in prompts():
+        expected = reference(target, ids, NEW_TOKENS)
+        got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
+                                   max_new_tokens=NEW_TOKENS)
+        assert torch.equal(got, expected), (name, mode, ids.shape)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_greedy_identity_with_long_accepted_paths(name, mode):
+    """A drafter that agrees with the target often: deep commits through every cache type stay exact."""
+    target = TINY_TARGETS[name]()
+    _, weaver = make_drafters(target)
+    with torch.no_grad():  # Weaver adds nothing to the planted marginals: its trees follow them
+        weaver.lm_head_query_in.weight.zero_()
+    for seed, ids in enumerate(prompts()):
+        expected = reference(target, ids, NEW_TOKENS)
+        got, stats = run_oracle(target, weaver, ids, mode, budget=24, max_new_tokens=NEW_TOKENS, seed=seed)
+        assert torch.equal(got, expected), (name, mode, seed)
+        assert stats.num_new_tokens == NEW_TOKENS
+        assert max(stats.accepted_lengths) >= 6, stats.accepted_lengths
+        assert stats.mean_accepted_length > 2.5, stats.mean_accepted_length
+        assert all(size <= 25 for size in stats.tree_sizes)
+
+
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_eos_inside_an_accepted_path(name):
+    target = TINY_TARGETS[name]()
+    _, weaver = make_drafters(target)
+    # an eos that first appears mid-continuation, so it lands inside an accepted path
+    for ids in prompts():
+        cont = reference(target, ids, 40)[0, ids.shape[1]:].tolist()
+        eos = next((tok for k, tok in enumerate(cont) if k >= 2 and tok not in cont[:k]), None)
+        if eos is not None:
+            break
+    expected = reference(target, ids, 40, eos_token_id=[eos, VOCAB + 5])
+    assert expected.shape[1] < ids.shape[1] + 40 and expected[0, -1] == eos
+    for mode in MODES:
+        got, stats = run_oracle(target, weaver, ids, mode, budget=16, max_new_tokens=40,
+                                eos_token_id=[eos, VOCAB + 5])
+        assert torch.equal(got, expected), mode
+        assert stats.num_new_tokens == expected.shape[1] - ids.shape[1]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_custom_generate_equals_speculative_generate(name):
+    target = TINY_TARGETS[name]()
+    drafter, weaver = make_drafters(target)
+    ids = prompts()[2]
+    for mode in MODES:
+        direct = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=10,
+                                      max_new_tokens=20)
+        via_hf = target.generate(ids, custom_generate=generate, drafter=drafter, weaver=weaver, mode=mode,
+                                 tree_budget=10, max_new_tokens=20, do_sample=False)
+        assert torch.equal(direct, via_hf)
+        assert torch.equal(via_hf, reference(target, ids, 20))
+
+
+def test_custom_generate_honours_eos_and_generation_config():
+    target = TINY_TARGETS["qwen3"]()
+    drafter, weaver = make_drafters(target)
+    ids = prompts()[1]
+    cont = reference(target, ids, 30)[0, ids.shape[1]:].tolist()
+    eos = next(tok for k, tok in enumerate(cont) if k >= 3 and tok not in cont[:k])
+    target.generation_config.eos_token_id = [eos]
+    target.generation_config.max_new_tokens = 30
+    got = target.generate(ids, custom_generate=generate, drafter=drafter, weaver=weaver, do_sample=False)
+    assert torch.equal(got, reference(target, ids, 30, eos_token_id=[eos]))
+    assert got[0, -1] == eos
+
+
+def test_streamer_receives_prompt_then_every_token():
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+
+    class Recorder:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    ids = prompts()[1]
+    rec = Recorder()
+    out = speculative_generate(target, ids, drafter=drafter, weaver=weaver, max_new_tokens=16, streamer=rec)
+    assert rec.chunks[0] == ids[0].tolist() and rec.ended
+    assert sum(rec.chunks, []) == out[0].tolist()
+
+
+def test_sampling_runs_and_is_reproducible():
+    target = TINY_TARGETS["qwen3_5"]()
+    drafter, weaver = make_drafters(target)
+    ids = prompts()[1]
+    for mode in MODES:
+        outs = [
+            speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, max_new_tokens=12,
+                                 do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                                 generator=torch.Generator().manual_seed(5))
+            for _ in range(2)
+        ]
+        assert torch.equal(outs[0], outs[1]) and outs[0].shape[1] == ids.shape[1] + 12
+
+
+def test_save_load_round_trip_gives_same_tokens(tmp_path):
+    target = TINY_TARGETS["qwen3_5"]()
+    drafter, weaver = make_drafters(target)
+    drafter.save_pretrained(tmp_path / "dflash")
+    weaver.save_pretrained(tmp_path / "weaver")
+    drafter2 = AutoModel.from_pretrained(tmp_path / "dflash", trust_remote_code=True).eval()
+    weaver2 = AutoModel.from_pretrained(tmp_path / "weaver", trust_remote_code=True).eval()
+    ids = prompts()[2]
+    for mode in ("weaver", "chain"):
+        a, sa = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, max_new_tokens=24,
+                                     return_stats=True)
+        b, sb = speculative_generate(target, ids, drafter=drafter2, weaver=weaver2, mode=mode, max_new_tokens=24,
+                                     return_stats=True)
+        assert torch.equal(a, b) and sa.accepted_lengths == sb.accepted_lengths and sa.tree_sizes == sb.tree_sizes
+
+
+def test_bad_inputs_raise_clear_errors():
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    ids = prompts()[1]
+    ok = dict(drafter=drafter, weaver=weaver, max_new_tokens=4)
+    with pytest.raises(ValueError, match="batch size 1"):
+        speculative_generate(target, ids.repeat(2, 1), **ok)
+    with pytest.raises(ValueError, match="empty"):
+        speculative_generate(target, ids[:, :0], **ok)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_generate(target, ids, drafter=drafter, weaver=weaver, max_new_tokens=0)
+    with pytest.raises(ValueError, match="tree_budget"):
+        speculative_generate(target, ids, tree_budget=0, **ok)
+    with pytest.raises(ValueError, match="needs a Weaver"):
+        speculative_generate(target, ids, drafter=drafter, mode="weaver", max_new_tokens=4)
+    with pytest.raises(ValueError, match="mode must be"):
+        speculative_generate(target, ids, mode="beam", **ok)
+    with pytest.raises(ValueError, match="temperature"):
+        speculative_generate(target, ids, do_sample=True, temperature=0.0, **ok)
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(ids.repeat(2, 1), custom_generate=generate, drafter=drafter, weaver=weaver,
+                        max_new_tokens=4)
+    with pytest.raises(ValueError, match="RepetitionPenalty"):
+        target.generate(ids, custom_generate=generate, drafter=drafter, weaver=weaver, max_new_tokens=4,
+                        repetition_penalty=1.3)
+
+    def drafter_with(**changes):
+        config = DFlashConfig.from_target_config(target.config, num_hidden_layers=1, target_layer_ids=[0])
+        for key, value in changes.items():
+            if key == "target_layer_ids":
+                config.dflash_config = {**config.dflash_config, "target_layer_ids": value}
+            else:
+                setattr(config, key, value)
+        return DFlashDraftModel(config)
+
+    for changes, message in (({"hidden_size": 48}, "hidden_size"), ({"vocab_size": VOCAB + 3}, "vocab_size"),
+                             ({"target_layer_ids": [0, 9]}, "target_layer_ids")):
+        with pytest.raises(ValueError, match=message):
+            speculative_generate(target, ids, drafter=drafter_with(**changes), mode="chain", max_new_tokens=4)
+    narrow = WeaverModel(WeaverConfig(**{**weaver.config.to_dict(), "d_model": 16}))
+    with pytest.raises(ValueError, match="d_model"):
+        speculative_generate(target, ids, drafter=drafter, weaver=narrow, max_new_tokens=4)
