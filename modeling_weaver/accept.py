@@ -66,13 +66,14 @@ def _node_table(tree: Tree, probs: torch.Tensor):
     dev = probs.device
     tokens = tree.tokens.to(dev)
     parents = tree.parents.to(dev)
-    total = probs.sum(-1, dtype=torch.float32).double()  # fp32 accumulation and result, even for bf16 probs
-    rows = parents.clamp(min=0)
-    p_node = probs[rows, tokens].double() / total[rows]
-    table = torch.stack([tokens.double(), parents.double(), tree.logq.to(dev).double(), p_node, total]).tolist()
-    tokens_l = [int(t) for t in table[0]]
-    parents_l = [int(p) for p in table[1]]
-    return tokens_l, parents_l, table[2], table[3], table[4]
+    # parents[0] == -1 indexes the last row: a harmless value, the root's p_node is never used.
+    cols = [tokens.double(), parents.double(), tree.logq.to(dev).double()]
+    cols += [probs[parents, tokens].double(), probs.sum(-1, dtype=torch.float32).double()]  # fp32 sum even for bf16
+    tokens_f, parents_f, logq, p_raw, total = torch.stack(cols).tolist()  # the one sync
+    tokens_l = [int(t) for t in tokens_f]
+    parents_l = [int(p) for p in parents_f]
+    p_node = [pr / total[p] for pr, p in zip(p_raw, parents_l)]
+    return tokens_l, parents_l, logq, p_node, total
 
 
 def _draw(row: torch.Tensor, u: float, scale: float = 1.0, tokens: list[int] = (), values: list[float] = ()) -> int:
@@ -87,9 +88,10 @@ def _draw(row: torch.Tensor, u: float, scale: float = 1.0, tokens: list[int] = (
         if tokens:
             r[list(tokens)] = values
         return _inverse_cdf_host(r, u)
+    if not tokens:  # scale does not change an inverse-CDF draw
+        return _inverse_cdf_device(row, u)
     r = row.double() * scale
-    if tokens:
-        r[torch.tensor(tokens, device=r.device)] = torch.tensor(values, dtype=torch.float64, device=r.device)
+    r[torch.tensor(tokens, device=r.device)] = torch.tensor(values, dtype=torch.float64, device=r.device)
     return _inverse_cdf_device(r, u)
 
 
@@ -103,10 +105,10 @@ def _inverse_cdf_host(r: np.ndarray, u: float) -> int:
 
 
 def _inverse_cdf_device(row: torch.Tensor, u: float) -> int:
-    cdf = row.cumsum(0)
+    cdf = row.cumsum(0, dtype=torch.float64)
     total = cdf[-1:]
     idx = torch.searchsorted(cdf, total * u, right=True).clamp_(max=row.shape[0] - 1)
-    idx_f, picked, total_f = torch.cat([idx.double(), row[idx], total]).tolist()  # the one sync
+    idx_f, picked, total_f = torch.cat([idx.double(), row[idx].double(), total]).tolist()  # the one sync
     if not total_f > 0.0:
         return -1
     if picked > 0.0:

@@ -396,7 +396,7 @@ _FLA_SCRIPT = textwrap.dedent(
     chunk = load_interpreted("weaver_kernels.gdn_tree.chunk")
     T, B, H, HV, K, V = 20, 1, 2, 4, 16, 16
     q, k, v, g, beta, S0 = gdn_inputs(B, T, H, HV, K, V, torch.float32, seed=4)
-    o_f, S_f = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=S0.clone(), output_final_state=True,
+    o_f, S_f = fused_recurrent_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=S0.clone(), output_final_state=True,
                                                 use_qk_l2norm_in_kernel=True)
     o, u, gm = chunk.gdn_tree_verify_triton(q, k, v, g, beta, S0, ancestor_mask(chain_parents(T)),
                                             use_qk_l2norm_in_kernel=True)
@@ -498,7 +498,7 @@ def test_chain_matches_fla_gpu():
     S = S0.clone()
     chunk.gdn_tree_commit_triton(S, k, u, gm, torch.arange(T, device="cuda"), use_qk_l2norm_in_kernel=True)
     for fn in (fla_gdr.chunk_gated_delta_rule, fla_gdr.fused_recurrent_gated_delta_rule):
-        o_f, S_f = fn(q, k, v, g, beta, initial_state=S0.clone(), output_final_state=True,
+        o_f, S_f = fn(q, k, v, g=g, beta=beta, initial_state=S0.clone(), output_final_state=True,
                       use_qk_l2norm_in_kernel=True)
         print(f"\n[gpu] fla {fn.__name__}: o {rel_rms(o, o_f):.2e} S {rel_rms(S, S_f):.2e}")
         assert rel_rms(o, o_f) <= 1e-2 and rel_rms(S, S_f) <= 1e-2

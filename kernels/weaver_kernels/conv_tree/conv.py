@@ -112,7 +112,7 @@ def conv_tree_triton(
     activation: str | None = "silu",
     *,
     BN: int = 16,
-    BC: int = 256,
+    BC: int = 128,
     num_warps: int = 4,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:

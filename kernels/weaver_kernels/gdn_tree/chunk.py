@@ -110,14 +110,12 @@ def _gdn_tree_verify_kernel(
     M_all = tl.load(tmask + o_n[:, None] * T + o_n[None, :], mask=m_n[:, None] & m_n[None, :], other=0) != 0
     G_all = _rsum(tl.where(M_all, g_all[None, :], 0.0), axis=1)
 
-    # all keys of the tree (raw dtype) and, for l2norm, their inverse norms
-    K_all = tl.load(k_base + o_n[:, None] * sk_t + o_k[None, :], mask=m_n[:, None] & m_k[None, :], other=0.0)
-    if DOT_F32:
-        K_all = K_all.to(tl.float32)
+    # inverse key norms of all nodes (l2norm); the keys themselves are re-read per row block (L1/L2-resident),
+    # which keeps ~64-128 registers/thread free at T = 128
     if L2NORM:
-        kf_all = K_all.to(tl.float32)
+        kf_all = tl.load(k_base + o_n[:, None] * sk_t + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
+                         other=0.0).to(tl.float32)
         rk_all = tl.rsqrt(_rsum(kf_all * kf_all, axis=1) + 1e-6)
-    KT_all = tl.trans(K_all)
 
     # committed state tile [BK, BV], read once
     S = tl.load(s_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
@@ -144,6 +142,9 @@ def _gdn_tree_verify_kernel(
         G_i = _rsum(tl.where(M_i, g_all[None, :], 0.0), axis=1)
         D = tl.exp(tl.where(M_i & (o_n[None, :] < r0), G_i[:, None] - G_all[None, :], float("-inf")))
 
+        KT_all = tl.load(k_base + o_n[None, :] * sk_t + o_k[:, None], mask=m_n[None, :] & m_k[:, None], other=0.0)
+        if DOT_F32:
+            KT_all = KT_all.to(tl.float32)
         kk = tl.dot(k_i, KT_all, input_precision=DOT_PREC)  # [BT, TP]
         qk = tl.dot(q_i, KT_all, input_precision=DOT_PREC)
         kT_i = tl.trans(k_i)
@@ -223,24 +224,32 @@ def _gdn_tree_commit_kernel(
     valid = p >= 0
     n = _rsum(valid.to(tl.int32), axis=0)
     leaf = _rsum(tl.where(o_l == n - 1, p, 0), axis=0)
-    p = tl.where(valid, p, 0)
-
     gm_base = gamma + i_b64 * T * HV + i_hv
     G_leaf = tl.load(gm_base + leaf * HV, mask=n > 0, other=0.0)
-    G_p = tl.load(gm_base + p * HV, mask=valid, other=0.0)
-    coef = tl.where(valid, tl.exp(tl.where(valid, G_leaf - G_p, 0.0)), 0.0)
-
-    kp = tl.load(k + i_b64 * sk_b + i_h * sk_h + p[:, None] * sk_t + o_k[None, :],
-                 mask=valid[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    if L2NORM:
-        coef = coef * tl.rsqrt(_rsum(kp * kp, axis=1) + 1e-6)
-    up = tl.load(u + i_b64 * T * HV * V + i_hv * V + p[:, None] * (HV * V) + o_v[None, :],
-                 mask=valid[:, None] & m_v[None, :], other=0.0)
-    delta = tl.dot(tl.trans(kp * coef[:, None]), up, input_precision="ieee")  # [BK, BV]
 
     s_ptr = state + (i_b64 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
-    S = tl.load(s_ptr, mask=m_s, other=0.0).to(tl.float32)
+    S = tl.load(s_ptr, mask=m_s, other=0.0).to(tl.float32)  # issued early: its latency hides under the path loop
+
+    # Σ_j coef_j k_j u_jᵀ over the path, 16 entries at a time (bounded registers for long chains)
+    o_c = tl.arange(0, 16)
+    k_base = k + i_b64 * sk_b + i_h * sk_h
+    u_base = u + i_b64 * T * HV * V + i_hv * V
+    delta = tl.full([BK, BV], 0.0, tl.float32)
+    for c in range(0, (n + 15) // 16):
+        j = c * 16 + o_c
+        pj = tl.load(path + j, mask=j < n, other=-1).to(tl.int32)
+        vj = pj >= 0
+        pj = tl.where(vj, pj, 0)
+        G_j = tl.load(gm_base + pj * HV, mask=vj, other=0.0)
+        cj = tl.where(vj, tl.exp(tl.where(vj, G_leaf - G_j, 0.0)), 0.0)
+        kj = tl.load(k_base + pj[:, None] * sk_t + o_k[None, :], mask=vj[:, None] & m_k[None, :], other=0.0)
+        kj = kj.to(tl.float32)
+        if L2NORM:
+            cj = cj * tl.rsqrt(_rsum(kj * kj, axis=1) + 1e-6)
+        uj = tl.load(u_base + pj[:, None] * (HV * V) + o_v[None, :], mask=vj[:, None] & m_v[None, :], other=0.0)
+        delta += tl.dot(tl.trans(kj * cj[:, None]), uj, input_precision="ieee")  # [BK, BV]
+
     S = tl.exp(G_leaf) * S + delta
     tl.store(s_ptr, S.to(state.dtype.element_ty), mask=m_s)
 
