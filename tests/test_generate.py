@@ -251,3 +251,49 @@ def test_bad_inputs_raise_clear_errors():
     narrow = WeaverModel(WeaverConfig(**{**weaver.config.to_dict(), "d_model": 16}))
     with pytest.raises(ValueError, match="d_model"):
         speculative_generate(target, ids, drafter=drafter, weaver=narrow, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("mode", ["weaver", "ddtree"])
+def test_sampling_through_the_loop_is_exact_in_distribution(mode):
+    """End to end on a tiny vocabulary: the first two sampled tokens follow the processed target distribution."""
+    from scipy.stats import chisquare
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab, temperature, top_k, draws = 8, 0.7, 5, 3000
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, initializer_range=0.3, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )).eval()
+    drafter = DFlashDraftModel(DFlashConfig.from_target_config(
+        target.config, num_hidden_layers=1, block_size=4, target_layer_ids=[0])).eval()
+    weaver = WeaverModel(WeaverConfig.from_target_config(
+        target.config, drafter.config, d_rank=16, num_heads=2, mlp_dim=32, candidate_pool_size=6)).eval()
+    prompt = torch.tensor([[1, 5, 2]])
+
+    def processed(logits):
+        top = logits / temperature
+        top[top < top.topk(top_k).values[..., -1:]] = float("-inf")
+        return top.softmax(-1)
+
+    with torch.no_grad():
+        p1 = processed(target(prompt).logits[0, -1])
+        seconds = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        p2 = processed(target(seconds).logits[:, -1])
+    expected = (p1[:, None] * p2).flatten()
+
+    gen = torch.Generator().manual_seed(123)
+    counts = torch.zeros(vocab * vocab)
+    for _ in range(draws):
+        out = speculative_generate(target, prompt, drafter=drafter, weaver=weaver, mode=mode, tree_budget=4,
+                                   max_new_tokens=2, do_sample=True, temperature=temperature, top_k=top_k,
+                                   generator=gen)
+        x1, x2 = out[0, -2:].tolist()
+        counts[x1 * vocab + x2] += 1
+    support = expected > 0
+    assert counts[~support].sum() == 0, "a token outside the top-k support was emitted"
+    exp = expected[support] * draws
+    big = exp >= 5  # merge the tiny-expectation cells into one
+    obs = torch.cat([counts[support][big], counts[support][~big].sum()[None]])
+    exp = torch.cat([exp[big], exp[~big].sum()[None]])
+    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 0.01
