@@ -24,7 +24,8 @@ from transformers.generation import (
 )
 
 from .accept import accept_greedy, accept_target_only, accept_traversal
-from .target import TargetAdapter, text_config
+from .pairing import check_pair
+from .target import TargetAdapter
 from .tree import Tree, chain_tree, ddtree, weaver_tree
 
 MODES = ("weaver", "ddtree", "chain")
@@ -60,7 +61,7 @@ class SpeculativeStats:
         return sum(self.accepted_lengths) / max(1, self.num_steps)
 
 
-def _check_pair(target, drafter, weaver, mode: str, tree_budget: int, verification: str | None, do_sample: bool):
+def _check_arguments(target, drafter, weaver, mode: str, tree_budget: int, verification: str | None, do_sample: bool):
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "weaver" and weaver is None:
@@ -74,23 +75,11 @@ def _check_pair(target, drafter, weaver, mode: str, tree_budget: int, verificati
             raise ValueError("verification only applies when sampling (do_sample=True); greedy is always exact")
     if drafter is None:
         raise ValueError("a DFlash drafter is required: pass drafter=DFlashDraftModel")
-    tcfg = text_config(target.config)
-    vocab = target.get_output_embeddings().weight.shape[0]
-    dcfg = drafter.config
-    if dcfg.hidden_size != tcfg.hidden_size:
-        raise ValueError(f"drafter hidden_size {dcfg.hidden_size} does not match the target's {tcfg.hidden_size}")
-    if dcfg.vocab_size != vocab:
-        raise ValueError(f"drafter vocab_size {dcfg.vocab_size} does not match the target's lm_head ({vocab})")
-    num_layers = tcfg.num_hidden_layers
-    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(f"drafter target_layer_ids {bad} do not exist in the target ({num_layers} layers)")
-    if weaver is not None:
-        if weaver.config.d_model != tcfg.hidden_size:
-            raise ValueError(f"weaver d_model {weaver.config.d_model} does not match the target's {tcfg.hidden_size}")
-        d_embed = target.get_input_embeddings().weight.shape[1]
-        if weaver.config.d_embed != d_embed:
-            raise ValueError(f"weaver d_embed {weaver.config.d_embed} does not match the target's embedding ({d_embed})")
+    check_pair(
+        target.config, drafter.config, weaver.config if weaver is not None else None,
+        target_vocab_size=target.get_output_embeddings().weight.shape[0],
+        target_embed_dim=target.get_input_embeddings().weight.shape[1],
+    )
 
 
 def _check_processors(processors: LogitsProcessorList):
@@ -294,7 +283,7 @@ def speculative_generate(
         raise ValueError("the prompt is empty: give at least one token")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    _check_pair(target, drafter, weaver, mode, tree_budget, verification, do_sample)
+    _check_arguments(target, drafter, weaver, mode, tree_budget, verification, do_sample)
     processors = _warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
     if eos_token_id is None:
         eos_token_id = target.generation_config.eos_token_id
@@ -338,7 +327,7 @@ def generate(
     if mask is not None and not bool(mask.all()):
         raise ValueError("padded prompts are not supported (batch size 1, no padding)")
     do_sample = bool(generation_config.do_sample)
-    _check_pair(model, drafter, weaver, mode, tree_budget, verification, do_sample)
+    _check_arguments(model, drafter, weaver, mode, tree_budget, verification, do_sample)
     _check_processors(logits_processor)
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     if max_new_tokens < 1:

@@ -259,20 +259,15 @@ class WeaverModel(WeaverPreTrainedModel):
     # -- released checkpoint ------------------------------------------------------------------------------------------
 
     @classmethod
-    def from_released_checkpoint(cls, path, map_location="cpu") -> WeaverModel:
+    def from_released_checkpoint(cls, path, dtype=None) -> WeaverModel:
         """Load the paper's ``.pth`` payload ``{"config": {...}, "state_dict": {...}}`` (strict keys)."""
-        payload = torch.load(path, map_location=map_location, weights_only=True)
-        if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
-            raise ValueError("expected a torch file holding {'config': ..., 'state_dict': ...}")
-        raw = dict(payload["config"])
-        if raw.pop("activation", "swiglu") != "swiglu":
-            raise ValueError("only the SwiGLU Weaver variant is supported")
-        # Variant flags of the released code: only its global-prompt encoder (3) and simple score head (4) exist here.
-        if raw.pop("encoder_mode", 3) != 3 or raw.pop("score_head", 4) != 4:
-            raise ValueError("only the global-prompt encoder / simple score head Weaver variant is supported")
-        model = cls(WeaverConfig(**raw))
-        model.load_state_dict(payload["state_dict"], strict=True)
-        return model.eval()
+        # The converter (field-by-field config mapping, key/shape checks) lives in the package, not in this
+        # self-contained Hub code file; the import sits in a try so transformers does not demand it on Hub loading.
+        try:
+            from modeling_weaver.convert import load_released_weaver
+        except ImportError as err:
+            raise ImportError("from_released_checkpoint needs the modeling-weaver package") from err
+        return load_released_weaver(path, dtype=dtype)
 
 
 WeaverModel.register_for_auto_class("AutoModel")
