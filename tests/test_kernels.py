@@ -84,7 +84,8 @@ def ik():
     )
 
 
-def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu", BV=None, leaf=None):
+def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu", BV=None, leaf=None, BC=None,
+                   num_warps=4, impl=None):
     """Verify (poisoned outputs) and commit against fp64 references; return the errors."""
     T = len(parents)
     q, k, v, g, beta, S0 = gdn_inputs(B, T, H, HV, K, V, dtype, device, seed, l2)
@@ -92,7 +93,9 @@ def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu"
     o = torch.full((B, T, HV, V), float("nan"), dtype=dtype, device=device)
     u = torch.full((B, T, HV, V), float("nan"), dtype=torch.float32, device=device)
     gm = torch.full((B, T, HV), float("nan"), dtype=torch.float32, device=device)
-    kw = {} if BV is None else {"BV": BV}
+    kw = {"impl": impl} if BV is None else {"BV": BV, "num_warps": num_warps, "impl": impl}
+    if BC is not None:
+        kw["BC"] = BC
     chunk.gdn_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=l2, o=o, u=u, gamma=gm, **kw)
     assert not o.isnan().any() and not u.isnan().any() and not gm.isnan().any(), "outputs not fully written"
     d = lambda t: t.double()  # noqa: E731
@@ -146,19 +149,31 @@ TREE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("impl", ["fused", "split"])
 @pytest.mark.parametrize("case", TREE_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-B{c[2]}-H{c[3]}x{c[4]}-K{c[5]}V{c[6]}-{str(c[7])[6:]}-l2{int(c[8])}")
-def test_gdn_tree_verify_commit_interpreter(ik, case):
+def test_gdn_tree_verify_commit_interpreter(ik, case, impl):
     kind, T, B, H, HV, K, V, dtype, l2 = case
     parents = _tree(kind, T, random.Random(T * 7 + HV))
-    err = check_gdn_tree(ik.chunk, parents, B, H, HV, K, V, dtype, l2, seed=T + 31 * HV)
+    err = check_gdn_tree(ik.chunk, parents, B, H, HV, K, V, dtype, l2, seed=T + 31 * HV, impl=impl)
     _assert_errs(err, dtype)
 
 
-def test_gdn_tree_multiple_value_blocks_interpreter(ik):
+@pytest.mark.parametrize("impl", ["fused", "split"])
+def test_gdn_tree_multiple_value_blocks_interpreter(ik, impl):
     """V = 32 split into two BV = 16 programs: gamma written once, u scratch per column block."""
     rng = random.Random(5)
-    err = check_gdn_tree(ik.chunk, random_parents(20, rng), 1, 2, 4, 16, 32, torch.float32, True, seed=5, BV=16)
+    err = check_gdn_tree(ik.chunk, random_parents(20, rng), 1, 2, 4, 16, 32, torch.float32, True, seed=5, BV=16,
+                         impl=impl)
     _assert_errs(err, torch.float32)
+
+
+@pytest.mark.parametrize("impl", ["fused", "split"])
+def test_gdn_tree_column_chunks_interpreter(ik, impl):
+    """T = 40 with 16-column inner steps: ancestors spread over several earlier blocks and column chunks."""
+    rng = random.Random(8)
+    for parents in (deep_path_parents(40, rng, depth=30), shuffled_topological(best_first_parents(40, rng), rng)):
+        err = check_gdn_tree(ik.chunk, parents, 1, 1, 2, 16, 16, torch.float32, True, seed=8, BC=16, impl=impl)
+        _assert_errs(err, torch.float32)
 
 
 def test_gdn_tree_every_leaf_interpreter(ik):
@@ -199,7 +214,7 @@ def test_gdn_tree_random_search_interpreter(ik):
         parents = _tree(kind, T, rng)
         leaf = rng.randrange(T)
         err = check_gdn_tree(ik.chunk, parents, B, H, HV, K, V, dtype, l2, seed=trial, leaf=leaf,
-                             BV=rng.choice([None, 16]))
+                             BV=rng.choice([None, 16]), impl=rng.choice(["fused", "split"]))
         try:
             _assert_errs(err, dtype)
         except AssertionError as e:
@@ -429,30 +444,34 @@ REAL = dict(H=16, HV=48, K=128, V=128)
 @gpu
 @pytest.mark.parametrize("T", [16, 37, 64, 128])
 @pytest.mark.parametrize("kind", ["best_first", "chain", "star", "shuffled"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gdn_tree_real_shape_gpu(T, kind, dtype):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("impl", ["fused", "split"])
+def test_gdn_tree_real_shape_gpu(T, kind, dtype, impl):
     from weaver_kernels.gdn_tree import chunk
 
     parents = _tree(kind, T, random.Random(T))
+    # bf16 goes through the autotuner; fp32 (IEEE dots, slow to compile) is pinned to one config
     err = check_gdn_tree(chunk, parents, 1, REAL["H"], REAL["HV"], REAL["K"], REAL["V"], dtype, True, seed=T,
-                         device="cuda")
-    print(f"\n[gpu] gdn {kind} T={T} {dtype}: " + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
+                         device="cuda", BV=None if dtype == torch.bfloat16 else 32, impl=impl)
+    print(f"\n[gpu] gdn {impl} {kind} T={T} {dtype}: " + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
     _assert_errs(err, dtype)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("BV", [16, 32, 64])
-def test_gdn_tree_all_configs_gpu(BV):
-    """Each autotune candidate block size is correct (the race-prone u read-back included)."""
+def test_gdn_tree_all_configs_gpu():
+    """Every autotune candidate is correct (the race-prone u read-backs included), for both forms."""
     from weaver_kernels.gdn_tree import chunk
 
+    fused = {(c.kwargs["BV"], c.num_warps) for c in chunk._VERIFY_CANDIDATES + chunk._VERIFY_CONFIGS}
+    split = {(c.kwargs["BV"], c.num_warps) for c in chunk._LOCAL_CONFIGS + chunk._SOLVE_CONFIGS + chunk._OUTPUT_CONFIGS}
     for T in (64, 128):
-        parents = best_first_parents(T, random.Random(BV + T))
-        for nw in (2, 4, 8):
-            err = check_gdn_tree(chunk, parents, 1, 16, 48, 128, 128, torch.bfloat16, True, seed=nw, device="cuda",
-                                 BV=BV)
-            _assert_errs(err, torch.bfloat16)
+        parents = best_first_parents(T, random.Random(T))
+        for impl, configs in (("fused", fused), ("split", split)):
+            for BV, nw in sorted(configs):
+                err = check_gdn_tree(chunk, parents, 1, 16, 48, 128, 128, torch.bfloat16, True, seed=nw,
+                                     device="cuda", BV=BV, num_warps=nw, impl=impl)
+                _assert_errs(err, torch.bfloat16)
 
 
 @pytest.mark.gpu

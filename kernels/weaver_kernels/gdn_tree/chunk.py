@@ -17,9 +17,14 @@ the ``u`` output, which doubles as the scratch the later blocks read back (same 
 Everything that does not depend on U (K S0, Q S0, the [16, T] score rows, Γ, D) is fused in the same pass, so a
 head's S0 tile is read once and no [T, T] matrix ever touches memory.
 
-Grid: (V / BV, B·HV). Each program owns one value head and BV value columns, and holds the whole tree's keys
-([T, K]) plus its S0 tile ([K, BV]) in registers. Limit: T ≤ 128 nodes (``MAX_NODES``): the keys of all nodes and
-full-width [16, T] score rows stay register-resident (T = 256 would need ~2× the registers and spill).
+Grid: (V / BV, B·HV). Each program owns one value head and BV value columns and holds its S0 tile ([K, BV]) in
+registers; earlier blocks are visited BC (≤ 64) columns at a time. Limit: T ≤ 128 nodes (``MAX_NODES``): the
+per-block Γ reduction and the read-back of U use full-width [16, T_pad] / [T_pad, BV] tiles, and the serial chain of
+⌈T/16⌉ row blocks costs ~7-8 µs per block on the H200 (latency-bound), so T = 256 would be both register-heavy and
+~130 µs; the paper's budgets are ≤ 128 nodes.
+
+An alternative three-launch form (``impl="split"``, below) moves all inverses and K Kᵀ products into parallel
+launches; it measured slower on the H200 and is not the default.
 
 Commit (one launch, one read + one write of S): for the accepted leaf ℓ,
 ``S* = exp(Γ_ℓ) S0 + Σ_{j ∈ path(ℓ)} exp(Γ_ℓ − Γ_j) k_j u_jᵀ``, in place. ``path`` may be right-padded with -1 so
@@ -40,6 +45,9 @@ import triton.language as tl
 from ..utils import is_interpret, launch_ctx, next_pow2
 
 MAX_NODES = 128
+# T at or above which gdn_tree_verify_triton uses the split (3-launch) form by default. Measured on the H200 (run 2,
+# BENCHMARKS.md): split is slower than fused at every T ≤ 128 (T=64: 37.9 vs 27.7 µs), so by default never.
+SPLIT_MIN_NODES = MAX_NODES + 1
 
 _INTERPRET = is_interpret()  # evaluated when this module is executed (see utils.load_interpreted)
 
@@ -56,14 +64,20 @@ def _add(a, b):
 def _rsum(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _add)
 
+# Candidate configs (tests exercise all of them; scripts/bench_kernels.py can sweep them). The default is one config,
+# not an autotuner sweep: Triton's autotuner times eager launches, which at these ~5-60 µs kernels mostly measures
+# host launch overhead and picked a 2-wave config at T=16 on the H200 (12.2 µs instead of 7.6). BV=32 / 4 warps
+# (~250 registers → 2 CTAs per SM) runs the Qwen3.6-27B shape (4 × 48 = 192 programs) in one wave; it is what the
+# autotuner chose at T = 64 and 128 (BENCHMARKS.md, Kernels).
+# num_stages=1 on purpose: the loop reads back rows of `u` that the same program stored one iteration earlier;
+# a software-pipelined (prefetched) load could be issued before that store and its barrier.
+_VERIFY_CANDIDATES = [
+    triton.Config({"BV": bv}, num_warps=w, num_stages=1) for bv, w in ((16, 4), (32, 4), (32, 8), (64, 8))
+]
 if _INTERPRET:
     _VERIFY_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
 else:
-    # num_stages=1 on purpose: the loop reads back rows of `u` that the same program stored one iteration earlier;
-    # a software-pipelined (prefetched) load could be issued before that store and its barrier.
-    _VERIFY_CONFIGS = [
-        triton.Config({"BV": bv}, num_warps=w, num_stages=1) for bv in (16, 32, 64) for w in (2, 4, 8)
-    ]
+    _VERIFY_CONFIGS = [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
 
 
 @triton.jit
@@ -77,7 +91,7 @@ def _gdn_tree_verify_kernel(
     sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr,
-    L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    BC: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -92,6 +106,7 @@ def _gdn_tree_verify_kernel(
     o_n = tl.arange(0, TP)
     m_n = o_n < T
     o_r = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
 
     i_b64 = i_b.to(tl.int64)
     q_base = q + i_b64 * sq_b + i_h * sq_h
@@ -105,18 +120,7 @@ def _gdn_tree_verify_kernel(
     u_base = u + i_b64 * T * HV * V + i_hv * V
     gm_base = gamma + i_b64 * T * HV + i_hv
 
-    # path sums Γ for all nodes (needed as the column side of D)
     g_all = tl.load(g_base + o_n * sg_t, mask=m_n, other=0.0).to(tl.float32)
-    M_all = tl.load(tmask + o_n[:, None] * T + o_n[None, :], mask=m_n[:, None] & m_n[None, :], other=0) != 0
-    G_all = _rsum(tl.where(M_all, g_all[None, :], 0.0), axis=1)
-
-    # inverse key norms of all nodes (l2norm); the keys themselves are re-read per row block (L1/L2-resident),
-    # which keeps ~64-128 registers/thread free at T = 128
-    if L2NORM:
-        kf_all = tl.load(k_base + o_n[:, None] * sk_t + o_k[None, :], mask=m_n[:, None] & m_k[None, :],
-                         other=0.0).to(tl.float32)
-        rk_all = tl.rsqrt(_rsum(kf_all * kf_all, axis=1) + 1e-6)
-
     # committed state tile [BK, BV], read once
     S = tl.load(s_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
 
@@ -137,19 +141,13 @@ def _gdn_tree_verify_kernel(
         v_i = tl.load(v_base + t_r[:, None] * sv_t + o_v[None, :], mask=m_r[:, None] & m_vv, other=0.0).to(tl.float32)
         b_i = tl.load(b_base + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
 
-        # Γ of this block's rows, and D against all earlier blocks (ancestors in the same block: diagonal part)
+        # Γ of this block's rows (path sums: ancestor-mask row · g). Every program writes the same values to
+        # `gamma`; later blocks read earlier rows back from there (after the barrier at the loop end).
         M_i = tl.load(tmask + t_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0) != 0
         G_i = _rsum(tl.where(M_i, g_all[None, :], 0.0), axis=1)
-        D = tl.exp(tl.where(M_i & (o_n[None, :] < r0), G_i[:, None] - G_all[None, :], float("-inf")))
+        tl.store(gm_base + t_r * HV, G_i, mask=m_r)
+        eG = tl.exp(G_i)
 
-        KT_all = tl.load(k_base + o_n[None, :] * sk_t + o_k[:, None], mask=m_n[None, :] & m_k[:, None], other=0.0)
-        if DOT_F32:
-            KT_all = KT_all.to(tl.float32)
-        kk = tl.dot(k_i, KT_all, input_precision=DOT_PREC)  # [BT, TP]
-        qk = tl.dot(q_i, KT_all, input_precision=DOT_PREC)
-        kT_i = tl.trans(k_i)
-        kk_d = tl.dot(k_i, kT_i, input_precision=DOT_PREC)  # [BT, BT]
-        qk_d = tl.dot(q_i, kT_i, input_precision=DOT_PREC)
         kS = tl.dot(k_i.to(tl.float32), S, input_precision=DOT_PREC)  # [BT, BV]
         qS = tl.dot(q_i.to(tl.float32), S, input_precision=DOT_PREC)
         if L2NORM:
@@ -157,25 +155,45 @@ def _gdn_tree_verify_kernel(
             qf_i = q_i.to(tl.float32)
             rk_i = tl.rsqrt(_rsum(kf_i * kf_i, axis=1) + 1e-6)
             rq_i = tl.rsqrt(_rsum(qf_i * qf_i, axis=1) + 1e-6)
-            kk = kk * rk_i[:, None] * rk_all[None, :]
-            qk = qk * rq_i[:, None] * rk_all[None, :]
-            kk_d = kk_d * rk_i[:, None] * rk_i[None, :]
-            qk_d = qk_d * rq_i[:, None] * rk_i[None, :]
             kS = kS * rk_i[:, None]
             qS = qS * rq_i[:, None]
+        rhs = b_i[:, None] * (v_i - eG[:, None] * kS)
+        o_acc = eG[:, None] * qS
 
-        A_off = kk * D * b_i[:, None]
-        Q_off = qk * D
+        # ancestors in earlier blocks, BC columns at a time: rhs -= A[i, <r0] U[<r0]; o += (QKᵀ⊙D)[i, <r0] U[<r0]
+        for c in range(0, (r0 + BC - 1) // BC):
+            t_c = c * BC + o_c
+            m_c = t_c < r0
+            KT_c = tl.load(k_base + t_c[None, :] * sk_t + o_k[:, None], mask=m_c[None, :] & m_k[:, None], other=0.0)
+            if DOT_F32:
+                KT_c = KT_c.to(tl.float32)
+            G_c = tl.load(gm_base + t_c * HV, mask=m_c, other=0.0)
+            M_c = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
+            D_c = tl.exp(tl.where(M_c, G_i[:, None] - G_c[None, :], float("-inf")))
+            if L2NORM:
+                kf_c = KT_c.to(tl.float32)
+                rk_c = tl.rsqrt(_rsum(kf_c * kf_c, axis=0) + 1e-6)
+                D_c = D_c * rk_c[None, :]
+            U_c = tl.load(u_base + t_c[:, None] * (HV * V) + o_v[None, :], mask=m_c[:, None] & m_vv, other=0.0)
+            kk = tl.dot(k_i, KT_c, input_precision=DOT_PREC)  # [BT, BC]
+            if L2NORM:
+                kk = kk * rk_i[:, None]
+            rhs -= tl.dot(kk * D_c * b_i[:, None], U_c, input_precision=DOT_PREC)
+            qk = tl.dot(q_i, KT_c, input_precision=DOT_PREC)
+            if L2NORM:
+                qk = qk * rq_i[:, None]
+            o_acc += tl.dot(qk * D_c, U_c, input_precision=DOT_PREC)
+
+        # diagonal block: ancestors inside the block (strict for A, inclusive for the output)
         M_d = tl.load(tmask + t_r[:, None] * T + t_r[None, :], mask=m_r[:, None] & m_r[None, :], other=0) != 0
         D_d = tl.exp(tl.where(M_d, G_i[:, None] - G_i[None, :], float("-inf")))
+        kT_i = tl.trans(k_i)
+        kk_d = tl.dot(k_i, kT_i, input_precision=DOT_PREC)  # [BT, BT]
+        qk_d = tl.dot(q_i, kT_i, input_precision=DOT_PREC)
+        if L2NORM:
+            kk_d = kk_d * rk_i[:, None] * rk_i[None, :]
+            qk_d = qk_d * rq_i[:, None] * rk_i[None, :]
         A_d = tl.where(strict, kk_d * D_d * b_i[:, None], 0.0)
-        Q_d = qk_d * D_d
-
-        eG = tl.exp(G_i)
-        rhs = b_i[:, None] * (v_i - eG[:, None] * kS)
-        # rows of U solved by earlier blocks (this program wrote them; the barrier at the loop end orders it)
-        U_prev = tl.load(u_base + o_n[:, None] * (HV * V) + o_v[None, :], mask=(o_n < r0)[:, None] & m_vv, other=0.0)
-        rhs = rhs - tl.dot(A_off, U_prev, input_precision=DOT_PREC)
 
         # (I + A_d)^{-1} = Σ_{m<BT} (−A_d)^m = (I + N)(I + N²)(I + N⁴)…, N = −A_d strictly lower (N^BT = 0)
         X = -A_d
@@ -186,18 +204,236 @@ def _gdn_tree_verify_kernel(
         U_i = tl.dot(P, rhs, input_precision="ieee")
         tl.store(u_base + t_r[:, None] * (HV * V) + o_v[None, :], U_i, mask=m_r[:, None] & m_vv)
 
-        o_i = eG[:, None] * qS + tl.dot(Q_off, U_prev, input_precision=DOT_PREC)
-        o_i = o_i + tl.dot(Q_d, U_i, input_precision=DOT_PREC)
-        tl.store(o_base + t_r[:, None] * (HV * V) + o_v[None, :], (o_i * scale).to(o.dtype.element_ty),
+        o_acc += tl.dot(qk_d * D_d, U_i, input_precision=DOT_PREC)
+        tl.store(o_base + t_r[:, None] * (HV * V) + o_v[None, :], (o_acc * scale).to(o.dtype.element_ty),
                  mask=m_r[:, None] & m_vv)
-        if i_v == 0:
-            tl.store(gm_base + t_r * HV, G_i, mask=m_r)
+        # this program's u rows (and gamma rows) are read back by later blocks: order the stores first
         tl.debug_barrier()
 
 
 _gdn_tree_verify_autotuned = triton.autotune(
-    configs=_VERIFY_CONFIGS, key=["TP", "K", "V", "H", "HV", "L2NORM", "DOT_PREC", "DOT_F32"]
+    configs=_VERIFY_CANDIDATES if not _INTERPRET else _VERIFY_CONFIGS, key=["TP", "K", "V", "H", "HV", "L2NORM", "DOT_PREC", "DOT_F32"]
 )(_gdn_tree_verify_kernel)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Split verify: the same math in three launches, so that only the truly serial part stays serial.
+#   1. local  (grid V/BV × blocks × B·HV, fully parallel): Γ, W_i = (I + A_ii)^{-1} β_i (v_i − e^{Γ_i} k_i S0) and
+#             L_i = (I + A_ii)^{-1} A_{i,<i} (written once per head) — every inverse and every K Kᵀ product.
+#   2. solve  (grid V/BV × B·HV, serial over row blocks): U_i = W_i − L_i U_{<i}: one [16, T]·[T, BV] dot a step.
+#   3. output (grid V/BV × blocks × B·HV, fully parallel): O_i = scale (e^{Γ_i} q_i S0 + (q_i Kᵀ ⊙ D)_{i, ≤i} U).
+# Scratch: W [B, T, HV, V] and L [B, HV, T, T] (fp32, L2-resident at these sizes).
+# Measured on the H200 it is *slower* than the fused kernel at every T ≤ 128 (three launches, and the serial solve
+# steps cost about as much as a fused row block: both are latency-bound chains of small dependent operations), so it
+# is not the default (SPLIT_MIN_NODES); kept, tested, for larger batches/heads where parallelism is not the issue.
+# ----------------------------------------------------------------------------------------------------------------
+if _INTERPRET:
+    _LOCAL_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
+    _SOLVE_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
+    _OUTPUT_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
+else:
+    _LOCAL_CONFIGS = [triton.Config({"BV": 32}, num_warps=4, num_stages=1),
+                      triton.Config({"BV": 64}, num_warps=8, num_stages=1)]
+    # solve re-reads rows of u it stored in an earlier step: no software pipelining (num_stages=1)
+    _SOLVE_CONFIGS = [triton.Config({"BV": bv}, num_warps=4, num_stages=1) for bv in (16, 32)]
+    _OUTPUT_CONFIGS = [triton.Config({"BV": 32}, num_warps=4, num_stages=1),
+                       triton.Config({"BV": 64}, num_warps=8, num_stages=1)]
+
+
+@triton.jit
+def _split_local_kernel(
+    k, v, g, beta, s0, tmask, w, lbuf, gamma,
+    T,
+    sk_b, sk_t, sk_h,
+    sv_b, sv_t, sv_h,
+    sg_b, sg_t, sg_h,
+    sb_b, sb_t, sb_h,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr,
+    BC: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_blk = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_b64 = i_b.to(tl.int64)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_n = tl.arange(0, TP)
+    m_n = o_n < T
+    o_r = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    r0 = i_blk * BT
+    t_r = r0 + o_r
+    m_r = t_r < T
+
+    k_base = k + i_b64 * sk_b + i_h * sk_h
+    g_all = tl.load(g + i_b64 * sg_b + i_hv * sg_h + o_n * sg_t, mask=m_n, other=0.0).to(tl.float32)
+    k_i = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+    if DOT_F32:
+        k_i = k_i.to(tl.float32)
+    v_i = tl.load(v + i_b64 * sv_b + i_hv * sv_h + t_r[:, None] * sv_t + o_v[None, :],
+                  mask=m_r[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    b_i = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
+    S = tl.load(s0 + (i_b64 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+                mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+
+    M_i = tl.load(tmask + t_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0) != 0
+    G_i = _rsum(tl.where(M_i, g_all[None, :], 0.0), axis=1)
+    if i_v == 0:
+        tl.store(gamma + i_b64 * T * HV + i_hv + t_r * HV, G_i, mask=m_r)
+    eG = tl.exp(G_i)
+
+    kS = tl.dot(k_i.to(tl.float32), S, input_precision=DOT_PREC)
+    kT_i = tl.trans(k_i)
+    kk_d = tl.dot(k_i, kT_i, input_precision=DOT_PREC)
+    if L2NORM:
+        kf_i = k_i.to(tl.float32)
+        rk_i = tl.rsqrt(_rsum(kf_i * kf_i, axis=1) + 1e-6)
+        kS = kS * rk_i[:, None]
+        kk_d = kk_d * rk_i[:, None] * rk_i[None, :]
+    rhs = b_i[:, None] * (v_i - eG[:, None] * kS)
+
+    M_d = tl.load(tmask + t_r[:, None] * T + t_r[None, :], mask=m_r[:, None] & m_r[None, :], other=0) != 0
+    D_d = tl.exp(tl.where(M_d, G_i[:, None] - G_i[None, :], float("-inf")))
+    A_d = tl.where(o_r[:, None] > o_r[None, :], kk_d * D_d * b_i[:, None], 0.0)
+    X = -A_d
+    P = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0) + X
+    for _ in tl.static_range(LOG2_BT - 1):
+        X = tl.dot(X, X, input_precision="ieee")
+        P = P + tl.dot(P, X, input_precision="ieee")
+    W_i = tl.dot(P, rhs, input_precision="ieee")
+    tl.store(w + i_b64 * T * HV * V + i_hv * V + t_r[:, None] * (HV * V) + o_v[None, :], W_i,
+             mask=m_r[:, None] & m_v[None, :])
+
+    if i_v == 0:
+        l_base = lbuf + (i_b64 * HV + i_hv) * T * T
+        for c in range(0, (r0 + BC - 1) // BC):
+            t_c = c * BC + o_c
+            m_c = t_c < r0
+            KT_c = tl.load(k_base + t_c[None, :] * sk_t + o_k[:, None], mask=m_c[None, :] & m_k[:, None], other=0.0)
+            if DOT_F32:
+                KT_c = KT_c.to(tl.float32)
+            M_cc = tl.load(tmask + t_c[:, None] * T + o_n[None, :], mask=m_c[:, None] & m_n[None, :], other=0) != 0
+            G_c = _rsum(tl.where(M_cc, g_all[None, :], 0.0), axis=1)
+            M_c = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
+            D_c = tl.exp(tl.where(M_c, G_i[:, None] - G_c[None, :], float("-inf")))
+            kk = tl.dot(k_i, KT_c, input_precision=DOT_PREC)
+            if L2NORM:
+                kf_c = KT_c.to(tl.float32)
+                rk_c = tl.rsqrt(_rsum(kf_c * kf_c, axis=0) + 1e-6)
+                kk = kk * rk_i[:, None] * rk_c[None, :]
+            L_c = tl.dot(P, kk * D_c * b_i[:, None], input_precision="ieee")
+            tl.store(l_base + t_r[:, None] * T + t_c[None, :], L_c, mask=m_r[:, None] & m_c[None, :])
+
+
+@triton.jit
+def _split_solve_kernel(
+    w, lbuf, u, T,
+    HV: tl.constexpr, V: tl.constexpr, TP: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b64 = (i_bh // HV).to(tl.int64)
+    i_hv = i_bh % HV
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_n = tl.arange(0, TP)
+    o_r = tl.arange(0, BT)
+    w_base = w + i_b64 * T * HV * V + i_hv * V
+    u_base = u + i_b64 * T * HV * V + i_hv * V
+    l_base = lbuf + (i_b64 * HV + i_hv) * T * T
+    for i in range(0, (T + BT - 1) // BT):
+        r0 = i * BT
+        t_r = r0 + o_r
+        m_r = t_r < T
+        W_i = tl.load(w_base + t_r[:, None] * (HV * V) + o_v[None, :], mask=m_r[:, None] & m_v[None, :], other=0.0)
+        L_i = tl.load(l_base + t_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & (o_n < r0)[None, :], other=0.0)
+        U_prev = tl.load(u_base + o_n[:, None] * (HV * V) + o_v[None, :], mask=(o_n < r0)[:, None] & m_v[None, :],
+                         other=0.0)
+        U_i = W_i - tl.dot(L_i, U_prev, input_precision=DOT_PREC)
+        tl.store(u_base + t_r[:, None] * (HV * V) + o_v[None, :], U_i, mask=m_r[:, None] & m_v[None, :])
+        tl.debug_barrier()  # the next step reads these rows back
+
+
+@triton.jit
+def _split_output_kernel(
+    q, k, s0, tmask, u, gamma, o,
+    T, scale,
+    sq_b, sq_t, sq_h,
+    sk_b, sk_t, sk_h,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # TP (padded node count) is unused in the body; it keys the autotuner
+    i_v = tl.program_id(0)
+    i_blk = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    i_b64 = i_b.to(tl.int64)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_r = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    r0 = i_blk * BT
+    t_r = r0 + o_r
+    m_r = t_r < T
+    r1 = r0 + BT
+
+    k_base = k + i_b64 * sk_b + i_h * sk_h
+    u_base = u + i_b64 * T * HV * V + i_hv * V
+    gm_base = gamma + i_b64 * T * HV + i_hv
+    q_i = tl.load(q + i_b64 * sq_b + i_h * sq_h + t_r[:, None] * sq_t + o_k[None, :],
+                  mask=m_r[:, None] & m_k[None, :], other=0.0)
+    if DOT_F32:
+        q_i = q_i.to(tl.float32)
+    S = tl.load(s0 + (i_b64 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+                mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    G_i = tl.load(gm_base + t_r * HV, mask=m_r, other=0.0)
+    qS = tl.dot(q_i.to(tl.float32), S, input_precision=DOT_PREC)
+    if L2NORM:
+        qf_i = q_i.to(tl.float32)
+        rq_i = tl.rsqrt(_rsum(qf_i * qf_i, axis=1) + 1e-6)
+        qS = qS * rq_i[:, None]
+    o_acc = tl.exp(G_i)[:, None] * qS
+    for c in range(0, (r1 + BC - 1) // BC):
+        t_c = c * BC + o_c
+        m_c = (t_c < r1) & (t_c < T)
+        KT_c = tl.load(k_base + t_c[None, :] * sk_t + o_k[:, None], mask=m_c[None, :] & m_k[:, None], other=0.0)
+        if DOT_F32:
+            KT_c = KT_c.to(tl.float32)
+        G_c = tl.load(gm_base + t_c * HV, mask=m_c, other=0.0)
+        M_c = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
+        D_c = tl.exp(tl.where(M_c, G_i[:, None] - G_c[None, :], float("-inf")))
+        qk = tl.dot(q_i, KT_c, input_precision=DOT_PREC)
+        if L2NORM:
+            kf_c = KT_c.to(tl.float32)
+            rk_c = tl.rsqrt(_rsum(kf_c * kf_c, axis=0) + 1e-6)
+            qk = qk * rq_i[:, None] * rk_c[None, :]
+        U_c = tl.load(u_base + t_c[:, None] * (HV * V) + o_v[None, :], mask=m_c[:, None] & m_v[None, :], other=0.0)
+        o_acc += tl.dot(qk * D_c, U_c, input_precision=DOT_PREC)
+    tl.store(o + i_b64 * T * HV * V + i_hv * V + t_r[:, None] * (HV * V) + o_v[None, :],
+             (o_acc * scale).to(o.dtype.element_ty), mask=m_r[:, None] & m_v[None, :])
+
+
+_LOCAL_KEY = ["TP", "K", "V", "H", "HV", "L2NORM", "DOT_PREC", "DOT_F32"]
+_split_local_autotuned = triton.autotune(configs=_LOCAL_CONFIGS, key=_LOCAL_KEY)(_split_local_kernel)
+_split_solve_autotuned = triton.autotune(configs=_SOLVE_CONFIGS, key=["TP", "V", "HV", "DOT_PREC"])(_split_solve_kernel)
+_split_output_autotuned = triton.autotune(
+    configs=_OUTPUT_CONFIGS, key=["TP", "K", "V", "H", "HV", "BC", "L2NORM", "DOT_PREC", "DOT_F32"]
+)(_split_output_kernel)
 
 
 @triton.jit
@@ -269,16 +505,24 @@ def gdn_tree_verify_triton(
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     *,
+    impl: str | None = None,
     BV: int | None = None,
     num_warps: int = 4,
+    autotune: bool = False,
+    BC: int | None = None,
     o: torch.Tensor | None = None,
     u: torch.Tensor | None = None,
     gamma: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`~weaver_kernels.gdn_tree.naive.gdn_tree_verify_ref` (same shapes and outputs).
 
-    ``BV``/``num_warps`` pin a config instead of autotuning (tests, benchmarks). ``o``/``u``/``gamma`` may be
-    given as preallocated contiguous outputs (static buffers for CUDA graphs; poisoned buffers in tests).
+    ``impl``: ``"fused"`` (one launch, serial over 16-row blocks), ``"split"`` (three launches, only U's block
+    recurrence serial) or None (by T, see ``SPLIT_MIN_NODES``). ``BV``/``num_warps`` pin a config (tests,
+    benchmarks; for ``"split"`` BV applies to all three kernels); by default the fused kernel launches directly with
+    its measured config (``_VERIFY_CONFIGS``, no autotuner in the launch path), ``autotune=True`` sweeps
+    ``_VERIFY_CANDIDATES`` with Triton's autotuner instead. ``BC`` (columns per inner
+    step, default min(T_pad, 64)) is exposed for tests. ``o``/``u``/``gamma`` may be given as preallocated
+    contiguous outputs (static buffers for CUDA graphs; poisoned buffers in tests).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -305,7 +549,7 @@ def gdn_tree_verify_triton(
     TP = max(16, next_pow2(T))
     BT = 16
     common = dict(
-        H=H, HV=HV, K=K, V=V, TP=TP, BK=max(16, next_pow2(K)), BT=BT, LOG2_BT=BT.bit_length() - 1,
+        H=H, HV=HV, K=K, V=V, TP=TP, BK=max(16, next_pow2(K)), BT=BT, LOG2_BT=BT.bit_length() - 1, BC=min(TP, 64) if BC is None else BC,
         L2NORM=bool(use_qk_l2norm_in_kernel), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         # Triton's interpreter multiplies 16-bit dot operands as raw bit patterns: upcast there (exact anyway)
         DOT_F32=_INTERPRET or q.dtype == torch.float32,
@@ -318,7 +562,14 @@ def gdn_tree_verify_triton(
         g.stride(0), g.stride(1), g.stride(2),
         beta.stride(0), beta.stride(1), beta.stride(2),
     )
-    if BV is None and _INTERPRET:
+    if impl is None:
+        impl = "split" if T >= SPLIT_MIN_NODES else "fused"
+    if impl == "split":
+        _verify_split(q, k, v, g, beta, s0, mask, o, u, gamma, T, scale, common, BV, num_warps)
+        return o, u, gamma
+    if impl != "fused":
+        raise ValueError(f"impl must be 'fused', 'split' or None, got {impl!r}")
+    if BV is None and (_INTERPRET or not autotune):
         BV = _VERIFY_CONFIGS[0].kwargs["BV"]
         num_warps = _VERIFY_CONFIGS[0].num_warps
     with launch_ctx(_INTERPRET):
@@ -330,6 +581,35 @@ def gdn_tree_verify_triton(
                 *args, **common, BV=BV, num_warps=num_warps, num_stages=1
             )
     return o, u, gamma
+
+
+def _verify_split(q, k, v, g, beta, s0, mask, o, u, gamma, T, scale, common, BV, num_warps):
+    B, _, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    NB = triton.cdiv(T, common["BT"])
+    w = torch.empty_like(u)
+    lbuf = torch.empty((B, HV, T, T), dtype=torch.float32, device=u.device)
+    c = {n: common[n] for n in ("H", "HV", "K", "V", "TP", "BK", "BT", "LOG2_BT", "BC", "L2NORM", "DOT_PREC",
+                                "DOT_F32")}
+    c_out = {n: c[n] for n in c if n != "LOG2_BT"}
+    c_solve = dict(HV=HV, V=V, TP=c["TP"], BT=c["BT"], DOT_PREC=c["DOT_PREC"])
+    local_args = (k, v, g, beta, s0, mask, w, lbuf, gamma, T, k.stride(0), k.stride(1), k.stride(2),
+                  v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), g.stride(2),
+                  beta.stride(0), beta.stride(1), beta.stride(2))
+    out_args = (q, k, s0, mask, u, gamma, o, T, scale, q.stride(0), q.stride(1), q.stride(2),
+                k.stride(0), k.stride(1), k.stride(2))
+    if BV is None and _INTERPRET:
+        BV, num_warps = _LOCAL_CONFIGS[0].kwargs["BV"], _LOCAL_CONFIGS[0].num_warps
+    with launch_ctx(_INTERPRET):
+        if BV is None:
+            _split_local_autotuned[lambda m: (triton.cdiv(V, m["BV"]), NB, B * HV)](*local_args, **c)
+            _split_solve_autotuned[lambda m: (triton.cdiv(V, m["BV"]), B * HV)](w, lbuf, u, T, **c_solve)
+            _split_output_autotuned[lambda m: (triton.cdiv(V, m["BV"]), NB, B * HV)](*out_args, **c_out)
+        else:
+            kw = dict(BV=BV, num_warps=num_warps, num_stages=1)
+            _split_local_kernel[(triton.cdiv(V, BV), NB, B * HV)](*local_args, **c, **kw)
+            _split_solve_kernel[(triton.cdiv(V, BV), B * HV)](w, lbuf, u, T, **c_solve, **kw)
+            _split_output_kernel[(triton.cdiv(V, BV), NB, B * HV)](*out_args, **c_out, **kw)
 
 
 def gdn_tree_commit_triton(

@@ -1,0 +1,47 @@
+"""The loop on a GPU, with the Triton tree kernels on: greedy output stays token-identical to AR (skipped on CPU)."""
+
+import pytest
+import torch
+from test_generate import BLOCK, OracleRunner, make_drafters, prompts, reference
+from tiny_targets import TINY_TARGETS
+from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+
+from modeling_weaver import speculative_generate
+from modeling_weaver.generate import MODES, _decode
+from modeling_weaver.target import text_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_greedy_identity_on_gpu(name, mode):
+    # fp32 so that the comparison with transformers' own (torch) GDN path is not decided by bf16 rounding
+    target = TINY_TARGETS[name]().cuda()
+    drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else 96)
+    drafter, weaver = drafter.cuda(), weaver.cuda()
+    for ids in prompts():
+        ids = ids.cuda()
+        _, weaver = make_drafters(target)
+        weaver = weaver.cuda()
+        expected = reference(target, ids, 48)
+        got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
+                                   max_new_tokens=48)
+        assert torch.equal(got, expected), (name, mode)
+
+        class CudaOracle(OracleRunner):
+            def draft(self, bonus, context, n):
+                hidden, logits = super().draft(bonus, context, n)
+                return hidden.cuda(), logits.cuda()
+
+        with torch.no_grad():  # Weaver then follows the planted marginals (as in test_generate)
+            weaver.lm_head_query_in.weight.zero_()
+        ref = reference(target, ids, 48 + 2 * BLOCK)
+        got, stats = _decode(
+            target, ids[0], runner=CudaOracle(ref.cpu(), text_config(target.config).hidden_size), weaver=weaver,
+            mode=mode, tree_budget=24, max_new_tokens=48, processors=LogitsProcessorList(), do_sample=False,
+            verification="target_only", stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 48)]),
+            streamer=None, generator=None,
+        )
+        assert torch.equal(got, expected), (name, mode, "oracle")
+        assert stats.mean_accepted_length > 2.5
