@@ -157,6 +157,7 @@ class TargetAdapter:
         if hasattr(decoder, "language_model"):  # Qwen3_5ForConditionalGeneration
             decoder = decoder.language_model
         self.model, self.config, self.decoder = model, config, decoder
+        self.hybrid = model_type in HYBRID_GDN
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
         self.max_length = max_length
@@ -186,6 +187,8 @@ class TargetAdapter:
             raise ValueError(f"tree of {N} nodes after {n} tokens exceeds the cache capacity {self.max_length}")
         tree_mask = tree.ancestor_mask
         positions = (n + tree.depths)[None]
+        if self.hybrid:  # multimodal RoPE: the same text positions on its 3 grids (older transformers want them)
+            positions = positions[None].expand(3, -1, -1)
         x = self.embed_tokens(tree.tokens[None])
         rope = self.decoder.rotary_emb(x, positions)
         attn_mask = torch.cat([torch.ones(N, n, dtype=torch.bool, device=x.device), tree_mask], dim=1)

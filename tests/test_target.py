@@ -80,6 +80,8 @@ def test_commit_equals_sequential_caches(name):
         else:
             assert isinstance(layer, GatedDeltaNetLayerCache)
             saw.add("gdn")
+            if not hasattr(cache, "get_recurrent_state"):
+                pytest.skip("this transformers version's cache has no get_recurrent_state/get_conv_state")
             assert rel(layer.state, cache.get_recurrent_state(i).float()) < 1e-4
             conv = cache.get_conv_state(i)
             assert rel(layer.window, conv[..., -layer.window.shape[-1]:]) < 1e-5
