@@ -1,0 +1,385 @@
+"""Benchmark: AR vs chain DFlash / DDTree / Weaver trees on MT-Bench and HumanEval (issue 4; DESIGN.md §9).
+
+For every dataset (prompts through the target's chat template) and every method — AR, then ``chain``, ``ddtree`` and
+``weaver`` at each ``--budgets`` value — at each ``--temperatures`` value (0 = greedy; sampling uses target-only
+verification for chain/DDTree and traversal for Weaver, or both with ``--sampling-verifications both``):
+
+* **MAL** — tokens committed per target verify step, bonus included (Σ over prompts / Σ steps);
+* **tokens/s** — new tokens / wall time of the whole generation (prefill included), CUDA synchronised;
+* **speed-up** — tokens/s over *our* AR path at the same temperature on the same prompts.
+
+Our AR path (:func:`autoregressive_generate`) decodes one token per step through the same
+:class:`~modeling_weaver.target.TargetAdapter` (static pre-allocated KV cache, no HF generation overhead): the honest
+baseline the speculative loop must beat. It is eager PyTorch today (issue 5 adds CUDA graphs to both);
+``--hf-baseline`` also times ``target.generate`` (HF eager) for reference. Every greedy run is checked token for token
+against AR's output. Averages are the mean over datasets of the per-dataset figures.
+
+Outputs in ``--out``: ``results.json`` (everything, per prompt too), ``table.md`` (printed) and ``plot.png`` (MAL
+and speed-up vs budget; needs matplotlib, extra ``[bench]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .data import (
+    DATASET_TITLES,
+    EvalPrompt,
+    chat_prompt_ids,
+    cli_entry,
+    load_eval_prompts,
+    load_prompt_file,
+    require,
+    require_dir,
+)
+from .generate import speculative_generate
+from .modeling_dflash import DFlashDraftModel
+from .modeling_weaver import WeaverModel
+from .smollm2 import load_target, resolve_device, resolve_dtype
+from .target import TargetAdapter
+from .tree import Tree
+
+TREE_MODES = ("chain", "ddtree", "weaver")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One decoding configuration. ``budget`` is ``None`` for AR; ``verification`` ``None`` = the loop's default."""
+
+    mode: str
+    budget: int | None = None
+    temperature: float = 0.0
+    verification: str | None = None
+
+    @property
+    def label(self) -> str:
+        name = self.mode if self.budget is None else f"{self.mode}@{self.budget}"
+        if self.temperature > 0:
+            name += f" T={self.temperature:g}"
+            if self.verification:
+                name += f" ({self.verification})"
+        return name
+
+
+@dataclass
+class PromptRun:
+    prompt_id: str
+    new_tokens: int
+    steps: int  # target verify steps after the prefill
+    committed: int  # tokens those steps committed (accepted drafts + bonus), as in SpeculativeStats
+    seconds: float
+    output: list[int] = field(repr=False)
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _eos_list(target) -> list[int]:
+    eos = target.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+@torch.no_grad()
+def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                            eos_token_id=None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Our AR baseline: one token per target step through :class:`TargetAdapter` (same caches as the tree loop).
+
+    Args:
+        input_ids: ``[1, T]`` prompt. temperature: 0 = greedy, else plain sampling at that temperature.
+        eos_token_id: one id or several; default the target's generation config.
+    Returns:
+        ``[1, T + new]`` ids (greedy output equals ``target.generate(do_sample=False)``).
+    """
+    eos = set(_eos_list(target) if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int)
+              else eos_token_id)
+    adapter = TargetAdapter(target, max_length=input_ids.shape[1] + max_new_tokens + 1)
+    logits = adapter.prefill(input_ids[0]).logits[-1]
+    new: list[int] = []
+    while True:
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, -1).cpu()
+            tok = int(torch.multinomial(probs, 1, generator=generator))
+        else:
+            tok = int(logits.argmax())
+        new.append(tok)
+        if tok in eos or len(new) >= max_new_tokens:
+            break
+        logits = adapter.verify(Tree.from_lists([tok], [-1], device=input_ids.device)).logits[0]
+        adapter.commit([0])
+    return torch.cat([input_ids, input_ids.new_tensor([new])], dim=1)
+
+
+def run_prompt(method: Method, target, drafter, weaver, input_ids: torch.Tensor, max_new_tokens: int,
+               seed: int) -> PromptRun:
+    """Generate for one prompt under ``method``, timed (CUDA synchronised)."""
+    device = input_ids.device
+    generator = torch.Generator().manual_seed(seed)
+    _sync(device)
+    start = time.perf_counter()
+    if method.mode == "ar":
+        ids = autoregressive_generate(target, input_ids, max_new_tokens, temperature=method.temperature,
+                                      generator=generator)
+        steps = committed = ids.shape[1] - input_ids.shape[1] - 1
+    elif method.mode == "hf":
+        ids = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                              do_sample=False)
+        steps = committed = ids.shape[1] - input_ids.shape[1] - 1
+    else:
+        sample = method.temperature > 0
+        ids, stats = speculative_generate(
+            target, input_ids, drafter=drafter, weaver=weaver, mode=method.mode, tree_budget=method.budget,
+            max_new_tokens=max_new_tokens, do_sample=sample, temperature=method.temperature if sample else 1.0,
+            verification=method.verification if sample else None, generator=generator, return_stats=True,
+        )
+        steps, committed = stats.num_steps, sum(stats.accepted_lengths)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    new = ids[0, input_ids.shape[1]:].tolist()
+    return PromptRun("", len(new), steps, committed, seconds, new)
+
+
+def build_methods(modes, budgets, temperatures, sampling_verifications: str = "default",
+                  hf_baseline: bool = False) -> list[Method]:
+    """AR first (the baseline of every temperature), then every tree mode × budget × temperature."""
+    methods = []
+    for temp in temperatures:
+        methods.append(Method("ar", None, temp))
+        if hf_baseline and temp == 0:
+            methods.append(Method("hf", None, 0.0))
+        for mode in modes:
+            for budget in budgets:
+                if temp > 0 and sampling_verifications == "both":
+                    methods += [Method(mode, budget, temp, v) for v in ("target_only", "traversal")]
+                else:
+                    methods.append(Method(mode, budget, temp))
+    return methods
+
+
+def summarize(method: Method, runs: list[PromptRun], ar_runs: list[PromptRun] | None) -> dict:
+    tokens = sum(r.new_tokens for r in runs)
+    seconds = sum(r.seconds for r in runs)
+    steps = sum(r.steps for r in runs)
+    mal = sum(r.committed for r in runs) / max(1, steps)  # SpeculativeStats.mean_accepted_length, pooled
+    row = {"method": method.label, **asdict(method), "prompts": len(runs), "new_tokens": tokens, "steps": steps,
+           "seconds": round(seconds, 4), "mal": round(mal, 4), "tokens_per_s": round(tokens / max(seconds, 1e-9), 2)}
+    if ar_runs is not None:
+        ar_tps = sum(r.new_tokens for r in ar_runs) / max(sum(r.seconds for r in ar_runs), 1e-9)
+        row["speedup"] = round(row["tokens_per_s"] / ar_tps, 3)
+        if method.temperature == 0:
+            same = [r.output == a.output for r, a in zip(runs, ar_runs)]
+            row["identical"] = sum(same) / len(same)
+            row["mismatched_prompts"] = [r.prompt_id for r, s in zip(runs, same) if not s]
+    return row
+
+
+def _fmt(x, digits=2) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def markdown_table(rows: list[dict], datasets: list[str]) -> str:
+    """One line per method: MAL, tokens/s and speed-up per dataset, then the averages and greedy identity."""
+    head = ["T", "method", "budget"]
+    for ds in datasets:
+        title = DATASET_TITLES.get(ds, ds)
+        head += [f"{title} MAL", f"{title} tok/s", f"{title} ×AR"]
+    head += ["avg MAL", "avg tok/s", "avg ×AR", "identical to AR"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    by_method: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_method.setdefault(r["method"], {})[r["dataset"]] = r
+    for label, per_ds in by_method.items():
+        any_row = next(iter(per_ds.values()))
+        cells = [f"{any_row['temperature']:g}", label.split(" ")[0].split("@")[0]
+                 + (f" ({any_row['verification']})" if any_row["verification"] else ""),
+                 str(any_row["budget"] or "–")]
+        for ds in datasets:
+            r = per_ds.get(ds, {})
+            cells += [_fmt(r.get("mal")), _fmt(r.get("tokens_per_s"), 1), _fmt(r.get("speedup"))]
+        vals = list(per_ds.values())
+
+        def mean(key, vals=vals):
+            return sum(v[key] for v in vals) / len(vals) if all(key in v for v in vals) else None
+
+        ident = [v.get("identical") for v in vals]
+        ident_cell = "–" if ident[0] is None else ("yes" if all(i == 1.0 for i in ident) else
+                                                   f"NO ({min(ident):.0%})")
+        cells += [_fmt(mean("mal")), _fmt(mean("tokens_per_s"), 1), _fmt(mean("speedup")), ident_cell]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path):
+    """MAL and speed-up vs budget (averaged over datasets), one line per mode × temperature × verification."""
+    require("matplotlib", "bench", "the benchmark plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[tuple, dict[int, list[dict]]] = {}
+    for r in rows:
+        if r["budget"] is None:
+            continue
+        series.setdefault((r["mode"], r["temperature"], r["verification"]), {}).setdefault(r["budget"], []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for (mode, temp, ver), by_budget in sorted(series.items(), key=lambda kv: (kv[0][1], kv[0][0], str(kv[0][2]))):
+        budgets = sorted(by_budget)
+        label = mode + (f" T={temp:g}" if temp else " greedy") + (f" ({ver})" if ver else "")
+        style = "-" if temp == 0 else "--"
+        for ax, key in zip(axes, ("mal", "speedup")):
+            ys = [sum(r[key] for r in by_budget[b]) / len(by_budget[b]) for b in budgets]
+            ax.plot(budgets, ys, style, marker="o", label=label)
+    ticks = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    for ax, title in zip(axes, ("mean accepted length (MAL)", "speed-up over our AR")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("tree budget (draft nodes)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[1].axhline(1.0, color="gray", lw=0.8)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_benchmark_suite(target, tokenizer, drafter, weaver, prompts: dict[str, list[EvalPrompt]],
+                        methods: list[Method], max_new_tokens: int, seed: int = 0, progress: bool = True) -> list[dict]:
+    """Run every method on every prompt; one summary row per (dataset, method)."""
+    from tqdm.auto import tqdm
+
+    device = next(target.parameters()).device
+    encoded = {ds: [(p.id, torch.tensor([chat_prompt_ids(tokenizer, p.text)], device=device)) for p in items]
+               for ds, items in prompts.items()}
+    rows = []
+    total = sum(len(v) for v in encoded.values()) * len(methods)
+    bar = tqdm(total=total, desc="benchmark", unit="gen", disable=not progress)
+    for method in methods:
+        first = next(iter(encoded.values()))[0][1]
+        run_prompt(method, target, drafter, weaver, first, min(8, max_new_tokens), seed)  # warm-up
+        for ds, items in encoded.items():
+            runs = []
+            for i, (pid, ids) in enumerate(items):
+                run = run_prompt(method, target, drafter, weaver, ids, max_new_tokens, seed + i)
+                run.prompt_id = pid
+                runs.append(run)
+                bar.update(1)
+                bar.set_postfix_str(f"{ds} {method.label}")
+            ar = None if method.mode == "ar" else next(
+                (r["_runs"] for r in rows if r["dataset"] == ds and r["mode"] == "ar"
+                 and r["temperature"] == method.temperature), None)
+            row = summarize(method, runs, ar if method.mode != "ar" else runs)
+            row.update(dataset=ds, _runs=runs)
+            rows.append(row)
+    bar.close()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CLI.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags of ``benchmark``."""
+    parser.description = (
+        "Benchmark AR vs chain DFlash / DDTree / Weaver trees on MT-Bench (80 first turns) and HumanEval (164), "
+        "chat template applied: MAL, tokens/s and speed-up over our AR path, per dataset and averaged, greedy and "
+        "sampled. Greedy runs are checked token for token against AR. Writes results.json, table.md (printed) and "
+        "plot.png into --out."
+    )
+    parser.add_argument("--target", default="smollm2", help="'smollm2' (fetched/cached) or a transformers model folder")
+    parser.add_argument("--drafter", default=None, help="DFlash drafter folder (needed for chain/ddtree/weaver)")
+    parser.add_argument("--weaver", default=None, help="Weaver folder (needed for the weaver mode)")
+    parser.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval"], choices=sorted(DATASET_TITLES))
+    parser.add_argument("--prompts", default=None,
+                        help="JSONL of {dataset, id, prompt} to use instead of --datasets")
+    parser.add_argument("--subset", type=int, default=None, help="first N prompts of each dataset")
+    parser.add_argument("--modes", nargs="+", default=list(TREE_MODES), choices=TREE_MODES,
+                        help="tree modes (AR always runs as the baseline)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64], help="tree budgets (draft nodes)")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy")
+    parser.add_argument("--sampling-verifications", choices=("default", "both"), default="default",
+                        help="'both': every sampled tree mode with target-only and traversal verification "
+                             "(the coupling comparison of the paper's Table 3)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--hf-baseline", action="store_true", help="also time target.generate (HF eager), greedy")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmark_results", help="output folder")
+    parser.add_argument("--no-plot", action="store_true", help="skip plot.png (no matplotlib needed)")
+    parser.add_argument("--strict", action="store_true", help="exit non-zero if a greedy run differs from AR")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+@cli_entry
+def run_benchmark(args) -> int:
+    if not args.no_plot:
+        require("matplotlib", "bench", "the benchmark plot (or pass --no-plot)")
+    if args.modes and args.drafter is None:
+        raise ValueError("--drafter is required for the chain/ddtree/weaver modes")
+    if "weaver" in args.modes and args.weaver is None:
+        raise ValueError("--weaver is required for the weaver mode (or drop it from --modes)")
+    require_dir(args.drafter, "--drafter")
+    require_dir(args.weaver, "--weaver")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    prompts = load_prompt_file(args.prompts) if args.prompts else load_eval_prompts(args.datasets)
+    if args.subset:
+        prompts = {ds: items[: args.subset] for ds, items in prompts.items()}
+    target, tokenizer = load_target(args.target, dtype=dtype, device=device)
+    drafter = DFlashDraftModel.from_pretrained(args.drafter, dtype=dtype).to(device).eval() if args.drafter else None
+    weaver = WeaverModel.from_pretrained(args.weaver, dtype=dtype).to(device).eval() if args.weaver else None
+    methods = build_methods(args.modes, args.budgets, args.temperatures, args.sampling_verifications,
+                            args.hf_baseline)
+    rows = run_benchmark_suite(target, tokenizer, drafter, weaver, prompts, methods, args.max_new_tokens,
+                               args.seed, progress=not args.no_progress)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    datasets = list(prompts)
+    table = markdown_table(rows, datasets)
+    info = (f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), dtype "
+            f"{str(dtype).replace('torch.', '')}, target {args.target}, max_new_tokens {args.max_new_tokens}, "
+            f"prompts {', '.join(f'{DATASET_TITLES.get(d, d)} {len(v)}' for d, v in prompts.items())}, "
+            f"{time.strftime('%Y-%m-%d')}; AR = our TargetAdapter path, eager")
+    (out / "table.md").write_text(table + "\n\n" + info + "\n")
+    serial = [{k: v for k, v in r.items() if k != "_runs"} | {"per_prompt": [asdict(x) | {"output": None}
+                                                                             for x in r["_runs"]]} for r in rows]
+    (out / "results.json").write_text(json.dumps({"info": info, "args": vars(args), "rows": serial}, indent=1,
+                                                 default=str))
+    print(table)
+    print(info)
+    if not args.no_plot:
+        plot(rows, out / "plot.png")
+        print(f"plot: {out / 'plot.png'}")
+    bad = [f"{r['dataset']} {r['method']}" for r in rows if r.get("identical", 1.0) < 1.0]
+    if bad:
+        msg = f"greedy output differs from AR in: {', '.join(bad)} (see mismatched_prompts in results.json)"
+        if args.strict:
+            raise RuntimeError(msg)
+        print(f"WARNING: {msg}")
+    return 0
+
+
+__all__ = [
+    "Method",
+    "add_benchmark_arguments",
+    "autoregressive_generate",
+    "build_methods",
+    "markdown_table",
+    "run_benchmark",
+    "run_benchmark_suite",
+]

@@ -1,0 +1,760 @@
+"""Drafter training for a frozen target: DFlash (DESIGN.md §2) and Weaver with DFlash frozen (§3).
+
+**DFlash** (:func:`run_train_dflash`). Per sequence (chat-templated prompt + the target's own response):
+
+* the frozen target runs once with ``output_hidden_states``; its features (``drafter.extract_context_features``) are
+  computed on the fly (caching them would cost ``len(target_layer_ids)·H`` values per token: 5.8 kB/token in bf16 for
+  SmolLM2, ~60 GB for 10 M tokens);
+* ``--anchors`` positions (512, DFlash §4.2) are drawn without replacement among the response positions that have at
+  least one following token; block j = the clean anchor token + MASK × (B-1) at positions ``anchor_j + 0..B-1``;
+* all blocks of a sequence go through the drafter in one pass with
+  :meth:`~modeling_weaver.modeling_dflash.DFlashDraftModel.block_attention_mask` (block j sees target features of
+  positions ``< anchor_j`` and its own block, bidirectionally; nothing of other blocks);
+* block position k (1..B-1) predicts token ``anchor + k`` through the **target's** frozen lm_head; cross entropy
+  weighted ``w_k = exp(-(k-1)/γ)`` (γ = 7 for B = 16), averaged over valid positions;
+* AdamW, lr 6e-4, cosine with 4 % warm-up, grad clip 1.0. The target (embedding, lm_head included) is frozen.
+
+**Weaver** (:func:`run_train_weaver`). Same anchors and frozen DFlash pass (no grad); then per block, teacher forcing
+along the target's realised continuation: the Weaver prompt is ``u0`` = the target's final hidden state at
+``anchor-1`` plus the DFlash hidden states at block positions ``1..D`` (``D = min(B-1, K)``), the nodes are the
+tokens ``x[anchor + t]`` (t = 0..D-1, node t at depth t), and node t scores the top-``pool`` DFlash candidates of
+depth t+1. The target distribution at ``anchor + t`` restricted to that pool (renormalised) is the teacher:
+``loss = (1-λ)·KL(p‖q) + λ·TV(p, q)`` (the "LK" mix, λ = ``--tv-weight``), depth-decayed like DFlash. AdamW (or Muon
+for the matrices, ``--optimizer muon``), WSD schedule (warm-up, stable, linear decay over the last ``--decay``),
+peak lr 2e-4.
+
+**Both**: bf16 autocast on CUDA (fp32 master weights), ``--max-steps`` / ``--max-minutes`` (the schedule's progress is
+the larger of the step and time fractions, so a time budget still decays the lr to its end), checkpoint every
+``--save-every`` steps into ``--output-dir`` (``training_state.pt`` + the model in Hub layout via ``save_pretrained``,
+``--save-dtype`` bf16 by default, plus a model-card README), ``--resume`` restores model, optimizer, step, elapsed
+time and data order exactly. One process by default; DDP when started by ``torchrun`` (NCCL on CUDA, gloo on CPU).
+
+**On the lent GPU machine** (10-minute calls, machine kept only while warm): plan the whole run with
+``--max-minutes`` (the schedule) and cut it into calls with ``--session-minutes`` + ``--resume`` (state in an ignored
+folder of the repo survives between back-to-back calls). Files come back through ``$OUT`` only (≤ 8 files of
+≤ 16 MiB): ``tar czf - dflash weaver | split -b 15M - $OUT/drafters.tgz.`` and ``cat drafters.tgz.* | tar xzf -``
+here (a 5-layer SmolLM2 DFlash is 37 MB in bf16, its Weaver 6 MB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .configuration_dflash import DFlashConfig
+from .configuration_weaver import WeaverConfig
+from .data import TokenDataset, cli_entry, require_dir
+from .modeling_dflash import DFlashDraftModel
+from .modeling_weaver import WeaverModel
+from .smollm2 import load_target, resolve_device, resolve_dtype
+
+STATE_FILE = "training_state.pt"
+LOG_FILE = "train_log.jsonl"
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Runtime: device, DDP, autocast.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def max_over_ranks(self, values: list[float]) -> list[float]:
+        """Element-wise max over ranks (identity in a single process)."""
+        if not self.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def barrier(self):
+        if self.distributed:
+            dist.barrier()
+
+    def autocast(self):
+        """bf16 autocast on CUDA; nothing elsewhere (CPU runs stay fp32)."""
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+
+def setup_runtime(device: str | None = None) -> Runtime:
+    """Single process, or DDP when ``WORLD_SIZE > 1`` (torchrun): NCCL on CUDA, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(device, local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    return Runtime(rank, world, local_rank, dev)
+
+
+def teardown_runtime(runtime: Runtime):
+    if runtime.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Batches, anchors, the frozen target and the block pass.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    """Right-padded sequences: ``input_ids [B, T]``, ``lengths [B]``, ``prompt_lens [B]`` (response starts there)."""
+
+    input_ids: torch.Tensor
+    lengths: torch.Tensor
+    prompt_lens: torch.Tensor
+
+    def to(self, device) -> Batch:
+        return Batch(self.input_ids.to(device), self.lengths.to(device), self.prompt_lens.to(device))
+
+
+def collate(items: list[tuple[torch.Tensor, int]], pad_id: int = 0) -> Batch:
+    width = max(ids.shape[0] for ids, _ in items)
+    input_ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    for i, (ids, _) in enumerate(items):
+        input_ids[i, : ids.shape[0]] = ids
+    lengths = torch.tensor([ids.shape[0] for ids, _ in items])
+    return Batch(input_ids, lengths, torch.tensor([p for _, p in items]))
+
+
+def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random block anchors inside each response.
+
+    Candidates of sequence b are positions ``max(prompt_len, 1) .. length - 2`` (a following token exists and the
+    context is non-empty); ``min(num_anchors, #candidates)`` are drawn without replacement, sorted.
+
+    Returns:
+        ``anchors [B, nb]`` long and ``valid [B, nb]`` bool (padding anchors repeat a real one and are invalid).
+    """
+    rows = []
+    for length, plen in zip(batch.lengths.tolist(), batch.prompt_lens.tolist()):
+        lo, hi = max(plen, 1), length - 1  # anchors in [lo, hi)
+        count = max(0, hi - lo)
+        pick = torch.randperm(count, generator=generator)[:num_anchors] + lo if count else torch.zeros(0).long()
+        rows.append(pick.sort().values)
+    nb = max(1, max(len(r) for r in rows))
+    anchors = torch.ones(len(rows), nb, dtype=torch.long)
+    valid = torch.zeros(len(rows), nb, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        anchors[i, : len(r)] = r
+        anchors[i, len(r) :] = r[0] if len(r) else 1
+        valid[i, : len(r)] = True
+    return anchors.to(batch.input_ids.device), valid.to(batch.input_ids.device)
+
+
+@torch.no_grad()
+def target_states(target, batch: Batch, drafter: DFlashDraftModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """One frozen target pass. Returns the drafter's context features ``[B, T, n·H]`` and the final-normed hidden
+    states ``[B, T, H]`` (the lm_head input; Weaver's ``u0``)."""
+    width = batch.input_ids.shape[1]
+    mask = (torch.arange(width, device=batch.input_ids.device)[None] < batch.lengths[:, None]).long()
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    out = decoder(input_ids=batch.input_ids, attention_mask=mask, output_hidden_states=True, use_cache=False)
+    return drafter.extract_context_features(out.hidden_states), out.hidden_states[-1]
+
+
+class BlockDrafting(nn.Module):
+    """Trainable wrapper (what DDP wraps): all anchored blocks of a batch through the DFlash drafter in one pass."""
+
+    def __init__(self, drafter: DFlashDraftModel):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, input_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+                embed_tokens: nn.Module) -> torch.Tensor:
+        """
+        Args:
+            input_ids: ``[B, T]``; features: ``[B, T, n·H]`` target features of every position.
+            anchors: ``[B, nb]`` block anchors; embed_tokens: the target's (frozen) input embedding.
+        Returns:
+            ``[B, nb, S, H]`` drafter hidden states; ``[:, :, k]`` predicts token ``anchor + k``.
+        """
+        drafter = self.drafter
+        bsz, width = input_ids.shape
+        nb, size = anchors.shape[1], drafter.block_size
+        block = drafter.block_embeddings(input_ids.gather(1, anchors).reshape(-1), embed_tokens)  # [B·nb, S, H]
+        block = block.reshape(bsz, nb * size, -1)
+        positions = torch.cat([
+            torch.arange(width, device=input_ids.device).expand(bsz, width),
+            (anchors[:, :, None] + torch.arange(size, device=input_ids.device)).reshape(bsz, nb * size),
+        ], dim=1)
+        mask = DFlashDraftModel.block_attention_mask(anchors, width, size)
+        hidden = drafter(noise_embedding=block, target_hidden=features, position_ids=positions, attention_mask=mask)
+        return hidden.view(bsz, nb, size, -1)
+
+
+def depth_weights(num: int, gamma: float | None, device=None) -> torch.Tensor:
+    """``w_k = exp(-(k-1)/γ)`` for k = 1..num (all ones when γ is None or ≤ 0)."""
+    k = torch.arange(num, dtype=torch.float32, device=device)
+    return torch.ones_like(k) if not gamma or gamma <= 0 else torch.exp(-k / gamma)
+
+
+def block_targets(batch: Batch, anchors: torch.Tensor, valid: torch.Tensor, depth: int):
+    """Tokens ``x[anchor + k]`` for k = 1..depth: ``labels [B, nb, depth]`` and ``ok [B, nb, depth]``."""
+    k = torch.arange(1, depth + 1, device=anchors.device)
+    pos = anchors[:, :, None] + k  # [B, nb, depth]
+    ok = valid[:, :, None] & (pos < batch.lengths[:, None, None])
+    width = batch.input_ids.shape[1]
+    labels = batch.input_ids.gather(1, pos.clamp(max=width - 1).flatten(1)).view_as(pos)
+    return labels, ok
+
+
+def chain_tau(correct: torch.Tensor, ok: torch.Tensor) -> float:
+    """Teacher-forced chain acceptance: 1 + mean length of the leading run of correct valid predictions per block."""
+    run = (correct & ok).long().cumprod(-1).sum(-1).float() + 1  # [..., blocks]
+    blocks = ok[..., 0]
+    return float(run[blocks].mean()) if blocks.any() else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Losses.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, ok: torch.Tensor,
+                weights: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Position-decayed CE of block positions 1..S-1.
+
+    Args:
+        hidden: ``[B, nb, S, H]`` drafter output; labels, ok: ``[B, nb, S-1]``; weights: ``[S-1]``.
+    Returns:
+        scalar loss (weighted mean over valid positions) and metrics (``acc1`` = depth-1 accuracy, ``tau`` =
+        teacher-forced chain acceptance).
+    """
+    h = hidden[:, :, 1:][ok]  # only valid positions reach the (large) vocabulary projection
+    if h.shape[0] == 0:
+        return hidden.sum() * 0.0, {}
+    logits = lm_head(h.to(lm_head.weight.dtype)).float()
+    ce = F.cross_entropy(logits, labels[ok], reduction="none")
+    w = weights.expand(ok.shape)[ok]
+    loss = (ce * w).sum() / w.sum()
+    with torch.no_grad():
+        correct = torch.zeros_like(ok)
+        correct[ok] = logits.argmax(-1) == labels[ok]
+        acc1 = correct[..., 0][ok[..., 0]].float().mean()
+    return loss, {"ce": float(ce.detach().mean()), "acc1": float(acc1), "tau": chain_tau(correct, ok)}
+
+
+def lk_loss(scores: torch.Tensor, target_logits: torch.Tensor, ok: torch.Tensor, weights: torch.Tensor,
+            tv_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(1-λ)·KL(p‖q) + λ·TV(p, q)`` over the candidate pool, depth-weighted mean over valid nodes.
+
+    Args:
+        scores: ``[M, D, P]`` Weaver logits of the pool (q = softmax); target_logits: ``[M, D, P]`` the target's
+            logits of the same tokens (p = softmax, i.e. the target distribution restricted to the pool).
+        ok: ``[M, D]``; weights: ``[D]``.
+    Returns:
+        loss, and the per-node KL and TV ``[M, D]`` (detached).
+    """
+    logq = torch.log_softmax(scores.float(), -1)
+    logp = torch.log_softmax(target_logits.float(), -1)
+    p = logp.exp()
+    kl = (p * (logp - logq)).sum(-1)
+    tv = 0.5 * (p - logq.exp()).abs().sum(-1)
+    per_node = (1 - tv_weight) * kl + tv_weight * tv
+    w = weights.expand(ok.shape) * ok
+    loss = (per_node * w).sum() / w.sum().clamp_min(1e-9)
+    return loss, kl.detach(), tv.detach()
+
+
+def pool_projection(x: torch.Tensor, pool_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``weight[pool_ids] · x`` in fp32: ``x [..., H]``, ``pool_ids [..., P]``, ``weight [V, H]`` → ``[..., P]``.
+
+    Gathers the P rows per position (as :meth:`WeaverModel.candidate_logits` does at inference) when ``P·H < V``;
+    otherwise projects onto the whole vocabulary and gathers — the same numbers with far less memory (SmolLM2:
+    P·H = 295 k > V = 49 k; Qwen3.6-27B: 2.6 M > 248 k).
+    """
+    vocab, hdim = weight.shape
+    if pool_ids.shape[-1] * hdim < vocab:
+        return torch.matmul(weight[pool_ids], x.to(weight.dtype).unsqueeze(-1)).squeeze(-1).float()
+    return torch.matmul(x.to(weight.dtype), weight.t()).gather(-1, pool_ids).float()
+
+
+class WeaverTeacherForcing(nn.Module):
+    """Trainable wrapper (what DDP wraps): Weaver scores of the candidate pools along teacher-forced chains."""
+
+    def __init__(self, weaver: WeaverModel):
+        super().__init__()
+        self.weaver = weaver
+
+    def forward(self, u0: torch.Tensor, draft_hidden: torch.Tensor, token_embeds: torch.Tensor,
+                pool_ids: torch.Tensor, pool_logits: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """
+        Args:
+            u0: ``[M, d_model]``; draft_hidden: ``[M, D, d_model]``; token_embeds: ``[M, D, d_embed]`` (node t =
+                token at depth t, root first); pool_ids / pool_logits: ``[M, D, P]`` DFlash candidates of depth t+1.
+        Returns:
+            ``[M, D, P]`` Weaver logits: ``pool_logits + E_lm[c] · query``, the values of
+            :meth:`WeaverModel.candidate_logits` (computed through :func:`pool_projection`).
+        """
+        query = self.weaver(u0, draft_hidden, token_embeds)  # [M, D, d_model]
+        return pool_logits.float() + pool_projection(query, pool_ids, lm_head_weight)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Schedules, optimizers, checkpoints.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def cosine_schedule(progress: float, warmup: float) -> float:
+    """Linear warm-up over the first ``warmup`` fraction, then cosine to 0."""
+    if progress < warmup:
+        return progress / warmup
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))))
+
+
+def wsd_schedule(progress: float, warmup: float, decay: float) -> float:
+    """Warm-up, stable at 1, linear decay to 0 over the last ``decay`` fraction."""
+    if progress < warmup:
+        return progress / warmup
+    if progress < 1 - decay:
+        return 1.0
+    return max(0.0, (1 - progress) / max(1e-9, decay))
+
+
+def build_optimizers(model: nn.Module, lr: float, weight_decay: float, kind: str = "adamw") -> list:
+    """AdamW (β = 0.9, 0.95; no decay on norms and biases), or Muon for 2-D matrices + AdamW for the rest."""
+    decay, no_decay, matrices = [], [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if kind == "muon" and p.ndim == 2:
+            matrices.append(p)
+        elif p.ndim >= 2:
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    opts = [torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))]
+    if matrices:
+        if not hasattr(torch.optim, "Muon"):
+            raise RuntimeError("--optimizer muon needs torch >= 2.9 (torch.optim.Muon)")
+        opts.append(torch.optim.Muon(matrices, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw"))
+    for opt in opts:
+        for g in opt.param_groups:
+            g["base_lr"] = lr
+    return opts
+
+
+def save_hub(model, out_dir: Path, dtype: torch.dtype, card: str):
+    """``save_pretrained`` (config with auto_map, code files, safetensors) of a ``dtype`` copy + a model-card README.
+
+    A copy, so the fp32 master weights stay untouched (and ``config.json`` states the saved dtype)."""
+    copy.deepcopy(model).to(dtype).save_pretrained(out_dir)
+    (out_dir / "README.md").write_text(card)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The loop shared by both trainers.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoopSpec:
+    """What differs between the trainers."""
+
+    name: str  # "dflash" | "weaver"
+    model: nn.Module  # the PreTrainedModel being trained (saved)
+    wrapper: nn.Module  # module whose forward the step calls (DDP wraps it)
+    step: Callable  # (wrapped module, Batch, generator) -> (loss, metrics)
+    schedule: Callable[[float], float]
+    optimizer_kind: str
+    card: Callable[[dict], str]  # final metrics -> model-card text
+
+
+class Schedule:
+    """Where training stands: steps and elapsed time (across resumes) → progress in [0, 1]."""
+
+    def __init__(self, total_steps: int, max_minutes: float | None):
+        self.total_steps, self.budget = total_steps, (None if max_minutes is None else 60.0 * max_minutes)
+
+    def progress(self, step: int, elapsed: float) -> float:
+        p = step / self.total_steps
+        if self.budget:
+            p = max(p, elapsed / self.budget)
+        return min(1.0, p)
+
+
+def _batch_indices(step: int, micro: int, accum: int, runtime: Runtime, batch_size: int, n: int, seed: int,
+                   perms: dict) -> list[int]:
+    """Deterministic data order: epoch e is ``randperm(n)`` seeded by ``seed + e``; consumed in global order."""
+    out = []
+    base = ((step * accum + micro) * runtime.world_size + runtime.rank) * batch_size
+    for g in range(base, base + batch_size):
+        epoch = g // n
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        out.append(perms[epoch][g % n])
+    return out
+
+
+def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pad_id: int) -> dict:
+    """Optimise ``spec.model`` until ``--max-steps`` / epochs / ``--max-minutes``; checkpoints and resume.
+
+    Returns the last logged metrics.
+    """
+    from tqdm.auto import tqdm
+
+    out_dir = Path(args.output_dir)
+    model, wrapper = spec.model, spec.wrapper
+    model.to(runtime.device).train()
+    wrapper.to(runtime.device)
+    if runtime.distributed:
+        ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        wrapper = nn.parallel.DistributedDataParallel(wrapper, device_ids=ids)
+    opts = build_optimizers(model, args.lr, args.weight_decay, spec.optimizer_kind)
+    step, elapsed = 0, 0.0
+    if args.resume:
+        state = torch.load(out_dir / STATE_FILE, map_location=runtime.device, weights_only=False)
+        model.load_state_dict(state["model"])
+        for opt, sd in zip(opts, state["optimizers"]):
+            opt.load_state_dict(sd)
+        step, elapsed = state["step"], state["elapsed"]
+
+    global_batch = args.batch_size * args.grad_accum * runtime.world_size
+    total = args.max_steps or max(1, math.ceil(args.epochs * len(dataset) / global_batch))
+    schedule = Schedule(total, args.max_minutes)
+    params = [p for p in model.parameters() if p.requires_grad]
+    perms: dict = {}
+    metrics: dict = {}
+    log = open(out_dir / LOG_FILE, "a", encoding="utf-8") if runtime.is_main else None
+
+    def save():
+        if runtime.is_main:
+            torch.save({"step": step, "elapsed": elapsed, "model": model.state_dict(),
+                        "optimizers": [o.state_dict() for o in opts], "config": model.config.to_dict(),
+                        "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, bool))}},
+                       out_dir / (STATE_FILE + ".tmp"))
+            os.replace(out_dir / (STATE_FILE + ".tmp"), out_dir / STATE_FILE)
+            save_hub(model, out_dir, getattr(torch, args.save_dtype), spec.card(
+                {"step": step, "minutes": round(elapsed / 60, 2), "samples": len(dataset),
+                 "tokens": dataset.num_tokens, "world_size": runtime.world_size, **metrics}))
+        runtime.barrier()
+
+    bar = tqdm(total=total, initial=step, desc=f"train {spec.name}", disable=not runtime.is_main or args.no_progress)
+    start = time.monotonic() - elapsed
+    session_end = None if args.session_minutes is None else time.monotonic() + 60 * args.session_minutes
+    saved_at = step
+    while step < total and schedule.progress(step, elapsed) < 1.0:
+        if args.stop_at_step is not None and step >= args.stop_at_step:
+            break
+        if session_end is not None and runtime.max_over_ranks([float(time.monotonic() > session_end)])[0]:
+            break
+        factor = spec.schedule(schedule.progress(step + 1, elapsed))
+        for opt in opts:
+            for g in opt.param_groups:
+                g["lr"] = g["base_lr"] * factor
+        running: dict = {}
+        for micro in range(args.grad_accum):
+            idx = _batch_indices(step, micro, args.grad_accum, runtime, args.batch_size, len(dataset), args.seed, perms)
+            batch = collate([dataset[i] for i in idx], pad_id).to(runtime.device)
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro * 101 + runtime.rank)
+            sync = micro == args.grad_accum - 1 or not runtime.distributed
+            with (contextlib.nullcontext() if sync else wrapper.no_sync()), runtime.autocast():
+                loss, m = spec.step(wrapper, batch, gen)
+            (loss / args.grad_accum).backward()
+            for k, v in {"loss": float(loss.detach()), **m}.items():
+                running[k] = running.get(k, 0.0) + v / args.grad_accum
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip) if args.clip > 0 else torch.tensor(0.0)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step += 1
+        elapsed = runtime.max_over_ranks([time.monotonic() - start])[0]
+        metrics = {k: round(v, 5) for k, v in running.items()}
+        metrics.update(lr=opts[0].param_groups[0]["lr"], grad_norm=round(float(grad_norm), 4))
+        if log is not None and (step % args.log_every == 0 or step == 1):
+            log.write(json.dumps({"step": step, "elapsed": round(elapsed, 2), **metrics}) + "\n")
+            log.flush()
+        bar.update(1)
+        bar.set_postfix({k: metrics[k] for k in ("loss", "tau", "tau_weaver", "lr") if k in metrics})
+        if args.save_every and step % args.save_every == 0:
+            save()
+            saved_at = step
+    bar.close()
+    if saved_at != step or not (out_dir / STATE_FILE).exists():
+        save()
+    if log is not None:
+        log.close()
+    if runtime.is_main:
+        print(f"{spec.name}: {step} steps in {elapsed / 60:.1f} min (world size {runtime.world_size}), "
+              f"last metrics {json.dumps(metrics)} → {out_dir}")
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The two trainers.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _common_setup(args):
+    out_dir = Path(args.output_dir)
+    if not args.resume and (out_dir / STATE_FILE).exists():  # checked by every rank: none waits for a failed one
+        raise ValueError(f"{out_dir} already holds a training run: pass --resume, or choose another --output-dir")
+    if args.resume and not (out_dir / STATE_FILE).exists():
+        raise FileNotFoundError(f"--resume: no {STATE_FILE} in {out_dir}")
+    runtime = setup_runtime(args.device)
+    if runtime.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    runtime.barrier()
+    torch.manual_seed(args.seed)
+    try:
+        dataset = TokenDataset(args.data, max_length=args.max_length)
+        target, tokenizer = load_target(args.target, dtype=resolve_dtype(args.target_dtype, runtime.device),
+                                        device=runtime.device)
+    except BaseException:
+        teardown_runtime(runtime)
+        raise
+    target.requires_grad_(False)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return runtime, target, dataset, pad_id
+
+
+def _saved_config(args, config_cls):
+    """On ``--resume`` the model is rebuilt from the config stored with the training state."""
+    state = torch.load(Path(args.output_dir) / STATE_FILE, map_location="cpu", weights_only=False)
+    return config_cls.from_dict(state["config"])
+
+
+def _card(kind: str, args, extra: str) -> Callable[[dict], str]:
+    def card(info: dict) -> str:
+        rows = "\n".join(f"| {k} | {v} |" for k, v in info.items())
+        return (
+            f"---\nlibrary_name: transformers\ntags: [speculative-decoding, {kind}, modeling-weaver]\n---\n\n"
+            f"# {kind} drafter for `{args.target}`\n\n{extra}\n\nTrained with modeling-weaver "
+            f"(`weaver train-{kind}`), data `{args.data}`.\n\n```python\nfrom transformers import AutoModel\n"
+            f"model = AutoModel.from_pretrained(path, trust_remote_code=True)\n```\n\n| | |\n|---|---|\n{rows}\n"
+        )
+
+    return card
+
+
+@cli_entry
+def run_train_dflash(args) -> int:
+    require_dir(args.init_from, "--init-from")
+    runtime, target, dataset, pad_id = _common_setup(args)
+    try:
+        if args.resume:
+            drafter = DFlashDraftModel(_saved_config(args, DFlashConfig))
+        elif args.init_from:
+            drafter = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
+        else:
+            config = DFlashConfig.from_target_config(
+                target.config, num_hidden_layers=args.num_layers, block_size=args.block_size,
+                mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids,
+            )
+            drafter = DFlashDraftModel(config)
+        drafter.float()
+        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        size = drafter.block_size
+        weights = depth_weights(size - 1, args.gamma, runtime.device)
+
+        def step(module, batch: Batch, gen: torch.Generator):
+            features, _ = target_states(target, batch, drafter)
+            anchors, valid = sample_anchors(batch, args.anchors, gen)
+            hidden = module(batch.input_ids, features, anchors, embed)
+            labels, ok = block_targets(batch, anchors, valid, size - 1)
+            return dflash_loss(hidden, lm_head, labels, ok, weights)
+
+        n_params = sum(p.numel() for p in drafter.parameters())
+        spec = LoopSpec(
+            "dflash", drafter, BlockDrafting(drafter), step,
+            lambda p: cosine_schedule(p, args.warmup), "adamw",
+            _card("dflash", args, f"DFlash block drafter: {drafter.config.num_hidden_layers} layers, block size "
+                  f"{size}, target layers {drafter.config.target_layer_ids}, {n_params / 1e6:.1f} M parameters."),
+        )
+        train_loop(args, spec, dataset, runtime, pad_id)
+    finally:
+        teardown_runtime(runtime)
+    return 0
+
+
+@cli_entry
+def run_train_weaver(args) -> int:
+    require_dir(args.drafter, "--drafter")
+    require_dir(args.init_from, "--init-from")
+    runtime, target, dataset, pad_id = _common_setup(args)
+    try:
+        drafter = DFlashDraftModel.from_pretrained(args.drafter, dtype=torch.float32).to(runtime.device).eval()
+        drafter.requires_grad_(False)
+        if args.resume:
+            weaver = WeaverModel(_saved_config(args, WeaverConfig))
+        elif args.init_from:
+            weaver = WeaverModel.from_pretrained(args.init_from, dtype=torch.float32)
+        else:
+            weaver = WeaverModel(WeaverConfig.from_target_config(
+                target.config, drafter.config, d_rank=args.d_rank, num_layers=args.num_layers,
+                num_heads=args.num_heads, mlp_dim=args.mlp_dim, candidate_pool_size=args.pool,
+            ))
+        weaver.float()
+        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        drafting = BlockDrafting(drafter)
+        depth = min(drafter.block_size - 1, weaver.config.K)
+        pool = min(weaver.config.candidate_pool_size, lm_head.weight.shape[0])
+        weights = depth_weights(depth, args.gamma, runtime.device)
+
+        def step(module, batch: Batch, gen: torch.Generator):
+            with torch.no_grad():
+                features, final = target_states(target, batch, drafter)
+                anchors, valid = sample_anchors(batch, args.anchors, gen)
+                hidden = drafting(batch.input_ids, features, anchors, embed)[valid]  # [M, S, H]
+                a = anchors[valid]  # [M]
+                rows = torch.arange(anchors.shape[0], device=a.device)[:, None].expand_as(anchors)[valid]  # [M]
+                draft_hidden = hidden[:, 1 : depth + 1]  # DFlash hidden at block positions 1..D
+                pool_logits, pool_ids = lm_head(draft_hidden.to(lm_head.weight.dtype)).float().topk(pool, dim=-1)
+                t = torch.arange(depth, device=a.device)
+                node_pos = (a[:, None] + t).clamp(max=batch.input_ids.shape[1] - 1)  # [M, D] node t = x[a + t]
+                ok = (a[:, None] + t + 1) < batch.lengths[rows][:, None]  # its next token exists
+                # The target's logits at the node positions, restricted to each node's pool (the teacher p).
+                target_pool = pool_projection(final[rows[:, None], node_pos], pool_ids, lm_head.weight)
+                labels = batch.input_ids[rows[:, None], (node_pos + 1).clamp(max=batch.input_ids.shape[1] - 1)]
+                u0 = final[rows, a - 1]
+                token_embeds = embed(batch.input_ids[rows[:, None], node_pos])
+            scores = module(u0, draft_hidden, token_embeds, pool_ids, pool_logits, lm_head.weight)
+            loss, kl, tv = lk_loss(scores, target_pool, ok, weights, args.tv_weight)
+            with torch.no_grad():
+                weaver_correct = pool_ids.gather(-1, scores.argmax(-1, keepdim=True))[..., 0] == labels
+                dflash_correct = pool_ids[..., 0] == labels
+                metrics = {"kl": float(kl[ok].mean()), "tv": float(tv[ok].mean()),
+                           "tau_weaver": chain_tau(weaver_correct, ok), "tau_dflash": chain_tau(dflash_correct, ok),
+                           "pool_hit": float((pool_ids == labels[..., None]).any(-1)[ok].float().mean())}
+            return loss, metrics
+
+        n_params = sum(p.numel() for p in weaver.parameters())
+        spec = LoopSpec(
+            "weaver", weaver, WeaverTeacherForcing(weaver), step, lambda p: wsd_schedule(p, args.warmup, args.decay),
+            args.optimizer,
+            _card("weaver", args, f"Weaver tree adapter: d_rank {weaver.config.d_rank}, {weaver.config.num_layers} "
+                  f"layer(s), pool {weaver.config.candidate_pool_size}, K {weaver.config.K}, {n_params / 1e6:.1f} M "
+                  f"parameters; trained with the DFlash drafter `{args.drafter}` frozen."),
+        )
+        train_loop(args, spec, dataset, runtime, pad_id)
+    finally:
+        teardown_runtime(runtime)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CLI arguments.
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _add_common(parser: argparse.ArgumentParser, lr: float, warmup: float, batch_size: int, anchors: int):
+    g = parser.add_argument_group("data and target")
+    g.add_argument("--target", default="smollm2", help="'smollm2' (fetched/cached) or a transformers model folder")
+    g.add_argument("--data", required=True, help="folder of shard-*.pt from make-data")
+    g.add_argument("--output-dir", required=True, help="checkpoint + Hub-layout model folder")
+    g.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens")
+    g.add_argument("--target-dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
+    g.add_argument("--device", default=None, help="default: cuda:<LOCAL_RANK> if available, else cpu")
+    o = parser.add_argument_group("optimisation")
+    o.add_argument("--anchors", type=int, default=anchors, help="random block anchors per sequence")
+    o.add_argument("--gamma", type=float, default=7.0, help="depth decay w_k = exp(-(k-1)/gamma); <= 0 disables")
+    o.add_argument("--batch-size", type=int, default=batch_size, help="sequences per micro-batch per process")
+    o.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step")
+    o.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+    o.add_argument("--warmup", type=float, default=warmup, help="warm-up fraction of training")
+    o.add_argument("--weight-decay", type=float, default=0.0)
+    o.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0 disables)")
+    o.add_argument("--epochs", type=float, default=1.0, help="passes over the data (when --max-steps is not given)")
+    o.add_argument("--max-steps", type=int, default=None, help="optimiser steps (overrides --epochs)")
+    o.add_argument("--max-minutes", type=float, default=None,
+                   help="wall-clock budget; the lr schedule follows max(step, time) progress")
+    o.add_argument("--seed", type=int, default=0)
+    c = parser.add_argument_group("checkpoints")
+    c.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (0: only at the end)")
+    c.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved Hub-layout weights")
+    c.add_argument("--resume", action="store_true", help="continue the run in --output-dir (model, optimiser, step)")
+    c.add_argument("--stop-at-step", type=int, default=None,
+                   help="checkpoint and exit after this step without changing the schedule (resume later)")
+    c.add_argument("--session-minutes", type=float, default=None,
+                   help="checkpoint and exit after this many minutes of this process, schedule unchanged: split one "
+                        "run over several time-limited sessions with --resume")
+    c.add_argument("--init-from", default=None, help="start from these weights (a saved drafter folder)")
+    c.add_argument("--log-every", type=int, default=10, help="write train_log.jsonl every N steps")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_train_dflash_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags of ``train-dflash``."""
+    parser.description = (
+        "Train a DFlash block drafter for a frozen target (DESIGN.md §2): random anchors in each response, all "
+        "blocks of a sequence in one block-sparse pass over target features computed on the fly, position-decayed "
+        "cross entropy through the target's frozen lm_head; AdamW + cosine. Single process, or DDP under torchrun."
+    )
+    _add_common(parser, lr=6e-4, warmup=0.04, batch_size=4, anchors=512)
+    m = parser.add_argument_group("drafter")
+    m.add_argument("--num-layers", type=int, default=5, help="drafter decoder layers (= number of target features)")
+    m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
+                   help="target layers feeding the drafter (default: spread from 1 to L-3)")
+    m.add_argument("--mask-token-id", type=int, default=None,
+                   help="target vocabulary MASK id (default: none → a learned mask embedding)")
+    return parser
+
+
+def add_train_weaver_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags of ``train-weaver``."""
+    parser.description = (
+        "Train a Weaver tree adapter (DESIGN.md §3) with a frozen target and a frozen DFlash drafter: teacher forcing "
+        "along the target's own continuation, loss (1-λ)·KL + λ·TV to the target distribution restricted to the "
+        "candidate pool; AdamW (or Muon for matrices) + WSD schedule. Single process, or DDP under torchrun."
+    )
+    _add_common(parser, lr=2e-4, warmup=0.02, batch_size=8, anchors=64)
+    m = parser.add_argument_group("weaver")
+    m.add_argument("--drafter", required=True, help="trained DFlash drafter folder (frozen)")
+    m.add_argument("--d-rank", type=int, default=None, help="Weaver width (default min(2048, target hidden))")
+    m.add_argument("--num-layers", type=int, default=1)
+    m.add_argument("--num-heads", type=int, default=None)
+    m.add_argument("--mlp-dim", type=int, default=None)
+    m.add_argument("--pool", type=int, default=512, help="candidate pool size (top DFlash tokens per depth)")
+    m.add_argument("--tv-weight", type=float, default=0.5, help="λ of the LK loss (1-λ)·KL + λ·TV")
+    m.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
+    m.add_argument("--decay", type=float, default=0.2, help="WSD: final fraction with linear lr decay")
+    return parser
+
+
+__all__ = [
+    "BlockDrafting",
+    "WeaverTeacherForcing",
+    "add_train_dflash_arguments",
+    "add_train_weaver_arguments",
+    "cosine_schedule",
+    "depth_weights",
+    "dflash_loss",
+    "lk_loss",
+    "run_train_dflash",
+    "run_train_weaver",
+    "sample_anchors",
+    "wsd_schedule",
+]

