@@ -41,7 +41,8 @@ class TreeOutput:
     Attributes:
         logits: ``[N, V]`` target logits at every node.
         hidden: ``[N, H]`` final-normed hidden state at every node (the lm_head input; Weaver's ``u0``).
-        features: ``[N, len(feature_layer_ids) * H]`` outputs of the drafter's target layers, concatenated.
+        features: ``[N, len(feature_layer_ids) * H]`` outputs of the drafter's target layers, concatenated (transformers'
+            ``hidden_states[id + 1]``: the last layer's entry is final-normed).
     """
 
     logits: torch.Tensor
@@ -203,6 +204,9 @@ class TargetAdapter:
             if i in self.feature_layer_ids:
                 features[i] = x
         hidden = self.decoder.norm(x)
+        if len(self.layer_caches) - 1 in features:
+            # transformers' hidden_states[L] (what drafters are trained on) is the final-normed output
+            features[len(self.layer_caches) - 1] = hidden
         self._pending_tree = tree
         feats = torch.cat([features[i] for i in self.feature_layer_ids], -1)[0] if features else None
         return TreeOutput(logits=self.lm_head(hidden)[0], hidden=hidden[0], features=feats)
