@@ -6,11 +6,13 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 from transformers.generation import (
     EosTokenCriteria,
+    GenerateDecoderOnlyOutput,
     EpsilonLogitsWarper,
     EtaLogitsWarper,
     LogitsProcessorList,
@@ -80,6 +82,15 @@ def _check_arguments(target, drafter, weaver, mode: str, tree_budget: int, verif
         target_vocab_size=target.get_output_embeddings().weight.shape[0],
         target_embed_dim=target.get_input_embeddings().weight.shape[1],
     )
+
+
+def _check_prompt(input_ids) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("input_ids must be a 2-D tensor [batch, length]")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"speculative decoding supports batch size 1 only, got batch {input_ids.shape[0]}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token")
 
 
 def _check_processors(processors: LogitsProcessorList):
@@ -169,11 +180,13 @@ def _decode(
     max_new_tokens: int,
     processors: LogitsProcessorList,
     do_sample: bool,
-    verification: str,
+    verification: str | None,
     stopping_criteria: StoppingCriteriaList,
     streamer,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, SpeculativeStats]:
+    if verification is None:
+        verification = "traversal" if mode == "weaver" else "target_only"
     stats = SpeculativeStats()
     out = _Output(prompt, stopping_criteria, streamer)
     embed_tokens = target.get_input_embeddings()
@@ -182,6 +195,9 @@ def _decode(
         target, max_length=prompt.shape[0] + max_new_tokens + tree_budget + 2,
         feature_layer_ids=runner.feature_layer_ids,
     )
+    if target_cache.max_tree_nodes is not None and tree_budget + 1 > target_cache.max_tree_nodes:
+        raise ValueError(f"tree_budget {tree_budget} is too large for this hybrid target on {target_cache.device}: the "
+                         f"GDN tree kernel verifies at most {target_cache.max_tree_nodes} nodes (budget + root)")
 
     def distribution(logits: torch.Tensor) -> torch.Tensor:
         # Row-wise processors ignore input_ids; the prompt stands in for every row.
@@ -275,15 +291,18 @@ def speculative_generate(
     Returns:
         ``[1, T + new]`` token ids, and a :class:`SpeculativeStats` when ``return_stats=True``.
     """
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError("input_ids must be a 2-D tensor [batch, length]")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"speculative decoding supports batch size 1 only, got batch {input_ids.shape[0]}")
-    if input_ids.shape[1] == 0:
-        raise ValueError("the prompt is empty: give at least one token")
+    _check_prompt(input_ids)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     _check_arguments(target, drafter, weaver, mode, tree_budget, verification, do_sample)
+    # target.generate(do_sample=False) would also apply generation_config's processors (repetition penalty, ...):
+    # refuse those that a tree cannot apply exactly rather than silently differ from it.
+    greedy_config = copy.deepcopy(target.generation_config)
+    greedy_config.do_sample = False
+    _check_processors(target._get_logits_processor(
+        generation_config=greedy_config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+        device=input_ids.device,
+    ))
     processors = _warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
     if eos_token_id is None:
         eos_token_id = target.generation_config.eos_token_id
@@ -295,7 +314,7 @@ def speculative_generate(
     ids, stats = _decode(
         target, input_ids[0], runner=DFlashRunner(drafter, target), weaver=weaver, mode=mode, tree_budget=tree_budget,
         max_new_tokens=max_new_tokens, processors=processors, do_sample=do_sample,
-        verification=verification or ("traversal" if mode == "weaver" else "target_only"),
+        verification=verification,
         stopping_criteria=stopping, streamer=streamer, generator=generator,
     )
     return (ids, stats) if return_stats else ids
@@ -314,28 +333,41 @@ def generate(
     mode: str = "weaver",
     tree_budget: int = 64,
     verification: str | None = None,
+    tree_streamer=None,
     **model_kwargs,
 ):
     """``target.generate(input_ids, custom_generate=generate, drafter=..., weaver=..., mode=..., tree_budget=...)``.
 
     transformers has already applied ``generation_config`` (``max_new_tokens``, ``eos_token_id``, ``do_sample``,
     temperature/top-k/top-p) and built the processors and stopping criteria this loop honours.
+
+    Streaming: transformers keeps ``streamer=`` for itself when ``custom_generate`` is a callable (it sends the prompt
+    and never passes the streamer on), so pass yours as ``tree_streamer=``: it receives the prompt, every committed
+    token and ``end()``. The Hub ``custom_generate`` folder does this for you.
     """
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"speculative decoding supports batch size 1 only, got batch {input_ids.shape[0]}")
+    _check_prompt(input_ids)
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise ValueError("padded prompts are not supported (batch size 1, no padding)")
     do_sample = bool(generation_config.do_sample)
     _check_arguments(model, drafter, weaver, mode, tree_budget, verification, do_sample)
     _check_processors(logits_processor)
+    if any(getattr(generation_config, flag, False) for flag in
+           ("output_scores", "output_logits", "output_attentions", "output_hidden_states")):
+        raise ValueError("tree speculative decoding returns token ids only: output_scores/logits/attentions/"
+                         "hidden_states are not supported")
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     if max_new_tokens < 1:
         raise ValueError(f"max_length {generation_config.max_length} leaves no room after the prompt")
+    if tree_streamer is not None:
+        streamer = tree_streamer
+        streamer.put(input_ids.cpu())
     ids, _ = _decode(
         model, input_ids[0], runner=DFlashRunner(drafter, model), weaver=weaver, mode=mode, tree_budget=tree_budget,
         max_new_tokens=max_new_tokens, processors=logits_processor, do_sample=do_sample,
-        verification=verification or ("traversal" if mode == "weaver" else "target_only"),
+        verification=verification,
         stopping_criteria=stopping_criteria, streamer=streamer, generator=None,
     )
+    if generation_config.return_dict_in_generate:
+        return GenerateDecoderOnlyOutput(sequences=ids)
     return ids

@@ -177,6 +177,8 @@ class TargetAdapter:
                 self.layer_caches.append(
                     AttentionLayerCache(layer.self_attn, config, max_length, self.device, self.dtype)
                 )
+        # Gated DeltaNet layers verify at most this many nodes at once on this device (None: no limit).
+        self.max_tree_nodes = weaver_kernels.max_tree_nodes(self.device) if self.hybrid else None
         self.length = 0  # committed tokens
         self._pending_tree: Tree | None = None
 
@@ -186,6 +188,9 @@ class TargetAdapter:
         n, N = self.length, len(tree)
         if n + N > self.max_length:
             raise ValueError(f"tree of {N} nodes after {n} tokens exceeds the cache capacity {self.max_length}")
+        if self.max_tree_nodes is not None and N > self.max_tree_nodes:
+            raise ValueError(f"a tree of {N} nodes exceeds the {self.max_tree_nodes} nodes the GDN tree kernel verifies "
+                             f"at once on {self.device}")
         tree_mask = tree.ancestor_mask
         positions = (n + tree.depths)[None]
         if self.hybrid:  # multimodal RoPE: the same text positions on its 3 grids (older transformers want them)

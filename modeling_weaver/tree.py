@@ -145,9 +145,10 @@ def weaver_tree(
 ) -> Tree:
     """Weaver best-first: batched expansion rounds over the frontier (DESIGN.md §4).
 
-    Each round takes the ``width`` best frontier entries (cumulative log-prob), runs one batched Weaver node step on
-    them and publishes each node's top ``children_per_node`` pool candidates to the frontier. A frontier entry
-    becomes a tree node when it is selected for expansion; the final round's leftovers fill the remaining budget.
+    Each round takes the ``width`` best frontier entries (cumulative log-prob) as new tree nodes, runs one batched
+    Weaver node step on them and publishes each node's top ``children_per_node`` pool candidates to the frontier.
+    Entries at the maximum depth become leaves without a step and do not count against ``width``; rounds go on
+    until the budget is filled or the frontier is empty.
 
     Args:
         weaver: a :class:`~modeling_weaver.modeling_weaver.WeaverModel`.
@@ -161,7 +162,9 @@ def weaver_tree(
         width = min(32, math.ceil(budget / 16))
     pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])
     pool_logits, pool_ids = draft_logits[:max_depth].float().topk(pool, dim=-1)  # [D, pool]
-    cache = weaver.new_node_cache(budget + 1, device=device, dtype=lm_head_weight.dtype)
+    if max_depth == 0:
+        return Tree.from_lists([root], [-1], device=device)
+    cache = weaver.new_node_cache(budget + 1, device=device)
 
     tokens, parents, logq, depths, scores = [root], [-1], [0.0], [0], [0.0]
     frontier: list[tuple[float, int, int, int, float]] = []  # (-score, tiebreak, token, parent, logq)
@@ -178,10 +181,9 @@ def weaver_tree(
         cand_logp = torch.log_softmax(cand_logits.float(), dim=-1)
         top = cand_logp.topk(min(children_per_node, pool), dim=-1)
         top_ids = pool_ids[node_depth].gather(-1, top.indices).tolist()
+        top_logp = top.values.tolist()
         for row, node in enumerate(expand):
-            if depths[node] + 1 > max_depth:
-                continue
-            for lp, tok in zip(top.values[row].tolist(), top_ids[row]):
+            for lp, tok in zip(top_logp[row], top_ids[row]):
                 heapq.heappush(frontier, (-(scores[node] + lp), counter, tok, node, lp))
                 counter += 1
         # Select the next nodes: up to `width` best entries become tree nodes now.

@@ -179,6 +179,52 @@ def test_streamer_receives_prompt_then_every_token():
     assert sum(rec.chunks, []) == out[0].tolist()
 
 
+def test_streamer_through_transformers_generate():
+    """transformers keeps ``streamer=`` for itself with a callable custom_generate; ``tree_streamer=`` gets it all."""
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    ids = prompts()[1]
+    chunks, ended = [], []
+    streamer = type("S", (), {"put": lambda self, v: chunks.append(v.reshape(-1).tolist()),
+                              "end": lambda self: ended.append(True)})()
+    out = target.generate(ids, custom_generate=generate, drafter=drafter, weaver=weaver, max_new_tokens=16,
+                          do_sample=False, tree_streamer=streamer)
+    assert chunks[0] == ids[0].tolist() and sum(chunks, []) == out[0].tolist() and ended == [True]
+
+
+def test_return_dict_and_unsupported_outputs():
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    ids = prompts()[1]
+    out = target.generate(ids, custom_generate=generate, drafter=drafter, weaver=weaver, max_new_tokens=8,
+                          do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference(target, ids, 8))
+    with pytest.raises(ValueError, match="output_scores"):
+        target.generate(ids, custom_generate=generate, drafter=drafter, weaver=weaver, max_new_tokens=8,
+                        do_sample=False, return_dict_in_generate=True, output_scores=True)
+
+
+def test_generation_config_processors_are_not_silently_dropped():
+    """target.generate(do_sample=False) applies a repetition penalty from generation_config; so must we, or refuse."""
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    target.generation_config.repetition_penalty = 1.2
+    with pytest.raises(ValueError, match="RepetitionPenalty"):
+        speculative_generate(target, prompts()[1], drafter=drafter, weaver=weaver, max_new_tokens=4)
+
+
+def test_tree_budget_beyond_the_gdn_kernel_limit_is_refused_upfront(monkeypatch):
+    import weaver_kernels
+
+    target = TINY_TARGETS["qwen3_5"]()
+    drafter, weaver = make_drafters(target)
+    monkeypatch.setattr(weaver_kernels, "max_tree_nodes", lambda device: 8)  # as the Triton kernel's 128 on CUDA
+    with pytest.raises(ValueError, match="verifies at most 8 nodes"):
+        speculative_generate(target, prompts()[1], drafter=drafter, weaver=weaver, tree_budget=8, max_new_tokens=4)
+    out = speculative_generate(target, prompts()[1], drafter=drafter, weaver=weaver, tree_budget=7, max_new_tokens=4)
+    assert torch.equal(out, reference(target, prompts()[1], 4))
+
+
 def test_sampling_runs_and_is_reproducible():
     target = TINY_TARGETS["qwen3_5"]()
     drafter, weaver = make_drafters(target)
@@ -253,13 +299,14 @@ def test_bad_inputs_raise_clear_errors():
         speculative_generate(target, ids, drafter=drafter, weaver=narrow, max_new_tokens=4)
 
 
-@pytest.mark.parametrize("mode", ["weaver", "ddtree"])
-def test_sampling_through_the_loop_is_exact_in_distribution(mode):
-    """End to end on a tiny vocabulary: the first two sampled tokens follow the processed target distribution."""
+@pytest.mark.parametrize("mode,verification", [("weaver", None), ("ddtree", None), ("ddtree", "traversal")])
+def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification):
+    """End to end on a tiny vocabulary: the first three sampled tokens — across a commit and a second step — follow
+    the processed target distribution."""
     from scipy.stats import chisquare
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    vocab, temperature, top_k, draws = 8, 0.7, 5, 3000
+    vocab, temperature, top_k, draws = 6, 0.7, 3, 3000
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(
         vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -268,7 +315,7 @@ def test_sampling_through_the_loop_is_exact_in_distribution(mode):
     drafter = DFlashDraftModel(DFlashConfig.from_target_config(
         target.config, num_hidden_layers=1, block_size=4, target_layer_ids=[0])).eval()
     weaver = WeaverModel(WeaverConfig.from_target_config(
-        target.config, drafter.config, d_rank=16, num_heads=2, mlp_dim=32, candidate_pool_size=6)).eval()
+        target.config, drafter.config, d_rank=16, num_heads=2, mlp_dim=32, candidate_pool_size=5)).eval()
     prompt = torch.tensor([[1, 5, 2]])
 
     def processed(logits):
@@ -276,24 +323,29 @@ def test_sampling_through_the_loop_is_exact_in_distribution(mode):
         top[top < top.topk(top_k).values[..., -1:]] = float("-inf")
         return top.softmax(-1)
 
-    with torch.no_grad():
+    with torch.no_grad():  # exact p(x1, x2, x3) by enumeration
+        seqs = torch.cartesian_prod(*[torch.arange(vocab)] * 2)  # [V², 2]
         p1 = processed(target(prompt).logits[0, -1])
-        seconds = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
-        p2 = processed(target(seconds).logits[:, -1])
-    expected = (p1[:, None] * p2).flatten()
+        p2 = processed(target(torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)).logits[:, -1])
+        p3 = processed(target(torch.cat([prompt.expand(vocab * vocab, -1), seqs], 1)).logits[:, -1])
+    expected = (p1[:, None, None] * p2[:, :, None] * p3.view(vocab, vocab, vocab)).flatten().double()
 
     gen = torch.Generator().manual_seed(123)
-    counts = torch.zeros(vocab * vocab)
+    counts = torch.zeros(vocab**3, dtype=torch.float64)
     for _ in range(draws):
         out = speculative_generate(target, prompt, drafter=drafter, weaver=weaver, mode=mode, tree_budget=4,
-                                   max_new_tokens=2, do_sample=True, temperature=temperature, top_k=top_k,
-                                   generator=gen)
-        x1, x2 = out[0, -2:].tolist()
-        counts[x1 * vocab + x2] += 1
+                                   max_new_tokens=3, do_sample=True, temperature=temperature, top_k=top_k,
+                                   verification=verification, generator=gen)
+        x1, x2, x3 = out[0, -3:].tolist()
+        counts[(x1 * vocab + x2) * vocab + x3] += 1
     support = expected > 0
     assert counts[~support].sum() == 0, "a token outside the top-k support was emitted"
     exp = expected[support] * draws
     big = exp >= 5  # merge the tiny-expectation cells into one
-    obs = torch.cat([counts[support][big], counts[support][~big].sum()[None]])
-    exp = torch.cat([exp[big], exp[~big].sum()[None]])
-    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 0.01
+    obs, exp = counts[support][big], exp[big]
+    if not big.all():
+        obs = torch.cat([obs, counts[support][~big].sum()[None]])
+        exp = torch.cat([exp, (expected[support] * draws)[~big].sum()[None]])
+    exp = exp * (obs.sum() / exp.sum())  # the top-k mass sums to 1 only up to rounding
+    pvalue = chisquare(obs.numpy(), exp.numpy()).pvalue
+    assert pvalue > 0.01, pvalue

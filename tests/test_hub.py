@@ -553,6 +553,13 @@ def test_custom_generate_folder_matches_speculative_generate(exported):
     at_root = target.generate(ids, custom_generate=str(ROOT), trust_remote_code=True, drafter=drafter,
                               weaver=weaver, mode="chain", max_new_tokens=20, do_sample=False)
     assert torch.equal(at_root, expected)
+    # a streamer given to generate() reaches our loop through the Hub recipe: prompt, every token, end()
+    chunks, ended = [], []
+    streamer = type("S", (), {"put": lambda self, v: chunks.append(v.reshape(-1).tolist()),
+                              "end": lambda self: ended.append(True)})()
+    streamed = target.generate(ids, custom_generate=str(out), trust_remote_code=True, drafter=drafter,
+                               weaver=weaver, max_new_tokens=20, do_sample=False, streamer=streamer)
+    assert sum(chunks, []) == streamed[0].tolist() and chunks[0] == ids[0].tolist() and ended == [True]
 
 
 def test_render_card_marks_missing_fields():

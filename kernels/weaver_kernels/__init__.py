@@ -14,13 +14,14 @@ Kernels: :mod:`.gdn_tree.chunk` (verify + commit), :mod:`.conv_tree.conv`, and t
 
 from .conv_tree.naive import conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
-from .ops import conv_tree, conv_tree_commit, gdn_tree_commit, gdn_tree_verify
+from .ops import conv_tree, conv_tree_commit, gdn_tree_commit, gdn_tree_verify, max_tree_nodes
 
 __all__ = [
     "gdn_tree_verify",
     "gdn_tree_commit",
     "conv_tree",
     "conv_tree_commit",
+    "max_tree_nodes",
     "gdn_tree_verify_ref",
     "gdn_tree_commit_ref",
     "gdn_recurrent_ref",

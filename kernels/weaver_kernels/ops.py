@@ -17,6 +17,15 @@ from .conv_tree.naive import conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_tree_commit_ref, gdn_tree_verify_ref
 
 
+def max_tree_nodes(device) -> int | None:
+    """Largest tree the GDN verify op takes on ``device`` (the Triton kernel's limit on CUDA; None = unbounded)."""
+    if torch.device(device).type != "cuda":
+        return None
+    from .gdn_tree.chunk import MAX_NODES
+
+    return MAX_NODES
+
+
 def _contig(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 

@@ -19,6 +19,9 @@ from modeling_weaver.generate import generate as tree_speculative_decoding
 
 def generate(model, *args, drafter=None, weaver=None, **kwargs):
     drafter, weaver, defaults = resolve_drafters(model, drafter, weaver)
+    # transformers keeps `streamer` for itself with a callable custom_generate; ours takes it as `tree_streamer`
+    if kwargs.get("streamer") is not None:
+        kwargs["tree_streamer"] = kwargs.pop("streamer")
     for key, value in defaults.items():  # the repo's generation defaults (mode, tree_budget), unless given
         kwargs.setdefault(key, value)
     # type(model).generate, not model.generate: the instance may itself be bound to this recipe.
