@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .tree import Tree
+from .tree import Tree, children_of
 
 
 @dataclass
@@ -45,14 +45,6 @@ class Acceptance:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # helpers
-
-
-def _children(parents: list[int]) -> list[list[int]]:
-    kids: list[list[int]] = [[] for _ in parents]
-    for i, p in enumerate(parents):
-        if p >= 0:
-            kids[p].append(i)
-    return kids
 
 
 def _node_table(tree: Tree, probs: torch.Tensor):
@@ -144,7 +136,7 @@ def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
     best, tokens, parents = torch.stack(
         [logits.argmax(-1), tree.tokens.to(dev), tree.parents.to(dev)]
     ).tolist()
-    kids = _children(parents)
+    kids = children_of(parents)
     node, path = 0, [0]
     while True:
         want = best[node]
@@ -180,7 +172,7 @@ def accept_target_only(
         generator: CPU generator for all randomness.
     """
     tokens, parents, _, p_node, _ = _node_table(tree, probs)
-    kids = _children(parents)
+    kids = children_of(parents)
     u = _uniforms(len(tokens), generator)
     node, path = 0, [0]
     while True:
@@ -288,7 +280,7 @@ def accept_traversal(
     """
     tokens, parents, logq, p_node, total = _node_table(tree, probs)
     n = len(tokens)
-    kids = _children(parents)
+    kids = children_of(parents)
     rnd = _uniforms(2 * n + 1, generator)
     keys = [lq - math.log(-math.log(r)) if r > 0.0 else -math.inf for lq, r in zip(logq, rnd)]  # Gumbel-perturbed
     eta = rnd[n : 2 * n]

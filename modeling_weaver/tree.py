@@ -73,11 +73,7 @@ class Tree:
 
     def children(self) -> list[list[int]]:
         """Children of every node, in node order."""
-        kids: list[list[int]] = [[] for _ in range(len(self))]
-        for i, p in enumerate(self.parents.tolist()):
-            if p >= 0:
-                kids[p].append(i)
-        return kids
+        return children_of(self.parents.tolist())
 
     def path_to(self, node: int) -> list[int]:
         """Node indices root..node."""
@@ -86,6 +82,15 @@ class Tree:
         while parents[path[-1]] >= 0:
             path.append(parents[path[-1]])
         return path[::-1]
+
+
+def children_of(parents: list[int]) -> list[list[int]]:
+    """Children of every node from a host list of parents (-1 for the root), in node order."""
+    kids: list[list[int]] = [[] for _ in parents]
+    for i, p in enumerate(parents):
+        if p >= 0:
+            kids[p].append(i)
+    return kids
 
 
 def chain_tree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
