@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+import zlab_fixture
 from tiny_targets import VOCAB, tiny_llama, tiny_qwen3
 from transformers import AutoConfig, AutoModel, LlamaConfig, Qwen3_5Config, Qwen3_5TextConfig
 
@@ -52,61 +53,17 @@ ZH, ZHEADS, ZKV, ZHD, ZFFN, ZBLOCK, ZLAYERS = 32, 4, 2, 8, 64, 8, 2
 
 
 def zlab_config(**changes) -> dict:
-    """A z-lab DFlash config.json (their fields and spellings) at the tiny Qwen3 target's shape."""
-    config = {
-        "architectures": ["DFlashDraftModel"],
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-        "block_size": ZBLOCK,
-        "bos_token_id": None,
-        "dflash_config": {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2]},
-        "dtype": "bfloat16",
-        "eos_token_id": None,
-        "head_dim": ZHD,
-        "hidden_act": "silu",
-        "hidden_size": ZH,
-        "initializer_range": 0.02,
-        "intermediate_size": ZFFN,
-        "layer_types": ["full_attention"] * ZLAYERS,
-        "max_position_embeddings": 512,
-        "max_window_layers": ZLAYERS,
-        "model_type": "qwen3",
-        "num_attention_heads": ZHEADS,
-        "num_hidden_layers": ZLAYERS,
-        "num_key_value_heads": ZKV,
-        "num_target_layers": 3,
-        "rms_norm_eps": 1e-06,
-        "rope_scaling": None,
-        "rope_theta": 1000000,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "transformers_version": "4.57.1",
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": VOCAB,
-    }
-    config.update(changes)
-    return config
+    """A z-lab DFlash config.json at the tiny Qwen3 target's shape."""
+    config = zlab_fixture.zlab_config(
+        hidden=ZH, heads=ZHEADS, kv_heads=ZKV, head_dim=ZHD, ffn=ZFFN, layers=ZLAYERS, block=ZBLOCK, vocab=VOCAB,
+        mask_token_id=VOCAB - 1, target_layer_ids=[0, 2], num_target_layers=3, bos_token_id=None, eos_token_id=None,
+        max_position_embeddings=512,
+    )
+    return config | changes
 
 
 def zlab_tensors(seed=0) -> dict[str, torch.Tensor]:
-    """Their safetensors keys (no embed_tokens, no lm_head), bf16."""
-    shapes = {"fc.weight": (ZH, 2 * ZH), "hidden_norm.weight": (ZH,), "norm.weight": (ZH,)}
-    for i in range(ZLAYERS):
-        p = f"layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (ZH,), p + "post_attention_layernorm.weight": (ZH,),
-                   p + "self_attn.q_proj.weight": (ZHEADS * ZHD, ZH), p + "self_attn.k_proj.weight": (ZKV * ZHD, ZH),
-                   p + "self_attn.v_proj.weight": (ZKV * ZHD, ZH), p + "self_attn.o_proj.weight": (ZH, ZHEADS * ZHD),
-                   p + "self_attn.q_norm.weight": (ZHD,), p + "self_attn.k_norm.weight": (ZHD,),
-                   p + "mlp.gate_proj.weight": (ZFFN, ZH), p + "mlp.up_proj.weight": (ZFFN, ZH),
-                   p + "mlp.down_proj.weight": (ZH, ZFFN)}
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for key, shape in shapes.items():
-        noise = torch.randn(shape, generator=gen)
-        out[key] = (1 + 0.1 * noise if len(shape) == 1 else noise / shape[-1] ** 0.5).to(torch.bfloat16)
-    return out
+    return zlab_fixture.zlab_tensors(zlab_config(), seed)
 
 
 def write_zlab(folder: Path, config=None, tensors=None) -> Path:

@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModel, LlamaConfig, Qwen3_5Config, Qwen3_5TextConfig, Qwen3Config
 
+from zlab_fixture import zlab_config, zlab_tensors
+
 from modeling_weaver.configuration_dflash import DFlashConfig, dflash_target_layer_ids
 from modeling_weaver.configuration_weaver import WeaverConfig
 from modeling_weaver.modeling_dflash import DFlashDraftModel
@@ -192,57 +194,14 @@ def test_dflash_attention_backends_agree():
         torch.testing.assert_close(model(*args), sdpa, **TOL)
 
 
-ZLAB_CONFIG = {
-    "architectures": ["DFlashDraftModel"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-    "block_size": 16,
-    "dflash_config": {"mask_token_id": 151669, "target_layer_ids": [1, 9, 17, 25, 33]},
-    "dtype": "bfloat16",
-    "eos_token_id": 151645,
-    "head_dim": HEAD_DIM,
-    "hidden_act": "silu",
-    "hidden_size": H,
-    "initializer_range": 0.02,
-    "intermediate_size": FFN,
-    "layer_types": ["full_attention"] * 5,
-    "max_position_embeddings": 40960,
-    "max_window_layers": 5,
-    "model_type": "qwen3",
-    "num_attention_heads": HEADS,
-    "num_hidden_layers": 5,
-    "num_key_value_heads": KV_HEADS,
-    "num_target_layers": 36,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 1000000,
-    "sliding_window": None,
-    "tie_word_embeddings": False,
-    "transformers_version": "4.57.1",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 151936,
-}
-
-
-def zlab_tensors(gen) -> dict[str, torch.Tensor]:
-    shapes = {"fc.weight": (H, 5 * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
-    for i in range(5):
-        shapes |= {f"layers.{i}.input_layernorm.weight": (H,), f"layers.{i}.post_attention_layernorm.weight": (H,),
-                   f"layers.{i}.self_attn.q_proj.weight": (HEADS * HEAD_DIM, H),
-                   f"layers.{i}.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, H),
-                   f"layers.{i}.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, H),
-                   f"layers.{i}.self_attn.o_proj.weight": (H, HEADS * HEAD_DIM),
-                   f"layers.{i}.self_attn.q_norm.weight": (HEAD_DIM,),
-                   f"layers.{i}.self_attn.k_norm.weight": (HEAD_DIM,),
-                   f"layers.{i}.mlp.gate_proj.weight": (FFN, H), f"layers.{i}.mlp.up_proj.weight": (FFN, H),
-                   f"layers.{i}.mlp.down_proj.weight": (H, FFN)}
-    return {k: (0.05 * torch.randn(s, generator=gen)).to(torch.bfloat16) for k, s in shapes.items()}
+ZLAB_CONFIG = zlab_config(
+    hidden=H, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, ffn=FFN, layers=5, block=16, vocab=151936,
+    mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36, eos_token_id=151645,
+)
 
 
 def test_zlab_checkpoint_loads_unchanged(tmp_path):
-    tensors = zlab_tensors(torch.Generator().manual_seed(0))
+    tensors = zlab_tensors(ZLAB_CONFIG, seed=0)
     (tmp_path / "config.json").write_text(json.dumps(ZLAB_CONFIG))
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
 
@@ -297,7 +256,7 @@ def test_zlab_checkpoint_resaves_as_our_code(tmp_path):
     src, dst = tmp_path / "zlab", tmp_path / "ours"
     src.mkdir()
     (src / "config.json").write_text(json.dumps(ZLAB_CONFIG))
-    save_file(zlab_tensors(torch.Generator().manual_seed(1)), str(src / "model.safetensors"), metadata={"format": "pt"})
+    save_file(zlab_tensors(ZLAB_CONFIG, seed=1), str(src / "model.safetensors"), metadata={"format": "pt"})
     DFlashDraftModel.from_pretrained(src).save_pretrained(dst)
     config = json.loads((dst / "config.json").read_text())
     assert config["auto_map"]["AutoModel"] == "modeling_dflash.DFlashDraftModel"
