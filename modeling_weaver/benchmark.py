@@ -149,14 +149,18 @@ def run_prompt(method: Method, target, drafter, weaver, input_ids: torch.Tensor,
 
 def build_methods(modes, budgets, temperatures, sampling_verifications: str = "default",
                   hf_baseline: bool = False) -> list[Method]:
-    """AR first (the baseline of every temperature), then every tree mode × budget × temperature."""
+    """Per temperature: AR first (the baseline), then every budget (in the order given) × tree mode.
+
+    Budget-outer order puts the modes' comparison at one budget next to each other, so a run cut short by
+    ``--max-minutes`` still compares them at the first budgets listed.
+    """
     methods = []
     for temp in temperatures:
         methods.append(Method("ar", None, temp))
         if hf_baseline and temp == 0:
             methods.append(Method("hf", None, 0.0))
-        for mode in modes:
-            for budget in budgets:
+        for budget in budgets:
+            for mode in modes:
                 if temp > 0 and sampling_verifications == "both":
                     methods += [Method(mode, budget, temp, v) for v in ("target_only", "traversal")]
                 else:
@@ -254,10 +258,16 @@ def plot(rows: list[dict], path: Path):
 
 
 def run_benchmark_suite(target, tokenizer, drafter, weaver, prompts: dict[str, list[EvalPrompt]],
-                        methods: list[Method], max_new_tokens: int, seed: int = 0, progress: bool = True) -> list[dict]:
-    """Run every method on every prompt; one summary row per (dataset, method)."""
+                        methods: list[Method], max_new_tokens: int, seed: int = 0, progress: bool = True,
+                        max_minutes: float | None = None, on_method=None) -> list[dict]:
+    """Run every method on every prompt; one summary row per (dataset, method).
+
+    ``on_method(rows)`` is called after each method (the CLI saves partial results there). With ``max_minutes``,
+    no new method starts after that time: the rows of the methods that finished are returned.
+    """
     from tqdm.auto import tqdm
 
+    start = time.monotonic()
     device = next(target.parameters()).device
     encoded = {ds: [(p.id, torch.tensor([chat_prompt_ids(tokenizer, p.text)], device=device)) for p in items]
                for ds, items in prompts.items()}
@@ -265,6 +275,10 @@ def run_benchmark_suite(target, tokenizer, drafter, weaver, prompts: dict[str, l
     total = sum(len(v) for v in encoded.values()) * len(methods)
     bar = tqdm(total=total, desc="benchmark", unit="gen", disable=not progress)
     for method in methods:
+        if max_minutes is not None and time.monotonic() - start > 60 * max_minutes:
+            print(f"--max-minutes {max_minutes} reached: skipped {len(methods) - methods.index(method)} of "
+                  f"{len(methods)} methods")
+            break
         first = next(iter(encoded.values()))[0][1]
         run_prompt(method, target, drafter, weaver, first, min(8, max_new_tokens), seed)  # warm-up
         for ds, items in encoded.items():
@@ -281,6 +295,8 @@ def run_benchmark_suite(target, tokenizer, drafter, weaver, prompts: dict[str, l
             row = summarize(method, runs, ar if method.mode != "ar" else runs)
             row.update(dataset=ds, _runs=runs)
             rows.append(row)
+        if on_method is not None:
+            on_method(rows)
     bar.close()
     return rows
 
@@ -320,6 +336,8 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--out", default="benchmark_results", help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip plot.png (no matplotlib needed)")
     parser.add_argument("--strict", action="store_true", help="exit non-zero if a greedy run differs from AR")
+    parser.add_argument("--max-minutes", type=float, default=None,
+                        help="start no new method after this many minutes (results so far are kept)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -344,23 +362,27 @@ def run_benchmark(args) -> int:
     weaver = WeaverModel.from_pretrained(args.weaver, dtype=dtype).to(device).eval() if args.weaver else None
     methods = build_methods(args.modes, args.budgets, args.temperatures, args.sampling_verifications,
                             args.hf_baseline)
-    rows = run_benchmark_suite(target, tokenizer, drafter, weaver, prompts, methods, args.max_new_tokens,
-                               args.seed, progress=not args.no_progress)
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     datasets = list(prompts)
-    table = markdown_table(rows, datasets)
     info = (f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), dtype "
             f"{str(dtype).replace('torch.', '')}, target {args.target}, max_new_tokens {args.max_new_tokens}, "
             f"prompts {', '.join(f'{DATASET_TITLES.get(d, d)} {len(v)}' for d, v in prompts.items())}, "
             f"{time.strftime('%Y-%m-%d')}; AR = our TargetAdapter path, eager")
-    (out / "table.md").write_text(table + "\n\n" + info + "\n")
-    serial = [{k: v for k, v in r.items() if k != "_runs"} | {"per_prompt": [asdict(x) | {"output": None}
-                                                                             for x in r["_runs"]]} for r in rows]
-    (out / "results.json").write_text(json.dumps({"info": info, "args": vars(args), "rows": serial}, indent=1,
-                                                 default=str))
-    print(table)
+
+    def save(rows):  # after every method, so an interrupted run keeps what it measured
+        table = markdown_table(rows, datasets)
+        (out / "table.md").write_text(table + "\n\n" + info + "\n")
+        serial = [{k: v for k, v in r.items() if k != "_runs"} | {"per_prompt": [asdict(x) | {"output": None}
+                                                                                 for x in r["_runs"]]} for r in rows]
+        (out / "results.json").write_text(json.dumps({"info": info, "args": vars(args), "rows": serial}, indent=1,
+                                                     default=str))
+        return table
+
+    rows = run_benchmark_suite(target, tokenizer, drafter, weaver, prompts, methods, args.max_new_tokens,
+                               args.seed, progress=not args.no_progress, max_minutes=args.max_minutes,
+                               on_method=save)
+    print(save(rows))
     print(info)
     if not args.no_plot:
         plot(rows, out / "plot.png")
