@@ -212,6 +212,36 @@ class BlockDrafting(nn.Module):
         return hidden.view(bsz, nb, size, -1)
 
 
+@torch.no_grad()
+def init_from_target_layers(drafter: DFlashDraftModel, target) -> list[int]:
+    """Start the drafter's decoder layers from the target's last ``num_hidden_layers`` layers (and its final norm).
+
+    The drafter then begins with layers that already read and write the target's residual space, and its output
+    already suits the target's lm_head: on SmolLM2 this cut the steps to a given loss several-fold. Parameters
+    absent from the target (e.g. ``q_norm``/``k_norm`` for Llama targets) keep their init.
+
+    Returns:
+        the target layer indices copied (one per drafter layer).
+    Raises:
+        ValueError: the target's layers do not have the drafter layers' shapes.
+    """
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    source = list(decoder.layers)[-len(drafter.layers):]
+    copied = []
+    for layer, src in zip(drafter.layers, source):
+        theirs = dict(src.named_parameters())
+        for name, param in layer.named_parameters():
+            if name in theirs:
+                if theirs[name].shape != param.shape:
+                    raise ValueError(f"cannot start the drafter from target layers: {name} is "
+                                     f"{tuple(theirs[name].shape)} in the target, {tuple(param.shape)} in the drafter")
+                param.copy_(theirs[name].to(param.dtype))
+        copied.append(src.self_attn.layer_idx if hasattr(src.self_attn, "layer_idx") else None)
+    if getattr(decoder, "norm", None) is not None and decoder.norm.weight.shape == drafter.norm.weight.shape:
+        drafter.norm.weight.copy_(decoder.norm.weight.to(drafter.norm.weight.dtype))
+    return copied
+
+
 def depth_weights(num: int, gamma: float | None, device=None) -> torch.Tensor:
     """``w_k = exp(-(k-1)/γ)`` for k = 1..num (all ones when γ is None or ≤ 0)."""
     k = torch.arange(num, dtype=torch.float32, device=device)
@@ -574,6 +604,8 @@ def run_train_dflash(args) -> int:
                 mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids,
             )
             drafter = DFlashDraftModel(config)
+            if not args.random_init:
+                init_from_target_layers(drafter, target)
         drafter.float()
         embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         size = drafter.block_size
@@ -718,6 +750,8 @@ def add_train_dflash_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
                    help="target layers feeding the drafter (default: spread from 1 to L-3)")
+    m.add_argument("--random-init", action="store_true",
+                   help="random decoder layers (default: start them from the target's last layers, same shapes)")
     m.add_argument("--mask-token-id", type=int, default=None,
                    help="target vocabulary MASK id (default: none → a learned mask embedding)")
     return parser
@@ -752,6 +786,7 @@ __all__ = [
     "cosine_schedule",
     "depth_weights",
     "dflash_loss",
+    "init_from_target_layers",
     "lk_loss",
     "run_train_dflash",
     "run_train_weaver",

@@ -8,26 +8,32 @@
 #   scripts/train_smollm2.sh weaver bench pack    # call 3, while the machine is still warm
 set -euo pipefail
 WORK=${WORK:-.smol_dev/work}
-DATA_MIN=${DATA_MIN:-3.3} DFLASH_MIN=${DFLASH_MIN:-4.5} WEAVER_MIN=${WEAVER_MIN:-3} BENCH_MIN=${BENCH_MIN:-3.5}
+DATA_MIN=${DATA_MIN:-2.2} DFLASH_MIN=${DFLASH_MIN:-4} WEAVER_MIN=${WEAVER_MIN:-1.2} BENCH_MIN=${BENCH_MIN:-3.5}
+EXTRA_DATA=${EXTRA_DATA:-}  # a folder of earlier shard-*.pt to train on as well (copied in as shard-extra-*)
 mkdir -p "$WORK"
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
     data)    # target-written prompts + the target's own answers (half greedy, half T=0.7), leak-checked
-      python3 -m modeling_weaver.cli make-data --out "$WORK/data" --num-samples 1000000 --batch-size 512 \
-        --max-response-tokens 512 --max-minutes "$DATA_MIN" --no-progress ;;
-    dflash)  # 5-layer block drafter, block 16, learned mask embedding (SmolLM2 has no MASK token)
-      python3 -m modeling_weaver.cli train-dflash --data "$WORK/data" --output-dir "$WORK/dflash" \
-        --batch-size 8 --max-minutes "$DFLASH_MIN" --save-every 0 --no-progress ;;
+      python3 -m modeling_weaver.cli make-data --out "$WORK/data" --num-samples 1000000 --batch-size 2048 \
+        --max-response-tokens 384 --max-minutes "$DATA_MIN" --no-progress
+      if [ -n "$EXTRA_DATA" ]; then
+        for f in "$EXTRA_DATA"/shard-*.pt; do cp "$f" "$WORK/data/shard-extra-$(basename "$f" | tr -cd '0-9').pt"; done
+      fi ;;
+    dflash)  # 3-layer block drafter started from the target's last 3 layers, block 16, learned mask embedding
+      # (SmolLM2 has no MASK token); epochs are many: --max-minutes ends the run and its cosine schedule
+      python3 -m modeling_weaver.cli train-dflash --data "$WORK/data" --output-dir "$WORK/dflash" --num-layers 3 \
+        --batch-size 8 --epochs 100 --max-minutes "$DFLASH_MIN" --save-every 0 --log-every 50 --no-progress ;;
     weaver)  # 1-layer Weaver, pool 512, DFlash frozen
       python3 -m modeling_weaver.cli train-weaver --data "$WORK/data" --drafter "$WORK/dflash" \
-        --output-dir "$WORK/weaver" --batch-size 8 --max-minutes "$WEAVER_MIN" --save-every 0 --no-progress ;;
+        --output-dir "$WORK/weaver" --batch-size 8 --epochs 100 --max-minutes "$WEAVER_MIN" --save-every 0 \
+        --log-every 50 --no-progress ;;
     bench)
       python3 -m modeling_weaver.cli bench --drafter "$WORK/dflash" --weaver "$WORK/weaver" --subset "${SUBSET:-10}" \
         --max-new-tokens "${NEW_TOKENS:-128}" --budgets 64 32 16 --temperatures 0 1 --sampling-verifications both \
         --max-minutes "$BENCH_MIN" --out "$WORK/bench" --no-progress ;;
     pack)
-      (cd "$WORK" && find . -path ./data/shard-\* -prune -o -name training_state.pt -prune -o -type f -print \
+      (cd "$WORK" && find . -name training_state.pt -prune -o -type f -print \
         | tar czf - -T -) | split -b 15M - "${OUT:-.}/pack.tgz." ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
