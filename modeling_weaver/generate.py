@@ -184,6 +184,7 @@ def _decode(
     stopping_criteria: StoppingCriteriaList,
     streamer,
     generator: torch.Generator | None,
+    static_shapes: bool = False,
 ) -> tuple[torch.Tensor, SpeculativeStats]:
     if verification is None:
         verification = "traversal" if mode == "weaver" else "target_only"
@@ -228,16 +229,24 @@ def _decode(
             prompt_kv = weaver.encode_prompt(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
             tree = weaver_tree(bonus, weaver, prompt_kv, draft_logits, embed_tokens, lm_head.weight, tree_budget)
 
-        # Verify, accept, commit.
-        verified = target_cache.verify(tree)
-        scores = distribution(verified.logits)
+        # Verify, accept, commit. With static shapes, every step verifies budget + 1 nodes over the whole cache and
+        # commits a path padded to that length: the shapes a captured step has.
+        if static_shapes:
+            verified = target_cache.verify(tree.padded(tree_budget + 1), bound=target_cache.max_length)
+        else:
+            verified = target_cache.verify(tree)
+        scores = distribution(verified.logits[: len(tree)])
         if not do_sample:
             accepted = accept_greedy(tree, scores)
         elif verification == "traversal":
             accepted = accept_traversal(tree, scores, generator)
         else:
             accepted = accept_target_only(tree, scores, generator)
-        target_cache.commit(accepted.path)
+        if static_shapes:
+            path = accepted.path + [-1] * (tree_budget + 1 - len(accepted.path))
+            target_cache.commit(torch.tensor(path, device=target_cache.device), num_accepted=len(accepted.path))
+        else:
+            target_cache.commit(accepted.path)
         context = verified.features[accepted.path]
         last_hidden = verified.hidden[accepted.path[-1]]
         bonus = accepted.bonus
@@ -269,6 +278,7 @@ def speculative_generate(
     return_stats: bool = False,
     verification: str | None = None,
     generator: torch.Generator | None = None,
+    static_shapes: bool = False,
 ):
     """Lossless tree speculative decoding of ``target`` with a DFlash ``drafter`` (and optionally a Weaver).
 
@@ -287,6 +297,8 @@ def speculative_generate(
         streamer: a transformers streamer (``put``/``end``); receives the prompt, then tokens as they are committed.
         verification: when sampling, ``"target_only"`` (any tree) or ``"traversal"`` (default for Weaver trees).
         generator: random source for sampling.
+        static_shapes: verify every tree padded to ``tree_budget + 1`` nodes over the whole cache and commit
+            fixed-length paths — the shapes of a captured (CUDA-graph) step; same tokens, more work per step.
 
     Returns:
         ``[1, T + new]`` token ids, and a :class:`SpeculativeStats` when ``return_stats=True``.
@@ -314,8 +326,8 @@ def speculative_generate(
     ids, stats = _decode(
         target, input_ids[0], runner=DFlashRunner(drafter, target), weaver=weaver, mode=mode, tree_budget=tree_budget,
         max_new_tokens=max_new_tokens, processors=processors, do_sample=do_sample,
-        verification=verification,
-        stopping_criteria=stopping, streamer=streamer, generator=generator,
+        verification=verification, stopping_criteria=stopping, streamer=streamer, generator=generator,
+        static_shapes=static_shapes,
     )
     return (ids, stats) if return_stats else ids
 

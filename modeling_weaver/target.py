@@ -1,9 +1,14 @@
 """Target adapters: run a proposal tree through an unmodified transformers causal LM and commit the accepted path.
 
 The adapter reuses the target's own modules (embedding, norms, projections, MLPs, rotary embedding, lm_head) and
-keeps its own committed caches: attention K/V per full-attention layer; recurrent state and conv window per Gated
-DeltaNet layer. ``verify`` reads the committed caches and writes nothing into them; ``commit`` moves the accepted
-path in (KV compaction; GDN state advanced from the verification intermediates, never by re-running the target).
+keeps its own committed caches, allocated once: attention K/V per full-attention layer (``max_length`` rows);
+recurrent state and conv window per Gated DeltaNet layer. ``verify`` writes nothing committed: a tree's K/V go to the
+scratch rows right after the committed ones; ``commit`` moves the accepted path in (KV compaction inside the buffer;
+GDN state advanced from the verification intermediates, never by re-running the target).
+
+Every tensor op of ``verify`` and ``commit`` has a fixed shape for a fixed tree size and reads the committed length
+from a device tensor, so both can be captured in CUDA graphs (pad trees with :meth:`Tree.padded`, attend over the
+whole buffer with ``bound=max_length``); eager calls attend over the used rows only.
 
 Supported: Llama, Qwen2, Qwen3 (attention only) and Qwen3.5/3.6 (hybrid GDN + gated attention), either as
 ``*ForCausalLM`` or as the text model inside ``Qwen3_5ForConditionalGeneration``.
@@ -51,7 +56,10 @@ class TreeOutput:
 
 
 class AttentionLayerCache:
-    """Committed K/V of one full-attention layer, and tree attention over prefix + ancestor-or-self."""
+    """Committed K/V of one full-attention layer, and tree attention over prefix + ancestor-or-self.
+
+    Rows ``< n`` are committed; a verified tree's K/V sit in rows ``n .. n+N-1`` until the next commit.
+    """
 
     def __init__(self, attn: torch.nn.Module, config, max_length: int, device, dtype):
         self.attn = attn
@@ -66,10 +74,14 @@ class AttentionLayerCache:
         shape = (1, self.num_kv_heads, max_length, self.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
-        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward_tree(self, h: torch.Tensor, rope, mask: torch.Tensor, n: int) -> torch.Tensor:
-        """``h [1, N, H]`` → attention output ``[1, N, H]``; ``mask [N, n + N]`` bool (True = attend)."""
+    def forward_tree(self, h: torch.Tensor, rope, mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``h [1, N, H]`` → attention output ``[1, N, H]``.
+
+        Args:
+            mask: ``[N, bound]`` bool over the first ``bound`` cache rows (True = attend).
+            slots: ``[N]`` cache rows receiving the tree's K/V (``n + arange(N)``).
+        """
         attn, N = self.attn, h.shape[1]
         q = attn.q_proj(h).view(1, N, self.num_heads, -1)
         if self.gated:
@@ -80,22 +92,22 @@ class AttentionLayerCache:
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
-        self.pending = (k, v)
-        keys = torch.cat([self.keys[:, :, :n], k], dim=2)
-        values = torch.cat([self.values[:, :, :n], v], dim=2)
+        self.keys.index_copy_(2, slots, k.to(self.keys.dtype))
+        self.values.index_copy_(2, slots, v.to(self.values.dtype))
+        bound = mask.shape[-1]
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=self.num_heads != self.num_kv_heads
+            q, self.keys[:, :, :bound], self.values[:, :, :bound], attn_mask=mask, scale=attn.scaling,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )
         out = out.transpose(1, 2).reshape(1, N, -1)
         if self.gated:
             out = out * torch.sigmoid(gate)
         return attn.o_proj(out)
 
-    def commit(self, path: torch.Tensor, n: int):
-        k, v = self.pending
-        self.keys[:, :, n : n + len(path)] = k[:, :, path]
-        self.values[:, :, n : n + len(path)] = v[:, :, path]
-        self.pending = None
+    def commit(self, rows: torch.Tensor, dst: torch.Tensor):
+        """Compact the accepted tree rows ``rows`` to ``dst`` (both ``[P]``; rows past the path are scratch)."""
+        for cache in (self.keys, self.values):
+            cache.index_copy_(2, dst, cache.index_select(2, rows))
 
 
 class GatedDeltaNetLayerCache:
@@ -130,7 +142,7 @@ class GatedDeltaNetLayerCache:
         o = gdn.norm(o.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
         return gdn.out_proj(o.reshape(1, N, -1))
 
-    def commit(self, path: torch.Tensor, n: int):
+    def commit(self, path: torch.Tensor):
         mixed, k, u, gamma = self.pending
         weaver_kernels.conv_tree_commit(self.window, mixed, path)
         weaver_kernels.gdn_tree_commit(self.state, k, u, gamma, path, use_qk_l2norm_in_kernel=True)
@@ -177,34 +189,50 @@ class TargetAdapter:
                 self.layer_caches.append(
                     AttentionLayerCache(layer.self_attn, config, max_length, self.device, self.dtype)
                 )
+        self._has_attention = any(isinstance(c, AttentionLayerCache) for c in self.layer_caches)
         # Gated DeltaNet layers verify at most this many nodes at once on this device (None: no limit).
         self.max_tree_nodes = weaver_kernels.max_tree_nodes(self.device) if self.hybrid else None
-        self.length = 0  # committed tokens
+        self.length = 0  # committed tokens (host mirror of ``length_t``)
+        self.length_t = torch.zeros((), dtype=torch.long, device=self.device)
         self._pending_tree: Tree | None = None
 
+    def attention_mask(self, tree_mask: torch.Tensor, bound: int) -> torch.Tensor:
+        """``[N, bound]`` bool: every committed row, plus the tree's own rows (after them) where ancestor-or-self."""
+        N = tree_mask.shape[0]
+        rel = torch.arange(bound, device=tree_mask.device) - self.length_t  # row offset from the tree's first slot
+        in_tree = (rel >= 0) & (rel < N)
+        return (rel < 0)[None] | (tree_mask[:, rel.clamp(0, N - 1)] & in_tree[None])
+
     @torch.no_grad()
-    def verify(self, tree: Tree) -> TreeOutput:
-        """One target pass over ``tree`` placed right after the committed tokens. Writes no committed state."""
+    def verify(self, tree: Tree, bound: int | None = None) -> TreeOutput:
+        """One target pass over ``tree`` placed right after the committed tokens. Writes no committed state.
+
+        Args:
+            bound: attend over the first ``bound`` cache rows (default: the used ones, ``length + N``; a captured step
+                passes ``max_length`` so that its shapes do not depend on the length).
+        """
         n, N = self.length, len(tree)
         if n + N > self.max_length:
             raise ValueError(f"tree of {N} nodes after {n} tokens exceeds the cache capacity {self.max_length}")
         if self.max_tree_nodes is not None and N > self.max_tree_nodes:
             raise ValueError(f"a tree of {N} nodes exceeds the {self.max_tree_nodes} nodes the GDN tree kernel verifies "
                              f"at once on {self.device}")
+        bound = n + N if bound is None else bound
         tree_mask = tree.ancestor_mask
-        positions = (n + tree.depths)[None]
+        positions = (self.length_t + tree.depths)[None]
         if self.hybrid:  # multimodal RoPE: the same text positions on its 3 grids (older transformers want them)
             positions = positions[None].expand(3, -1, -1)
         x = self.embed_tokens(tree.tokens[None])
         rope = self.decoder.rotary_emb(x, positions)
-        attn_mask = torch.cat([torch.ones(N, n, dtype=torch.bool, device=x.device), tree_mask], dim=1)
+        attn_mask = self.attention_mask(tree_mask, bound) if self._has_attention else None
+        slots = self.length_t + torch.arange(N, device=self.device)
         features = {}
         for i, (layer, cache) in enumerate(zip(self.decoder.layers, self.layer_caches)):
             h = layer.input_layernorm(x)
             if isinstance(cache, GatedDeltaNetLayerCache):
                 x = x + cache.forward_tree(h, tree_mask, tree.parents)
             else:
-                x = x + cache.forward_tree(h, rope, attn_mask, n)
+                x = x + cache.forward_tree(h, rope, attn_mask, slots)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if i in self.feature_layer_ids:
                 features[i] = x
@@ -216,14 +244,27 @@ class TargetAdapter:
         feats = torch.cat([features[i] for i in self.feature_layer_ids], -1)[0] if features else None
         return TreeOutput(logits=self.lm_head(hidden)[0], hidden=hidden[0], features=feats)
 
-    def commit(self, path) -> None:
-        """Append the accepted nodes ``path`` (root..leaf of the last verified tree) to the committed caches."""
+    def commit(self, path, num_accepted: int | None = None) -> None:
+        """Append the accepted nodes ``path`` (root..leaf of the last verified tree) to the committed caches.
+
+        ``path`` may be right-padded with -1 to a fixed length (captured steps); then pass ``num_accepted`` to update
+        the host mirror ``length`` without a sync, or leave it ``None`` to count on the device (one sync).
+        """
         if self._pending_tree is None:
             raise RuntimeError("commit() must follow verify()")
+        if num_accepted is None and not isinstance(path, torch.Tensor):
+            num_accepted = sum(1 for node in path if node >= 0)
         path = torch.as_tensor(path, dtype=torch.long, device=self.device)
+        count = (path >= 0).sum()
+        rows = self.length_t + path.clamp(min=0)
+        dst = self.length_t + torch.arange(path.shape[0], device=self.device)
         for cache in self.layer_caches:
-            cache.commit(path, self.length)
-        self.length += len(path)
+            if isinstance(cache, GatedDeltaNetLayerCache):
+                cache.commit(path)
+            else:
+                cache.commit(rows, dst)
+        self.length_t += count
+        self.length += int(count) if num_accepted is None else num_accepted
         self._pending_tree = None
 
     @torch.no_grad()

@@ -6,11 +6,13 @@ A tree's node 0 is the root, the bonus token the target chose last; draft nodes 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -50,26 +52,39 @@ class Tree:
     def num_drafts(self) -> int:
         return len(self) - 1
 
-    @property
+    @functools.cached_property
     def depths(self) -> torch.Tensor:
-        """``[N]`` depth of each node (root 0)."""
-        parents = self.parents.tolist()
-        depths = [0] * len(parents)
-        for i in range(1, len(parents)):
-            depths[i] = depths[parents[i]] + 1
-        return torch.tensor(depths, dtype=torch.long, device=self.tokens.device)
+        """``[N]`` depth of each node (root 0; padding nodes are roots too). Computed on the tree's device."""
+        return self.ancestor_mask.sum(dim=1) - 1
 
-    @property
+    @functools.cached_property
     def ancestor_mask(self) -> torch.Tensor:
-        """``[N, N]`` bool, ``mask[i, j]`` iff j is i or an ancestor of i."""
-        parents = self.parents.tolist()
-        n = len(parents)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            mask[i, i] = True
-            if parents[i] >= 0:
-                mask[i] |= mask[parents[i]]
-        return mask.to(self.tokens.device)
+        """``[N, N]`` bool, ``mask[i, j]`` iff j is i or an ancestor of i.
+
+        Computed on the tree's device without a host sync (fixed shapes, so CUDA graphs can capture it): the
+        reflexive parent relation squared ``ceil(log2 N)`` times covers every ancestor.
+        """
+        n = len(self)
+        eye = torch.eye(n, dtype=torch.float32, device=self.tokens.device)
+        has_parent = (self.parents >= 0).to(torch.float32)[:, None]
+        reach = eye + F.one_hot(self.parents.clamp(min=0), n).to(torch.float32) * has_parent
+        for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
+            reach = (reach @ reach).clamp_(max=1.0)
+        return reach > 0
+
+    def padded(self, num_nodes: int) -> Tree:
+        """This tree with padding nodes appended up to ``num_nodes`` (fixed shapes for captured steps).
+
+        Padding nodes are extra roots (parent -1, token 0, ``logq`` -inf): no node has them as ancestor, and the
+        acceptance rules, which walk down from node 0, never reach them.
+        """
+        extra = num_nodes - len(self)
+        if extra < 0:
+            raise ValueError(f"a tree of {len(self)} nodes cannot be padded to {num_nodes}")
+        if extra == 0:
+            return self
+        pad = lambda x, v: torch.cat([x, x.new_full((extra,), v)])  # noqa: E731
+        return Tree(pad(self.tokens, 0), pad(self.parents, -1), pad(self.logq, float("-inf")))
 
     def children(self) -> list[list[int]]:
         """Children of every node, in node order."""

@@ -70,7 +70,7 @@ class OracleRunner:
         return torch.randn(depth, self.hidden_size, generator=self.gen), logits
 
 
-def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=None, seed=0):
+def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=None, seed=0, static_shapes=False):
     ref = reference(target, ids, max_new_tokens + 2 * BLOCK)
     stopping = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + max_new_tokens)])
     if eos_token_id is not None:
@@ -79,6 +79,7 @@ def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=N
         target, ids[0], runner=OracleRunner(ref, text_config(target.config).hidden_size, seed=seed), weaver=weaver,
         mode=mode, tree_budget=budget, max_new_tokens=max_new_tokens, processors=LogitsProcessorList(),
         do_sample=False, verification="target_only", stopping_criteria=stopping, streamer=None, generator=None,
+        static_shapes=static_shapes,
     )
 
 
@@ -110,6 +111,24 @@ def test_greedy_identity_with_long_accepted_paths(name, mode):
         assert max(stats.accepted_lengths) >= 6, stats.accepted_lengths
         assert stats.mean_accepted_length > 2.5, stats.mean_accepted_length
         assert all(size <= 25 for size in stats.tree_sizes)
+
+
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_static_shapes_give_the_same_tokens(name):
+    """Padded trees, attention over the whole cache, padded commits (a captured step's shapes): the same tokens as
+    the dynamic path and as AR, over many steps, deep accepted paths and several prompt lengths."""
+    target = TINY_TARGETS[name]()
+    drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else VOCAB - 1)
+    gen = torch.Generator().manual_seed(5)
+    for mode, length in zip(MODES, (2, 13, 31)):
+        ids = torch.randint(0, VOCAB, (1, length), generator=gen)
+        expected = reference(target, ids, NEW_TOKENS)
+        got, stats = run_oracle(target, weaver, ids, mode, budget=24, max_new_tokens=NEW_TOKENS, static_shapes=True)
+        assert torch.equal(got, expected), (name, mode, length)
+        assert max(stats.accepted_lengths) >= 6 and len(stats.accepted_lengths) >= 8, stats.accepted_lengths
+        random_drafts = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
+                                             max_new_tokens=NEW_TOKENS, static_shapes=True)
+        assert torch.equal(random_drafts, expected), (name, mode, length)
 
 
 @pytest.mark.parametrize("name", list(TINY_TARGETS))

@@ -78,7 +78,9 @@ def test_commit_equals_sequential_caches(name):
             saw.add("kv")
             assert rel(layer.keys[:, :, :n], cache.layers[i].keys) < 1e-5
             assert rel(layer.values[:, :, :n], cache.layers[i].values) < 1e-5
-            assert not layer.keys[:, :, n:].any(), "nothing beyond the committed length was ever written"
+            before = layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone()
+            target.verify(random_tree(7, gen))  # a tree's K/V go to scratch rows only
+            assert torch.equal(layer.keys[:, :, :n], before[0]) and torch.equal(layer.values[:, :, :n], before[1])
         else:
             assert isinstance(layer, GatedDeltaNetLayerCache)
             saw.add("gdn")
@@ -153,3 +155,43 @@ def test_capacity_and_commit_order_errors():
         target.verify(Tree.from_lists([1, 2, 3], [-1, 0, 1]))
     with pytest.raises(ValueError, match="outside the target"):
         TargetAdapter(TINY_TARGETS["llama"](), max_length=8, feature_layer_ids=[7])
+
+
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_padded_tree_over_the_whole_cache_equals_the_plain_verify(name):
+    """A captured step's shapes (tree padded with extra roots, attention over all ``max_length`` rows, commit of a
+    -1-padded path) give the plain verify's logits on the real nodes and the same committed caches."""
+    model = TINY_TARGETS[name]()
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, VOCAB, (6,), generator=gen)
+    plain, static = TargetAdapter(model, max_length=80), TargetAdapter(model, max_length=80)
+    plain.prefill(prompt)
+    static.prefill(prompt)
+    for num_nodes in (9, 3, 14):
+        tree = random_tree(num_nodes, gen)
+        a = plain.verify(tree)
+        b = static.verify(tree.padded(16), bound=static.max_length)
+        assert rel(b.logits[:num_nodes], a.logits) < 1e-5 and rel(b.hidden[:num_nodes], a.hidden) < 1e-5
+        path = tree.path_to(int(torch.randint(num_nodes, (1,), generator=gen)))
+        plain.commit(path)
+        static.commit(torch.tensor(path + [-1] * (16 - len(path))), num_accepted=len(path))
+        assert static.length == plain.length == int(static.length_t)
+    n = plain.length
+    for p_cache, s_cache in zip(plain.layer_caches, static.layer_caches):
+        if isinstance(p_cache, AttentionLayerCache):
+            assert rel(s_cache.keys[:, :, :n], p_cache.keys[:, :, :n]) < 1e-6
+            assert rel(s_cache.values[:, :, :n], p_cache.values[:, :, :n]) < 1e-6
+        else:
+            assert rel(s_cache.state, p_cache.state) < 1e-6 and rel(s_cache.window, p_cache.window) < 1e-6
+
+
+def test_ancestor_mask_and_depths_match_a_parent_walk():
+    gen = torch.Generator().manual_seed(0)
+    for num_nodes in (1, 2, 5, 33, 129):
+        tree = random_tree(num_nodes, gen)
+        parents = tree.parents.tolist()
+        for i in range(num_nodes):
+            path = tree.path_to(i)
+            assert tree.ancestor_mask[i].nonzero().flatten().tolist() == sorted(path)
+            assert int(tree.depths[i]) == len(path) - 1
+            assert parents[i] < i
