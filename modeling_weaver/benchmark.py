@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from .captured import static_target
 from .data import (
     DATASET_TITLES,
     EvalPrompt,
@@ -90,18 +91,25 @@ def _eos_list(target) -> list[int]:
 
 @torch.no_grad()
 def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                            eos_token_id=None, generator: torch.Generator | None = None) -> torch.Tensor:
+                            eos_token_id=None, generator: torch.Generator | None = None,
+                            target_step: str = "eager") -> torch.Tensor:
     """Our AR baseline: one token per target step through :class:`TargetAdapter` (same caches as the tree loop).
 
     Args:
         input_ids: ``[1, T]`` prompt. temperature: 0 = greedy, else plain sampling at that temperature.
         eos_token_id: one id or several; default the target's generation config.
+        target_step: ``"eager"``, ``"static"`` or ``"graph"`` (the one-node step captured in a CUDA graph on CUDA),
+            as in :func:`~modeling_weaver.generate.speculative_generate`.
     Returns:
         ``[1, T + new]`` ids (greedy output equals ``target.generate(do_sample=False)``).
     """
     eos = set(_eos_list(target) if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int)
               else eos_token_id)
-    adapter = TargetAdapter(target, max_length=input_ids.shape[1] + max_new_tokens + 1)
+    max_length = input_ids.shape[1] + max_new_tokens + 1
+    if target_step == "eager":
+        adapter = TargetAdapter(target, max_length=max_length)
+    else:
+        adapter = static_target(target, max_length, 1, capture=target_step == "graph" and input_ids.is_cuda)
     logits = adapter.prefill(input_ids[0]).logits[-1]
     new: list[int] = []
     while True:
@@ -119,7 +127,7 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
 
 
 def run_prompt(method: Method, target, drafter, weaver, input_ids: torch.Tensor, max_new_tokens: int,
-               seed: int) -> PromptRun:
+               seed: int, target_step: str = "eager") -> PromptRun:
     """Generate for one prompt under ``method``, timed (CUDA synchronised)."""
     device = input_ids.device
     generator = torch.Generator().manual_seed(seed)
@@ -127,7 +135,7 @@ def run_prompt(method: Method, target, drafter, weaver, input_ids: torch.Tensor,
     start = time.perf_counter()
     if method.mode == "ar":
         ids = autoregressive_generate(target, input_ids, max_new_tokens, temperature=method.temperature,
-                                      generator=generator)
+                                      generator=generator, target_step=target_step)
         steps = committed = ids.shape[1] - input_ids.shape[1] - 1
     elif method.mode == "hf":
         ids = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
@@ -139,6 +147,7 @@ def run_prompt(method: Method, target, drafter, weaver, input_ids: torch.Tensor,
             target, input_ids, drafter=drafter, weaver=weaver, mode=method.mode, tree_budget=method.budget,
             max_new_tokens=max_new_tokens, do_sample=sample, temperature=method.temperature if sample else 1.0,
             verification=method.verification if sample else None, generator=generator, return_stats=True,
+            target_step=target_step,
         )
         steps, committed = stats.num_steps, sum(stats.accepted_lengths)
     _sync(device)
@@ -259,7 +268,7 @@ def plot(rows: list[dict], path: Path):
 
 def run_benchmark_suite(target, tokenizer, drafter, weaver, prompts: dict[str, list[EvalPrompt]],
                         methods: list[Method], max_new_tokens: int, seed: int = 0, progress: bool = True,
-                        max_minutes: float | None = None, on_method=None) -> list[dict]:
+                        max_minutes: float | None = None, on_method=None, target_step: str = "eager") -> list[dict]:
     """Run every method on every prompt; one summary row per (dataset, method).
 
     ``on_method(rows)`` is called after each method (the CLI saves partial results there). With ``max_minutes``,
@@ -280,11 +289,11 @@ def run_benchmark_suite(target, tokenizer, drafter, weaver, prompts: dict[str, l
                   f"{len(methods)} methods")
             break
         first = next(iter(encoded.values()))[0][1]
-        run_prompt(method, target, drafter, weaver, first, min(8, max_new_tokens), seed)  # warm-up
+        run_prompt(method, target, drafter, weaver, first, min(8, max_new_tokens), seed, target_step)  # warm-up
         for ds, items in encoded.items():
             runs = []
             for i, (pid, ids) in enumerate(items):
-                run = run_prompt(method, target, drafter, weaver, ids, max_new_tokens, seed + i)
+                run = run_prompt(method, target, drafter, weaver, ids, max_new_tokens, seed + i, target_step)
                 run.prompt_id = pid
                 runs.append(run)
                 bar.update(1)
@@ -336,6 +345,9 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--out", default="benchmark_results", help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip plot.png (no matplotlib needed)")
     parser.add_argument("--strict", action="store_true", help="exit non-zero if a greedy run differs from AR")
+    parser.add_argument("--target-step", choices=("eager", "static", "graph"), default="eager",
+                        help="target verify/commit steps for AR and trees alike: eager, static shapes, or static "
+                             "shapes replayed as CUDA graphs (on CUDA)")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="start no new method after this many minutes (results so far are kept)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -368,7 +380,7 @@ def run_benchmark(args) -> int:
     info = (f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), dtype "
             f"{str(dtype).replace('torch.', '')}, target {args.target}, max_new_tokens {args.max_new_tokens}, "
             f"prompts {', '.join(f'{DATASET_TITLES.get(d, d)} {len(v)}' for d, v in prompts.items())}, "
-            f"{time.strftime('%Y-%m-%d')}; AR = our TargetAdapter path, eager")
+            f"{time.strftime('%Y-%m-%d')}; AR = our TargetAdapter path, target steps {args.target_step}")
 
     def save(rows):  # after every method, so an interrupted run keeps what it measured
         table = markdown_table(rows, datasets)
@@ -381,7 +393,7 @@ def run_benchmark(args) -> int:
 
     rows = run_benchmark_suite(target, tokenizer, drafter, weaver, prompts, methods, args.max_new_tokens,
                                args.seed, progress=not args.no_progress, max_minutes=args.max_minutes,
-                               on_method=save)
+                               on_method=save, target_step=args.target_step)
     print(save(rows))
     print(info)
     if not args.no_plot:

@@ -26,6 +26,7 @@ from transformers.generation import (
 )
 
 from .accept import accept_greedy, accept_target_only, accept_traversal
+from .captured import static_target
 from .pairing import check_pair
 from .target import TargetAdapter
 from .tree import Tree, chain_tree, ddtree, weaver_tree
@@ -61,6 +62,9 @@ class SpeculativeStats:
     def mean_accepted_length(self) -> float:
         """MAL τ: tokens committed per verify step, bonus included."""
         return sum(self.accepted_lengths) / max(1, self.num_steps)
+
+
+TARGET_STEPS = ("eager", "static", "graph")
 
 
 def _check_arguments(target, drafter, weaver, mode: str, tree_budget: int, verification: str | None, do_sample: bool):
@@ -184,18 +188,22 @@ def _decode(
     stopping_criteria: StoppingCriteriaList,
     streamer,
     generator: torch.Generator | None,
-    static_shapes: bool = False,
+    target_step: str = "eager",
 ) -> tuple[torch.Tensor, SpeculativeStats]:
+    if target_step not in TARGET_STEPS:
+        raise ValueError(f"target_step must be one of {TARGET_STEPS}, got {target_step!r}")
     if verification is None:
         verification = "traversal" if mode == "weaver" else "target_only"
     stats = SpeculativeStats()
     out = _Output(prompt, stopping_criteria, streamer)
     embed_tokens = target.get_input_embeddings()
     lm_head = target.get_output_embeddings()
-    target_cache = TargetAdapter(
-        target, max_length=prompt.shape[0] + max_new_tokens + tree_budget + 2,
-        feature_layer_ids=runner.feature_layer_ids,
-    )
+    max_length = prompt.shape[0] + max_new_tokens + tree_budget + 2
+    if target_step == "eager":
+        target_cache = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids)
+    else:  # kept per target: later generations replay the same graphs
+        capture = target_step == "graph" and prompt.device.type == "cuda"
+        target_cache = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, capture=capture)
     if target_cache.max_tree_nodes is not None and tree_budget + 1 > target_cache.max_tree_nodes:
         raise ValueError(f"tree_budget {tree_budget} is too large for this hybrid target on {target_cache.device}: the "
                          f"GDN tree kernel verifies at most {target_cache.max_tree_nodes} nodes (budget + root)")
@@ -229,24 +237,16 @@ def _decode(
             prompt_kv = weaver.encode_prompt(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
             tree = weaver_tree(bonus, weaver, prompt_kv, draft_logits, embed_tokens, lm_head.weight, tree_budget)
 
-        # Verify, accept, commit. With static shapes, every step verifies budget + 1 nodes over the whole cache and
-        # commits a path padded to that length: the shapes a captured step has.
-        if static_shapes:
-            verified = target_cache.verify(tree.padded(tree_budget + 1), bound=target_cache.max_length)
-        else:
-            verified = target_cache.verify(tree)
-        scores = distribution(verified.logits[: len(tree)])
+        # Verify, accept, commit.
+        verified = target_cache.verify(tree)
+        scores = distribution(verified.logits)
         if not do_sample:
             accepted = accept_greedy(tree, scores)
         elif verification == "traversal":
             accepted = accept_traversal(tree, scores, generator)
         else:
             accepted = accept_target_only(tree, scores, generator)
-        if static_shapes:
-            path = accepted.path + [-1] * (tree_budget + 1 - len(accepted.path))
-            target_cache.commit(torch.tensor(path, device=target_cache.device), num_accepted=len(accepted.path))
-        else:
-            target_cache.commit(accepted.path)
+        target_cache.commit(accepted.path)
         context = verified.features[accepted.path]
         last_hidden = verified.hidden[accepted.path[-1]]
         bonus = accepted.bonus
@@ -278,7 +278,7 @@ def speculative_generate(
     return_stats: bool = False,
     verification: str | None = None,
     generator: torch.Generator | None = None,
-    static_shapes: bool = False,
+    target_step: str = "eager",
 ):
     """Lossless tree speculative decoding of ``target`` with a DFlash ``drafter`` (and optionally a Weaver).
 
@@ -297,8 +297,9 @@ def speculative_generate(
         streamer: a transformers streamer (``put``/``end``); receives the prompt, then tokens as they are committed.
         verification: when sampling, ``"target_only"`` (any tree) or ``"traversal"`` (default for Weaver trees).
         generator: random source for sampling.
-        static_shapes: verify every tree padded to ``tree_budget + 1`` nodes over the whole cache and commit
-            fixed-length paths — the shapes of a captured (CUDA-graph) step; same tokens, more work per step.
+        target_step: ``"eager"`` (each tree at its own size), ``"static"`` (every tree padded to ``tree_budget + 1``
+            nodes, attention over the whole cache, fixed-length commits: the shapes of a captured step) or
+            ``"graph"`` (static, and each verify/commit replayed as a CUDA graph on CUDA). Same tokens.
 
     Returns:
         ``[1, T + new]`` token ids, and a :class:`SpeculativeStats` when ``return_stats=True``.
@@ -327,7 +328,7 @@ def speculative_generate(
         target, input_ids[0], runner=DFlashRunner(drafter, target), weaver=weaver, mode=mode, tree_budget=tree_budget,
         max_new_tokens=max_new_tokens, processors=processors, do_sample=do_sample,
         verification=verification, stopping_criteria=stopping, streamer=streamer, generator=generator,
-        static_shapes=static_shapes,
+        target_step=target_step,
     )
     return (ids, stats) if return_stats else ids
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import weaver_kernels
 
-from .tree import Tree
+from .tree import Tree, ancestor_mask_of
 
 ATTENTION_ONLY = ("llama", "qwen2", "qwen3")
 HYBRID_GDN = ("qwen3_5", "qwen3_5_text")
@@ -196,6 +196,17 @@ class TargetAdapter:
         self.length_t = torch.zeros((), dtype=torch.long, device=self.device)
         self._pending_tree: Tree | None = None
 
+    def reset(self) -> None:
+        """Forget every committed token (a new generation reuses the buffers; K/V rows past 0 become scratch)."""
+        self.length = 0
+        self.length_t.zero_()
+        for cache in self.layer_caches:
+            if isinstance(cache, GatedDeltaNetLayerCache):
+                cache.state.zero_()
+                cache.window.zero_()
+                cache.pending = None
+        self._pending_tree = None
+
     def attention_mask(self, tree_mask: torch.Tensor, bound: int) -> torch.Tensor:
         """``[N, bound]`` bool: every committed row, plus the tree's own rows (after them) where ancestor-or-self."""
         N = tree_mask.shape[0]
@@ -217,12 +228,23 @@ class TargetAdapter:
         if self.max_tree_nodes is not None and N > self.max_tree_nodes:
             raise ValueError(f"a tree of {N} nodes exceeds the {self.max_tree_nodes} nodes the GDN tree kernel verifies "
                              f"at once on {self.device}")
-        bound = n + N if bound is None else bound
-        tree_mask = tree.ancestor_mask
-        positions = (self.length_t + tree.depths)[None]
+        self._pending_tree = tree
+        return self.forward_tree(tree.tokens, tree.parents, n + N if bound is None else bound)
+
+    @torch.no_grad()
+    def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, bound: int) -> TreeOutput:
+        """The tensor work of :meth:`verify` (no checks, no host sync): what a captured step records.
+
+        Args:
+            tokens, parents: ``[N]`` the tree (see :class:`~modeling_weaver.tree.Tree`).
+            bound: cache rows attended over (``>= length + N``).
+        """
+        N = tokens.shape[0]
+        tree_mask = ancestor_mask_of(parents)
+        positions = (self.length_t + tree_mask.sum(dim=1) - 1)[None]  # committed length + depth
         if self.hybrid:  # multimodal RoPE: the same text positions on its 3 grids (older transformers want them)
             positions = positions[None].expand(3, -1, -1)
-        x = self.embed_tokens(tree.tokens[None])
+        x = self.embed_tokens(tokens[None])
         rope = self.decoder.rotary_emb(x, positions)
         attn_mask = self.attention_mask(tree_mask, bound) if self._has_attention else None
         slots = self.length_t + torch.arange(N, device=self.device)
@@ -230,7 +252,7 @@ class TargetAdapter:
         for i, (layer, cache) in enumerate(zip(self.decoder.layers, self.layer_caches)):
             h = layer.input_layernorm(x)
             if isinstance(cache, GatedDeltaNetLayerCache):
-                x = x + cache.forward_tree(h, tree_mask, tree.parents)
+                x = x + cache.forward_tree(h, tree_mask, parents)
             else:
                 x = x + cache.forward_tree(h, rope, attn_mask, slots)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -240,7 +262,6 @@ class TargetAdapter:
         if len(self.layer_caches) - 1 in features:
             # transformers' hidden_states[L] (what drafters are trained on) is the final-normed output
             features[len(self.layer_caches) - 1] = hidden
-        self._pending_tree = tree
         feats = torch.cat([features[i] for i in self.feature_layer_ids], -1)[0] if features else None
         return TreeOutput(logits=self.lm_head(hidden)[0], hidden=hidden[0], features=feats)
 
@@ -255,6 +276,12 @@ class TargetAdapter:
         if num_accepted is None and not isinstance(path, torch.Tensor):
             num_accepted = sum(1 for node in path if node >= 0)
         path = torch.as_tensor(path, dtype=torch.long, device=self.device)
+        count = self.commit_path(path)
+        self.length += int(count) if num_accepted is None else num_accepted
+        self._pending_tree = None
+
+    def commit_path(self, path: torch.Tensor) -> torch.Tensor:
+        """The tensor work of :meth:`commit` (no checks, no host sync); returns the number of accepted nodes."""
         count = (path >= 0).sum()
         rows = self.length_t + path.clamp(min=0)
         dst = self.length_t + torch.arange(path.shape[0], device=self.device)
@@ -264,8 +291,7 @@ class TargetAdapter:
             else:
                 cache.commit(rows, dst)
         self.length_t += count
-        self.length += int(count) if num_accepted is None else num_accepted
-        self._pending_tree = None
+        return count
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, chunk_size: int = 128) -> TreeOutput:

@@ -59,18 +59,8 @@ class Tree:
 
     @functools.cached_property
     def ancestor_mask(self) -> torch.Tensor:
-        """``[N, N]`` bool, ``mask[i, j]`` iff j is i or an ancestor of i.
-
-        Computed on the tree's device without a host sync (fixed shapes, so CUDA graphs can capture it): the
-        reflexive parent relation squared ``ceil(log2 N)`` times covers every ancestor.
-        """
-        n = len(self)
-        eye = torch.eye(n, dtype=torch.float32, device=self.tokens.device)
-        has_parent = (self.parents >= 0).to(torch.float32)[:, None]
-        reach = eye + F.one_hot(self.parents.clamp(min=0), n).to(torch.float32) * has_parent
-        for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
-            reach = (reach @ reach).clamp_(max=1.0)
-        return reach > 0
+        """``[N, N]`` bool, ``mask[i, j]`` iff j is i or an ancestor of i (see :func:`ancestor_mask_of`)."""
+        return ancestor_mask_of(self.parents)
 
     def padded(self, num_nodes: int) -> Tree:
         """This tree with padding nodes appended up to ``num_nodes`` (fixed shapes for captured steps).
@@ -97,6 +87,21 @@ class Tree:
         while parents[path[-1]] >= 0:
             path.append(parents[path[-1]])
         return path[::-1]
+
+
+def ancestor_mask_of(parents: torch.Tensor) -> torch.Tensor:
+    """``[N, N]`` bool ancestor-or-self mask of a parent vector ``[N]`` (-1 = root), on its device.
+
+    No host sync and fixed shapes (CUDA graphs can capture it): the reflexive parent relation squared
+    ``ceil(log2 N)`` times covers every ancestor.
+    """
+    n = parents.shape[0]
+    has_parent = (parents >= 0).to(torch.float32)[:, None]
+    reach = torch.eye(n, dtype=torch.float32, device=parents.device)
+    reach = reach + F.one_hot(parents.clamp(min=0), n).to(torch.float32) * has_parent
+    for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
+        reach = (reach @ reach).clamp_(max=1.0)
+    return reach > 0
 
 
 def children_of(parents: list[int]) -> list[list[int]]:

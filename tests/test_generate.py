@@ -13,6 +13,7 @@ from modeling_weaver import (
     generate,
     speculative_generate,
 )
+from modeling_weaver.captured import _STATIC_TARGETS
 from modeling_weaver.generate import MODES, DFlashRunner, _decode
 from modeling_weaver.target import text_config
 from transformers.generation import EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
@@ -70,7 +71,8 @@ class OracleRunner:
         return torch.randn(depth, self.hidden_size, generator=self.gen), logits
 
 
-def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=None, seed=0, static_shapes=False):
+def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=None, seed=0,
+               target_step="eager"):
     ref = reference(target, ids, max_new_tokens + 2 * BLOCK)
     stopping = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + max_new_tokens)])
     if eos_token_id is not None:
@@ -79,7 +81,7 @@ def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=N
         target, ids[0], runner=OracleRunner(ref, text_config(target.config).hidden_size, seed=seed), weaver=weaver,
         mode=mode, tree_budget=budget, max_new_tokens=max_new_tokens, processors=LogitsProcessorList(),
         do_sample=False, verification="target_only", stopping_criteria=stopping, streamer=None, generator=None,
-        static_shapes=static_shapes,
+        target_step=target_step,
     )
 
 
@@ -123,12 +125,15 @@ def test_static_shapes_give_the_same_tokens(name):
     for mode, length in zip(MODES, (2, 13, 31)):
         ids = torch.randint(0, VOCAB, (1, length), generator=gen)
         expected = reference(target, ids, NEW_TOKENS)
-        got, stats = run_oracle(target, weaver, ids, mode, budget=24, max_new_tokens=NEW_TOKENS, static_shapes=True)
+        got, stats = run_oracle(target, weaver, ids, mode, budget=24, max_new_tokens=NEW_TOKENS,
+                                target_step="static")
         assert torch.equal(got, expected), (name, mode, length)
         assert max(stats.accepted_lengths) >= 6 and len(stats.accepted_lengths) >= 8, stats.accepted_lengths
         random_drafts = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
-                                             max_new_tokens=NEW_TOKENS, static_shapes=True)
+                                             max_new_tokens=NEW_TOKENS, target_step="static")
         assert torch.equal(random_drafts, expected), (name, mode, length)
+    # one set of static buffers per tree size, reset and reused across prompts of different lengths
+    assert sorted(key[1] for key in _STATIC_TARGETS[target]) == [13, 25]
 
 
 @pytest.mark.parametrize("name", list(TINY_TARGETS))
@@ -368,3 +373,25 @@ def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification):
     exp = exp * (obs.sum() / exp.sum())  # the top-k mass sums to 1 only up to rounding
     pvalue = chisquare(obs.numpy(), exp.numpy()).pvalue
     assert pvalue > 0.01, pvalue
+
+
+def test_target_step_is_checked_and_graph_runs_eagerly_off_cuda():
+    target = TINY_TARGETS["qwen3_5"]()
+    drafter, weaver = make_drafters(target)
+    ids = prompts(1)[0]
+    with pytest.raises(ValueError, match="target_step"):
+        speculative_generate(target, ids, drafter=drafter, weaver=weaver, target_step="compiled")
+    got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="ddtree", tree_budget=8,
+                               max_new_tokens=16, target_step="graph")
+    assert torch.equal(got, reference(target, ids, 16))
+
+
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_static_autoregressive_baseline_equals_generate(name):
+    from modeling_weaver.benchmark import autoregressive_generate
+
+    target = TINY_TARGETS[name]()
+    for ids in prompts():
+        expected = reference(target, ids, 24)
+        assert torch.equal(autoregressive_generate(target, ids, 24, target_step="static"), expected)
+        assert torch.equal(autoregressive_generate(target, ids, 24), expected)

@@ -13,9 +13,10 @@ from modeling_weaver.target import text_config
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
+@pytest.mark.parametrize("target_step", ["eager", "graph"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(TINY_TARGETS))
-def test_greedy_identity_on_gpu(name, mode):
+def test_greedy_identity_on_gpu(name, mode, target_step):
     # fp32 so that the comparison with transformers' own (torch) GDN path is not decided by bf16 rounding
     target = TINY_TARGETS[name]().cuda()
     drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else 96)
@@ -26,7 +27,7 @@ def test_greedy_identity_on_gpu(name, mode):
         weaver = weaver.cuda()
         expected = reference(target, ids, 48)
         got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
-                                   max_new_tokens=48)
+                                   max_new_tokens=48, target_step=target_step)
         assert torch.equal(got, expected), (name, mode)
 
         class CudaOracle(OracleRunner):
@@ -41,7 +42,21 @@ def test_greedy_identity_on_gpu(name, mode):
             target, ids[0], runner=CudaOracle(ref.cpu(), text_config(target.config).hidden_size), weaver=weaver,
             mode=mode, tree_budget=24, max_new_tokens=48, processors=LogitsProcessorList(), do_sample=False,
             verification="target_only", stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 48)]),
-            streamer=None, generator=None,
+            streamer=None, generator=None, target_step=target_step,
         )
         assert torch.equal(got, expected), (name, mode, "oracle")
         assert stats.mean_accepted_length > 2.5
+
+
+def test_graphs_are_captured_once_per_tree_size_across_prompt_lengths():
+    from modeling_weaver.captured import _STATIC_TARGETS
+
+    target = TINY_TARGETS["qwen3_5"]().cuda()
+    drafter, weaver = (m.cuda() for m in make_drafters(target))
+    for length in (1, 9, 40, 3):
+        ids = torch.randint(0, 97, (1, length), device="cuda")
+        got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="ddtree", tree_budget=12,
+                                   max_new_tokens=32, target_step="graph")
+        assert torch.equal(got, reference(target, ids, 32)), length
+    steps = list(_STATIC_TARGETS[target].values())
+    assert len(steps) == 1 and steps[0].capture and steps[0].captures == 1

@@ -1,0 +1,152 @@
+"""Fixed-shape target steps, captured in CUDA graphs (issue 5).
+
+:class:`StaticTarget` wraps a :class:`~modeling_weaver.target.TargetAdapter` for one tree size: every verify pads the
+tree to ``num_nodes`` and attends over the whole cache (``bound = max_length``), every commit takes the accepted path
+right-padded with -1 to ``num_nodes``. Inputs go through static buffers, and the committed length is read from the
+adapter's device tensor, so nothing in either step depends on the prompt or the position: on CUDA each step is one
+CUDA graph, captured once and replayed for any prompt length up to ``max_length``. Elsewhere (or with
+``capture=False``) the same static-buffer code runs eagerly — what the CPU tests exercise.
+
+One :class:`StaticTarget` per tree size; a generation uses one size throughout (the commit graph reads the outputs of
+its own verify graph). Prefill stays eager (chunked, once per prompt). :func:`static_target` keeps them per target,
+cache capacity (rounded up to a power of two) and tree size, so later generations replay the same graphs.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .target import TargetAdapter, TreeOutput
+from .tree import Tree
+
+
+def capture_graph(fn, pool=None, warmup: int = 2):
+    """Run ``fn`` ``warmup`` times on a side stream (kernel compilation, autotuning, cuBLAS workspaces), then capture
+    one call in a CUDA graph. Returns ``(graph, output of the captured call)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
+class StaticTarget:
+    """A :class:`TargetAdapter` seen through fixed-shape verify/commit steps (CUDA graphs on CUDA).
+
+    Same interface as the adapter for the decoding loop: ``prefill``, ``verify``, ``commit``, ``length``,
+    ``max_length``, ``device``, ``max_tree_nodes``.
+
+    Args:
+        adapter: the target adapter (its caches are the ones written).
+        num_nodes: tree size of every step (budget + 1 for the root); smaller trees are padded.
+        capture: capture CUDA graphs (default: when the adapter is on CUDA).
+    """
+
+    def __init__(self, adapter: TargetAdapter, num_nodes: int, capture: bool | None = None):
+        if adapter.max_tree_nodes is not None and num_nodes > adapter.max_tree_nodes:
+            raise ValueError(f"{num_nodes} nodes exceed the {adapter.max_tree_nodes} the GDN tree kernel verifies")
+        self.adapter, self.num_nodes = adapter, num_nodes
+        self.capture = adapter.device.type == "cuda" if capture is None else capture
+        device = adapter.device
+        self.tokens = torch.zeros(num_nodes, dtype=torch.long, device=device)
+        self.parents = torch.full((num_nodes,), -1, dtype=torch.long, device=device)
+        self.path = torch.full((num_nodes,), -1, dtype=torch.long, device=device)
+        self._graphs: tuple | None = None  # (verify graph, its output, commit graph)
+        self.captures = 0
+
+    # The adapter's bookkeeping, for the loop.
+    length = property(lambda self: self.adapter.length)
+    max_length = property(lambda self: self.adapter.max_length)
+    device = property(lambda self: self.adapter.device)
+    max_tree_nodes = property(lambda self: self.adapter.max_tree_nodes)
+
+    def prefill(self, input_ids: torch.Tensor, chunk_size: int = 128) -> TreeOutput:
+        return self.adapter.prefill(input_ids, chunk_size)
+
+    def _verify(self) -> TreeOutput:
+        return self.adapter.forward_tree(self.tokens, self.parents, self.adapter.max_length)
+
+    def _commit(self) -> None:
+        self.adapter.commit_path(self.path)
+
+    @torch.no_grad()
+    def verify(self, tree: Tree) -> TreeOutput:
+        """Verify ``tree`` (at most ``num_nodes`` nodes); outputs for its real nodes (views of static buffers, valid
+        until the next verify)."""
+        n, size = self.adapter.length, len(tree)
+        if size > self.num_nodes:
+            raise ValueError(f"a tree of {size} nodes does not fit this {self.num_nodes}-node step")
+        if n + self.num_nodes > self.adapter.max_length:
+            raise ValueError(f"a {self.num_nodes}-node step after {n} tokens exceeds the cache capacity "
+                             f"{self.adapter.max_length}")
+        padded = tree.padded(self.num_nodes)
+        self.tokens.copy_(padded.tokens)
+        self.parents.copy_(padded.parents)
+        if not self.capture:
+            out = self._verify()
+        else:
+            if self._graphs is None:
+                self._capture()
+            self._graphs[0].replay()
+            out = self._graphs[1]
+        self.adapter._pending_tree = tree
+        cut = lambda t: None if t is None else t[:size]  # noqa: E731
+        return TreeOutput(cut(out.logits), cut(out.hidden), cut(out.features))
+
+    @torch.no_grad()
+    def commit(self, path) -> None:
+        """Commit the accepted ``path`` (root..leaf node indices of the last verified tree)."""
+        if self.adapter._pending_tree is None:
+            raise RuntimeError("commit() must follow verify()")
+        path = list(path)
+        self.path.fill_(-1)
+        self.path[: len(path)].copy_(torch.tensor(path, dtype=torch.long))
+        if self.capture:
+            self._graphs[2].replay()
+        else:
+            self._commit()
+        self.adapter.length += len(path)
+        self.adapter._pending_tree = None
+
+    def _capture(self):
+        # Warm-ups write only scratch rows (verify) or nothing (an all -1 path commits no node).
+        self.path.fill_(-1)
+        verify_graph, out = capture_graph(self._verify)
+        commit_graph, _ = capture_graph(self._commit, pool=verify_graph.pool())
+        self._graphs = (verify_graph, out, commit_graph)
+        self.captures += 1
+
+
+_STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), capture: bool | None = None
+                  ) -> StaticTarget:
+    """The :class:`StaticTarget` of ``model`` for this capacity bucket and tree size, reset for a new generation.
+
+    Capacity is ``max_length`` rounded up to a power of two (at least 256), so prompts of any length up to it share
+    one set of graphs. The buffers live as long as the model (:func:`release_static_targets` frees them).
+    """
+    capacity = max(256, 1 << (max_length - 1).bit_length())
+    steps = _STATIC_TARGETS.setdefault(model, {})
+    key = (capacity, num_nodes, tuple(feature_layer_ids), capture)
+    if key not in steps:
+        steps[key] = StaticTarget(TargetAdapter(model, capacity, feature_layer_ids), num_nodes, capture=capture)
+    step = steps[key]
+    step.adapter.reset()
+    return step
+
+
+def release_static_targets(model) -> None:
+    """Drop the cached steps (caches and CUDA graphs) of ``model``."""
+    _STATIC_TARGETS.pop(model, None)
+
+
+__all__ = ["StaticTarget", "capture_graph", "release_static_targets", "static_target"]
