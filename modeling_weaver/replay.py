@@ -1,0 +1,270 @@
+"""Acceptance replay: the real cost of every speculative step at a large target's shape (DESIGN.md §9, issue 5).
+
+Trained drafters for a 27B target are not at hand, and random ones accept nothing. The replay runs the whole loop —
+DFlash draft, tree build (chain / DDTree / Weaver), target verify, commit — on random-weight models of the real
+shapes (``hub_configs`` specs: Qwen3.6-27B target, its 5-layer DFlash and Weaver), but each step's acceptance is
+taken from a **trace**: the accepted lengths recorded by ``weaver bench`` on a real target (``results.json``, greedy
+rows), or a synthetic trace with a chosen mean. The accepted path is the most probable root→node path of the traced
+length (shorter when the tree is not that deep: the realised MAL is reported). Figures from here are labelled
+"replayed acceptance".
+
+``weaver replay`` prints tokens/s, speed-up over our AR path (same target steps), the per-step breakdown (draft, tree,
+verify, accept, commit) and peak GPU memory; it writes ``replay.json`` and ``replay.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+
+from .accept import Acceptance
+from .benchmark import autoregressive_generate
+from .data import cli_entry
+from .generate import MODES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
+from .tree import Tree
+
+PHASES = ("draft", "tree", "verify", "accept", "commit")
+
+
+def synthetic_trace(mal: float, max_length: int, num_steps: int = 4096, seed: int = 0) -> list[int]:
+    """Accepted lengths (bonus included) ``1 + min(G, max_length - 1)`` with ``G`` geometric of mean ``mal - 1``."""
+    if not 1.0 <= mal <= max_length:
+        raise ValueError(f"a synthetic MAL must lie in [1, {max_length}], got {mal}")
+    gen = torch.Generator().manual_seed(seed)
+    if mal == 1.0:
+        return [1] * num_steps
+    p = 1.0 / mal  # stop probability per depth: mean (1 - p) / p = mal - 1 extra tokens
+    u = torch.rand(num_steps, generator=gen, dtype=torch.float64)
+    extra = (torch.log1p(-u) / math.log(1.0 - p)).floor()
+    return (1 + extra.clamp(max=max_length - 1)).long().tolist()
+
+
+def load_traces(results_json: str | Path) -> dict[tuple[str, int], list[int]]:
+    """Greedy traces ``{(mode, budget): accepted lengths}`` from a ``weaver bench`` results.json (all prompts)."""
+    rows = json.loads(Path(results_json).read_text())["rows"]
+    traces: dict[tuple[str, int], list[int]] = {}
+    for row in rows:
+        if row["mode"] in MODES and float(row["temperature"]) == 0.0:
+            lengths = [n for run in row["per_prompt"] for n in run.get("accepted_lengths", [])]
+            if lengths:
+                traces.setdefault((row["mode"], int(row["budget"])), []).extend(lengths)
+    if not traces:
+        raise ValueError(f"{results_json} holds no greedy tree rows with accepted lengths (re-run `weaver bench`)")
+    return traces
+
+
+class ReplayedAcceptance:
+    """Accept, at step s, the most probable root→node path with ``trace[s]`` nodes (bonus: the target's argmax)."""
+
+    def __init__(self, trace: list[int]):
+        self.trace, self.step = trace, 0
+
+    def __call__(self, tree: Tree, scores: torch.Tensor) -> Acceptance:
+        want = self.trace[self.step % len(self.trace)]
+        self.step += 1
+        depths = tree.depths
+        logq = tree.logq.float().clone()
+        logq[0] = 0.0
+        cum = (tree.ancestor_mask.float() * logq[None]).sum(1)  # log-probability of each root→node path
+        depth = min(want - 1, int(depths.max()))
+        cum[depths != depth] = float("-inf")
+        path = tree.path_to(int(cum.argmax()))
+        return Acceptance(path, int(scores[path[-1]].argmax()))
+
+
+class PlantedRunner(DFlashRunner):
+    """DFlash drafting whose marginals get one planted token per depth d with probability ``top · decay**d``.
+
+    Random drafters give near-uniform marginals, so best-first trees come out as stars and cannot hold the traced
+    depths; trained drafters are peaked. Planting a peak gives the trees the depth a trained drafter gives them, at
+    the drafter's real cost (one extra logsumexp per depth).
+    """
+
+    def __init__(self, drafter, target, top: float = 0.8, decay: float = 0.95, seed: int = 0):
+        super().__init__(drafter, target)
+        self.top, self.decay = top, decay
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def draft(self, bonus, context, n):
+        hidden, logits = super().draft(bonus, context, n)
+        depth, vocab = logits.shape
+        rows = torch.arange(depth, device=logits.device)
+        peak = torch.randint(vocab, (depth,), generator=self.gen).to(logits.device)
+        q = self.top * self.decay ** rows.double()
+        others = logits.float().scatter(1, peak[:, None], float("-inf")).logsumexp(-1)
+        planted = (torch.log(q / (1 - q)) + others.double()).to(logits.dtype)
+        return hidden, logits.index_put((rows, peak), planted)
+
+
+def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str, tree_budget: int, trace: list[int],
+                    max_new_tokens: int, target_step: str = "graph", seed: int = 0):
+    """One generation with replayed acceptance; returns ``(ids, SpeculativeStats with phase_ms)``."""
+    stopping = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
+    return _decode(
+        target, input_ids[0], runner=PlantedRunner(drafter, target, seed=seed), weaver=weaver, mode=mode, tree_budget=tree_budget,
+        max_new_tokens=max_new_tokens, processors=LogitsProcessorList(), do_sample=False, verification=None,
+        stopping_criteria=stopping, streamer=None, generator=None, target_step=target_step,
+        timer=PhaseTimer(input_ids.device), accept=ReplayedAcceptance(trace),
+    )
+
+
+def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
+    """Random-weight target, DFlash and Weaver of a ``hub_configs`` shape (or ``tiny``), built on ``device``."""
+    from .modeling_dflash import DFlashDraftModel
+    from .modeling_weaver import WeaverModel
+
+    torch.manual_seed(seed)
+    if shape == "tiny":
+        from .cli import _tiny_setup
+
+        target, drafter, weaver, _, _ = _tiny_setup(seed)
+        return tuple(m.to(device=device, dtype=dtype).eval() for m in (target, drafter, weaver))
+    from transformers import AutoModelForCausalLM
+
+    from .export import HUB_SPECS
+
+    if shape not in HUB_SPECS:
+        raise ValueError(f"unknown shape {shape!r}: choose tiny or one of {sorted(HUB_SPECS)}")
+    spec = HUB_SPECS[shape]
+    target_config = spec.target()
+    dconfig = spec.dflash(target_config)
+    wconfig = spec.weaver(target_config, dconfig)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the final dtype: a 27B target would not fit twice
+    try:
+        with torch.device(device):
+            target = AutoModelForCausalLM.from_config(target_config)
+            drafter, weaver = DFlashDraftModel(dconfig), WeaverModel(wconfig)
+    finally:
+        torch.set_default_dtype(previous)
+    return tuple(m.eval() for m in (target, drafter, weaver))
+
+
+def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prompt_len: int, max_new_tokens: int,
+                     target_step: str, seed: int = 0) -> list[dict]:
+    """AR, then every budget × mode with its trace; one row each (tokens/s, MAL, ms per step and per phase)."""
+    device = next(target.parameters()).device
+    vocab = target.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(seed)).to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(fn):
+        fn(warm=True)  # warm-up: kernel compilation, graph capture
+        sync()
+        start = time.perf_counter()
+        out = fn(warm=False)
+        sync()
+        return out, time.perf_counter() - start
+
+    rows = []
+    _, seconds = timed(lambda warm: autoregressive_generate(target, ids, 8 if warm else max_new_tokens,
+                                                            eos_token_id=[], target_step=target_step))
+    ar_tps = max_new_tokens / seconds
+    rows.append({"method": "ar", "tokens_per_s": ar_tps, "ms_per_step": 1e3 / ar_tps, "mal": 1.0, "speedup": 1.0})
+    for budget in budgets:
+        for mode in modes:
+            trace = traces[(mode, budget)]
+            (out, stats), seconds = timed(lambda warm, mode=mode, budget=budget, trace=trace: replay_generate(
+                target, drafter, weaver, ids, mode, budget, trace, 8 if warm else max_new_tokens, target_step))
+            steps = stats.num_steps
+            tps = (out.shape[1] - ids.shape[1]) / seconds
+            rows.append({
+                "method": f"{mode}@{budget}", "mode": mode, "budget": budget, "tokens_per_s": tps,
+                "speedup": tps / ar_tps, "mal": stats.mean_accepted_length,
+                "trace_mal": sum(trace) / len(trace), "ms_per_step": 1e3 * seconds / steps,
+                **{f"{p}_ms": stats.phase_ms.get(p, 0.0) / steps for p in PHASES},
+            })
+    return rows
+
+
+def replay_table(rows: list[dict]) -> str:
+    head = ["method", "MAL (trace)", "tok/s", "×AR", "ms/step"] + [f"{p} ms" for p in PHASES]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        mal = "1.00" if r["method"] == "ar" else f"{r['mal']:.2f} ({r['trace_mal']:.2f})"
+        phases = [f"{r[p + '_ms']:.2f}" if p + "_ms" in r else "–" for p in PHASES]
+        lines.append("| " + " | ".join([r["method"], mal, f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
+                                        f"{r['ms_per_step']:.2f}"] + phases) + " |")
+    return "\n".join(lines)
+
+
+def _parse_mal(items: list[str], modes, budgets) -> dict:
+    """``mode=MAL`` (every budget) or ``mode@budget=MAL``."""
+    mals = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        mode, _, budget = key.partition("@")
+        if mode not in MODES or not value:
+            raise ValueError(f"--synthetic-mal entries are mode=MAL or mode@budget=MAL, got {item!r}")
+        for b in ([int(budget)] if budget else budgets):
+            mals[(mode, b)] = float(value)
+    missing = [f"{m}@{b}" for m in modes for b in budgets if (m, b) not in mals]
+    if missing:
+        raise ValueError(f"--synthetic-mal gives no MAL for {', '.join(missing)}")
+    return mals
+
+
+def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.description = (
+        "Acceptance replay: the full draft → tree → verify → commit loop on random-weight models of a real shape "
+        "(default Qwen3.6-27B with its DFlash and Weaver), with each step's accepted length taken from a trace "
+        "(`weaver bench` results.json, or synthetic). Reports tokens/s, speed-up over our AR path, per-phase ms per "
+        "step and peak memory; figures are 'replayed acceptance'."
+    )
+    parser.add_argument("--shape", default="qwen3.6-27b", help="a hub_configs folder name, or 'tiny' (CPU smoke runs)")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="results.json of `weaver bench` (greedy rows give per-step accepted lengths)")
+    src.add_argument("--synthetic-mal", nargs="+", metavar="MODE[@BUDGET]=MAL",
+                     help="synthetic traces with these mean accepted lengths, e.g. chain=4 ddtree=5.4 weaver=7.1")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--prompt-length", type=int, default=512)
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--target-step", choices=TARGET_STEPS, default="graph")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="replay_results")
+    return parser
+
+
+@cli_entry
+def run_replay(args) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    target, drafter, weaver = random_models(args.shape, device, getattr(torch, args.dtype), args.seed)
+    if args.trace:
+        traces, source = load_traces(args.trace), f"trace {args.trace}"
+        missing = [f"{m}@{b}" for m in args.modes for b in args.budgets if (m, b) not in traces]
+        if missing:
+            raise ValueError(f"{args.trace} has no greedy trace for {', '.join(missing)}; it has "
+                             f"{', '.join(f'{m}@{b}' for m, b in sorted(traces))}")
+    else:
+        mals = _parse_mal(args.synthetic_mal, args.modes, args.budgets)
+        traces = {k: synthetic_trace(v, drafter.block_size, seed=args.seed) for k, v in mals.items()}
+        source = "synthetic traces (" + ", ".join(f"{m}@{b}={v:g}" for (m, b), v in sorted(mals.items())) + ")"
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    rows = run_replay_suite(target, drafter, weaver, traces, args.modes, args.budgets, args.prompt_length,
+                            args.max_new_tokens, args.target_step, args.seed)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    info = (f"replayed acceptance — {source}; shape {args.shape}, {args.dtype}, random weights; prompt "
+            f"{args.prompt_length}, {args.max_new_tokens} new tokens, batch 1; target steps {args.target_step}; "
+            f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
+            + (f"; peak memory {peak:.1f} GiB" if peak is not None else "") + f"; {time.strftime('%Y-%m-%d')}")
+    table = replay_table(rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replay.md").write_text(table + "\n\n" + info + "\n")
+    (out / "replay.json").write_text(json.dumps({"info": info, "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "rows": rows}, indent=1))
+    print(table)
+    print(info)
+    return 0
+
+
+__all__ = ["ReplayedAcceptance", "load_traces", "random_models", "replay_generate", "run_replay", "synthetic_trace"]

@@ -1,0 +1,71 @@
+"""Acceptance replay (issue 5): the loop at a real shape with accepted lengths from a trace — CPU smoke at tiny shape."""
+
+import json
+
+import pytest
+import torch
+
+from modeling_weaver.replay import (
+    ReplayedAcceptance,
+    load_traces,
+    random_models,
+    replay_generate,
+    run_replay_suite,
+    synthetic_trace,
+)
+from modeling_weaver.tree import Tree
+
+
+def test_synthetic_trace_has_the_asked_mean_and_range():
+    trace = synthetic_trace(4.0, max_length=16, num_steps=20000, seed=1)
+    assert min(trace) >= 1 and max(trace) <= 16
+    assert abs(sum(trace) / len(trace) - 4.0) < 0.15  # the cap at 16 takes a little off the geometric mean
+    assert synthetic_trace(1.0, 8, 10) == [1] * 10
+    with pytest.raises(ValueError, match="MAL"):
+        synthetic_trace(20.0, max_length=16)
+
+
+def test_replayed_acceptance_takes_the_most_probable_path_of_the_traced_length():
+    #        0
+    #      /   \
+    #     1     2        logq: 1 → -0.1, 2 → -2.0
+    #    / \     \
+    #   3   4     5      logq: 3 → -1.5, 4 → -0.2, 5 → -0.01
+    tree = Tree.from_lists([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 1, 2], [0, -0.1, -2.0, -1.5, -0.2, -0.01])
+    scores = torch.zeros(6, 11)
+    scores[4, 7] = 1.0
+    accept = ReplayedAcceptance([3, 2, 10])
+    first = accept(tree, scores)
+    assert first.path == [0, 1, 4] and first.bonus == 7
+    assert accept(tree, scores).path == [0, 1]
+    assert len(accept(tree, scores).path) == 3  # deeper than the tree: its deepest most probable path
+
+
+def test_replay_suite_runs_every_phase_at_tiny_shape():
+    target, drafter, weaver = random_models("tiny", torch.device("cpu"), torch.float32)
+    traces = {(m, 8): synthetic_trace(mal, drafter.block_size, seed=0) for m, mal in
+              (("chain", 3.0), ("ddtree", 3.5), ("weaver", 4.0))}
+    rows = run_replay_suite(target, drafter, weaver, traces, ["chain", "ddtree", "weaver"], [8], prompt_len=12,
+                            max_new_tokens=40, target_step="static")
+    assert [r["method"] for r in rows] == ["ar", "chain@8", "ddtree@8", "weaver@8"]
+    for row in rows[1:]:
+        assert row["mal"] > 1.5  # planted peaks give the trees enough depth for the traced lengths
+        assert all(row[f"{p}_ms"] > 0 for p in ("draft", "tree", "verify", "accept", "commit"))
+    _, stats = replay_generate(target, drafter, weaver, torch.zeros(1, 5, dtype=torch.long), "chain", 8, [3, 1, 5],
+                               max_new_tokens=60, target_step="eager")
+    assert stats.accepted_lengths[:6] == [3, 1, 5, 3, 1, 5]  # a chain always holds the traced depth
+
+
+def test_traces_come_from_bench_results(tmp_path):
+    rows = [
+        {"mode": "ar", "budget": None, "temperature": 0.0, "per_prompt": [{"accepted_lengths": []}]},
+        {"mode": "weaver", "budget": 64, "temperature": 0.0,
+         "per_prompt": [{"accepted_lengths": [3, 4]}, {"accepted_lengths": [1]}]},
+        {"mode": "weaver", "budget": 64, "temperature": 1.0, "per_prompt": [{"accepted_lengths": [9]}]},
+    ]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"rows": rows}))
+    assert load_traces(path) == {("weaver", 64): [3, 4, 1]}
+    path.write_text(json.dumps({"rows": rows[:1]}))
+    with pytest.raises(ValueError, match="no greedy tree rows"):
+        load_traces(path)
