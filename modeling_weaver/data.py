@@ -458,12 +458,15 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 @torch.no_grad()
 def batched_generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                     temperature: float = 0.0, top_p: float = 1.0) -> list[tuple[list[int], bool]]:
-    """Continue each prompt (token ids); left-padded batch through ``model.generate``.
+                     temperature: float = 0.0, top_p: float = 1.0, sampler=None) -> list[tuple[list[int], bool]]:
+    """Continue each prompt (token ids); left-padded batch through ``model.generate``, or through ``sampler`` (a
+    :class:`~modeling_weaver.sampler.BatchedSampler`: static caches, CUDA-graph decode steps).
 
     Returns per prompt ``(new tokens up to and including the first eos, finished)``; ``temperature = 0`` is greedy.
     """
     eos = _eos_ids(model, tokenizer)
+    if sampler is not None:
+        return sampler.generate(prompts, max_new_tokens, eos, temperature=temperature, top_p=top_p)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     width = max(len(p) for p in prompts)
     device = next(model.parameters()).device
@@ -502,6 +505,7 @@ class DataSettings:
     leak_ngram: int = 8
     leak_threshold: float = 0.2
     max_minutes: float | None = None
+    sampler: str = "auto"  # "ours" (BatchedSampler), "hf" (model.generate), "auto": ours on CUDA where supported
 
 
 @dataclass
@@ -555,6 +559,17 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
             write_shard(out_dir / f"shard-{tag}-{shard_index:05d}.pt", pending)
             shard_index, pending = shard_index + 1, []
 
+    from .sampler import BatchedSampler
+    from .target import ATTENTION_ONLY
+
+    sampler = None
+    on_cuda = next(model.parameters()).is_cuda
+    if settings.sampler == "ours" or (settings.sampler == "auto" and on_cuda and
+                                      model.config.model_type in ATTENTION_ONLY):
+        # room for: user-turn prefix + written turn, or chat-templated turn (+ template overhead) + answer
+        width = len(prefix_ids) + settings.max_prompt_tokens + 64
+        sampler = BatchedSampler(model, settings.batch_size, width + max(settings.max_prompt_tokens,
+                                                                         settings.max_response_tokens))
     bar = tqdm(total=settings.num_samples, desc="samples", unit="sample", disable=not progress)
     barren = 0  # consecutive rounds without a usable prompt
     try:
@@ -564,7 +579,7 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
             # 1. The target writes user turns.
             written = batched_generate(
                 model, tokenizer, [prefix_ids] * settings.batch_size, max_new_tokens=settings.max_prompt_tokens,
-                temperature=settings.prompt_temperature, top_p=settings.prompt_top_p,
+                temperature=settings.prompt_temperature, top_p=settings.prompt_top_p, sampler=sampler,
             )
             stats.prompts_sampled += len(written)
             prompts = []
@@ -594,7 +609,7 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
             prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
             answers = batched_generate(
                 model, tokenizer, prompt_ids, max_new_tokens=settings.max_response_tokens,
-                temperature=0.0 if greedy else settings.response_temperature, top_p=1.0,
+                temperature=0.0 if greedy else settings.response_temperature, top_p=1.0, sampler=sampler,
             )
             for text, ids, (new, finished) in zip(prompts, prompt_ids, answers):
                 if not new or stats.samples >= settings.num_samples:
@@ -663,6 +678,9 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--leak-threshold", type=float, default=d.leak_threshold,
                         help="fraction of an eval prompt's n-grams that marks a leak")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop after this many minutes")
+    parser.add_argument("--sampler", choices=("auto", "ours", "hf"), default=d.sampler,
+                        help="ours: static caches + CUDA-graph decode steps (attention-only targets; much faster on "
+                             "GPU); hf: model.generate; auto: ours on CUDA for attention-only targets")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="auto", help="target dtype: auto (bf16 on cuda, fp32 on cpu), float32, ...")

@@ -168,11 +168,12 @@ class _FlagEveryOther(LeakChecker):
         return ("x/1", 1.0) if self.calls % 2 == 0 else None
 
 
-def test_make_training_data_tiny(tmp_path):
+@pytest.mark.parametrize("sampler", ["hf", "ours"])
+def test_make_training_data_tiny(tmp_path, sampler):
     model, tok = tiny_llama(), tiny_chat_tokenizer()
     settings = DataSettings(num_samples=6, batch_size=4, max_prompt_tokens=12, min_prompt_words=0,
-                            keep_unfinished_prompts=True,
-                            max_response_tokens=10, shard_size=4, greedy_fraction=0.5, seed=1)
+                            keep_unfinished_prompts=True, max_response_tokens=10, shard_size=4, greedy_fraction=0.5,
+                            seed=1, sampler=sampler)
     checker = _FlagEveryOther()
     stats = make_training_data(model, tok, tmp_path, settings, leak_checker=checker, progress=False)
     assert stats.samples == 6 and stats.leaks > 0
