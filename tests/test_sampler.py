@@ -16,8 +16,9 @@ def hf_greedy(model, prompts, new):
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=0,
-                         eos_token_id=EOS)
+    device = next(model.parameters()).device
+    out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=new,
+                         pad_token_id=0, eos_token_id=EOS)
     return out[:, width:].tolist()
 
 
@@ -67,3 +68,18 @@ def test_refuses_hybrid_targets_and_overlong_requests():
         sampler.generate([[1] * 10], 10, EOS)
     with pytest.raises(ValueError, match="prompts"):
         sampler.generate([[1]] * 3, 2, EOS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_decode_step_equals_generate_on_gpu():
+    model = TINY_TARGETS["llama"]().cuda()
+    gen = torch.Generator().manual_seed(3)
+    sampler = BatchedSampler(model, batch_size=5, max_length=64)
+    assert sampler.capture
+    for lengths in [(3, 9, 5), (1, 12, 2, 8, 4)]:
+        prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+        got = sampler.generate(prompts, 30, eos_token_id=EOS)
+        for (tokens, _), ref in zip(got, hf_greedy(model, prompts, 30)):
+            assert tokens == ref[: len(tokens)]
+    assert sampler.capture and sampler._graph is not None  # captured, not fallen back to eager
