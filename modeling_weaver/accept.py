@@ -147,6 +147,31 @@ def accept_greedy(tree: Tree, logits: torch.Tensor) -> Acceptance:
         node = nxt
 
 
+def accept_greedy_tensors(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor,
+                          ancestor_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`accept_greedy` on the device, at fixed shapes (no host sync: a captured step can include it).
+
+    A node is accepted iff every node on its root path (root excluded) carries the argmax of its parent; the deepest
+    accepted node ends the path (padding roots never qualify: node 0 is not their ancestor).
+
+    Args:
+        tokens, parents: ``[N]`` the (possibly padded) tree; logits: ``[N, V]``; ancestor_mask: ``[N, N]``.
+    Returns:
+        ``path [N]`` (root..leaf, right-padded with -1), ``length`` (0-d, nodes on the path), ``bonus`` (0-d token).
+    """
+    n = tokens.shape[0]
+    best = logits.argmax(-1)
+    correct = (tokens == best[parents.clamp(min=0)]) | (parents < 0)
+    accepted = ancestor_mask[:, 0] & ~(ancestor_mask & ~correct[None]).any(1)
+    depth = ancestor_mask.sum(1) - 1
+    leaf = torch.where(accepted, depth, -1).argmax()
+    on_path = ancestor_mask[leaf]
+    slots = torch.where(on_path, depth, n)  # node j goes to path[depth j]; others to a spill slot
+    path = torch.full((n + 1,), -1, dtype=torch.long, device=tokens.device)
+    path.scatter_(0, slots, torch.arange(n, device=tokens.device))
+    return path[:n], depth[leaf] + 1, best[leaf]
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # target-only ("naive") sampling
 

@@ -16,7 +16,13 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 import modeling_weaver.accept as accept_mod
-from modeling_weaver.accept import Acceptance, accept_greedy, accept_target_only, accept_traversal
+from modeling_weaver.accept import (
+    Acceptance,
+    accept_greedy,
+    accept_greedy_tensors,
+    accept_target_only,
+    accept_traversal,
+)
 from modeling_weaver.tree import Tree
 
 V = 6
@@ -319,3 +325,24 @@ def test_inverse_cdf_host_and_device_paths_agree():
             host = accept_mod._inverse_cdf_host(row.numpy(), u)
             assert host == accept_mod._inverse_cdf_device(row, u)
             assert (host == -1) if row.sum() == 0 else row[host] > 0
+
+
+def test_device_greedy_acceptance_equals_the_walk():
+    """accept_greedy_tensors (fixed shapes, padded trees) picks the same path and bonus as accept_greedy."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = 300
+    for trial in range(60):
+        n = int(torch.randint(1, 40, (1,), generator=gen))
+        parents = [-1] + [int(torch.randint(i, (1,), generator=gen)) for i in range(1, n)]
+        tokens = torch.randperm(vocab, generator=gen)[:n]  # distinct tokens: no duplicate siblings
+        tree = Tree(tokens, torch.tensor(parents), torch.zeros(n))
+        logits = torch.randn(n, vocab, generator=gen)
+        for i in range(1, n):  # plant agreement on most edges so that deep paths get accepted
+            if float(torch.rand((), generator=gen)) < 0.7:
+                logits[parents[i], tokens[i]] = 10.0 + float(torch.rand((), generator=gen))
+        walk = accept_greedy(tree, logits)
+        padded = tree.padded(n + trial % 5)
+        pad_logits = torch.cat([logits, torch.randn(len(padded) - n, vocab, generator=gen)])
+        path, length, bonus = accept_greedy_tensors(padded.tokens, padded.parents, pad_logits, padded.ancestor_mask)
+        assert int(length) == len(walk.path) and path[: int(length)].tolist() == walk.path, trial
+        assert (path[int(length):] == -1).all() and int(bonus) == walk.bonus, trial
