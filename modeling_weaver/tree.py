@@ -130,31 +130,63 @@ def chain_tree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
 def ddtree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
     """DDTree: best-first over the per-depth marginals (optimal under the factorised distribution).
 
-    Heap entries are (depth, rank) with cumulative log-prob of the path made of rank-0.. choices; popping an entry
-    pushes its next sibling (same depth, rank + 1) and its first child (rank 0 at depth + 1).
+    The tree of ``budget`` drafts is the ``budget`` most probable token paths (prefix-closed, since extending a path
+    never raises its probability), found on the device by :func:`ddtree_tensors`. Nodes come in descending path
+    probability (parents first). Fewer drafts than ``budget`` exist only when ``depth × vocab`` is smaller; the rest
+    are padding roots (:meth:`Tree.padded`), never accepted.
     """
-    depth_max = draft_logits.shape[0]
-    k = min(budget, draft_logits.shape[-1])
-    top = torch.log_softmax(draft_logits.float(), dim=-1).topk(k, dim=-1)
-    top_logp, top_ids = top.values.tolist(), top.indices.tolist()
+    tokens, parents, logq = ddtree_tensors(draft_logits, budget)
+    root_t = tokens.new_tensor([root])
+    return Tree(torch.cat([root_t, tokens]), torch.cat([root_t.new_tensor([-1]), parents]),
+                torch.cat([logq.new_zeros(1), logq]))
 
-    tokens, parents, logq = [root], [-1], [0.0]
-    # entry: (-score, tiebreak, depth, rank, parent_node, parent_score)
-    heap = [(-top_logp[0][0], 0, 0, 0, 0, 0.0)] if depth_max > 0 else []
-    counter = 1
-    while heap and len(tokens) <= budget:
-        neg, _, d, r, parent, parent_score = heapq.heappop(heap)
-        node = len(tokens)
-        tokens.append(top_ids[d][r])
-        parents.append(parent)
-        logq.append(top_logp[d][r])
-        if r + 1 < k:
-            heapq.heappush(heap, (-(parent_score + top_logp[d][r + 1]), counter, d, r + 1, parent, parent_score))
-            counter += 1
-        if d + 1 < depth_max:
-            heapq.heappush(heap, (neg - top_logp[d + 1][0], counter, d + 1, 0, node, -neg))
-            counter += 1
-    return Tree.from_lists(tokens, parents, logq, device=draft_logits.device)
+
+def ddtree_tensors(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The DDTree drafts at fixed shapes, without a host sync (a captured draft step can include it).
+
+    Level by level, the ``budget`` best paths of depth d+1 are the best of (kept depth-d paths) × (top-k tokens of
+    depth d+1): a path in the global top-``budget`` has its parent there too. The global top-``budget`` over all levels
+    is the tree.
+
+    Args:
+        draft_logits: ``[D, V]`` DFlash marginal logits for depths ``1..D``.
+    Returns:
+        ``tokens, parents, logq`` of the ``budget`` draft nodes (node i of the tree is entry i-1; parent 0 = root);
+        missing nodes have parent -1 and ``logq`` -inf.
+    """
+    depth_max, vocab = draft_logits.shape
+    k = min(budget, vocab)
+    device = draft_logits.device
+    top = torch.log_softmax(draft_logits.float(), dim=-1).topk(k, dim=-1)  # [D, k]
+    neg_inf = torch.tensor(float("-inf"), device=device)
+    # Level d keeps `budget` paths: score, token rank, parent slot in level d-1 (-1 for depth 1).
+    scores = torch.full((budget,), float("-inf"), device=device)
+    scores[:k] = top.values[0]
+    ranks = torch.zeros(budget, dtype=torch.long, device=device)
+    ranks[:k] = torch.arange(k, device=device)
+    levels = [(scores, ranks, torch.full((budget,), -1, dtype=torch.long, device=device))]
+    for d in range(1, depth_max):
+        cand = (levels[-1][0][:, None] + top.values[d][None, :]).flatten()  # [budget * k]
+        best = cand.topk(budget)
+        levels.append((best.values, best.indices % k, best.indices // k))
+    all_scores = torch.stack([lv[0] for lv in levels])  # [D, budget]
+    # Shallower first among equal scores (a token of probability 1 gives a child its parent's score): parents then
+    # always precede their children and are never cut off at the budget boundary.
+    depth_of = torch.arange(depth_max, device=device, dtype=torch.float64)[:, None]
+    picked = (all_scores.double() - 1e-12 * depth_of).flatten().topk(budget)  # global best paths, descending
+    depth, slot = picked.indices // budget, picked.indices % budget
+    valid = picked.values > neg_inf
+    # Final node number (1-based; 0 = root) of every (level, slot) picked, to map parents.
+    number = torch.zeros(depth_max * budget, dtype=torch.long, device=device)
+    number[picked.indices] = torch.arange(1, budget + 1, device=device)
+    parent_slot = torch.stack([lv[2] for lv in levels])[depth, slot]
+    parent_index = ((depth - 1).clamp(min=0) * budget + parent_slot.clamp(min=0))
+    parents = torch.where(depth == 0, 0, number[parent_index])
+    rank = torch.stack([lv[1] for lv in levels])[depth, slot]
+    tokens = top.indices[depth, rank]
+    logq = top.values[depth, rank]
+    return (torch.where(valid, tokens, 0), torch.where(valid, parents, -1),
+            torch.where(valid, logq, neg_inf))
 
 
 def weaver_tree(

@@ -1,0 +1,56 @@
+"""Tree builders: DDTree on the device equals best-first search with a heap; fixed shapes, parents first."""
+
+import heapq
+
+import torch
+
+from modeling_weaver.tree import ddtree, ddtree_tensors
+
+
+def best_first_reference(root, draft_logits, budget):
+    """Heap best-first over (depth, rank): pop the most probable path, push its next sibling and its first child."""
+    depth_max = draft_logits.shape[0]
+    k = min(budget, draft_logits.shape[-1])
+    top = torch.log_softmax(draft_logits.float(), dim=-1).topk(k, dim=-1)
+    top_logp, top_ids = top.values.tolist(), top.indices.tolist()
+    tokens, parents, logq = [root], [-1], [0.0]
+    heap = [(-top_logp[0][0], 0, 0, 0, 0, 0.0)]
+    counter = 1
+    while heap and len(tokens) <= budget:
+        neg, _, d, r, parent, parent_score = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(top_ids[d][r])
+        parents.append(parent)
+        logq.append(top_logp[d][r])
+        if r + 1 < k:
+            heapq.heappush(heap, (-(parent_score + top_logp[d][r + 1]), counter, d, r + 1, parent, parent_score))
+            counter += 1
+        if d + 1 < depth_max:
+            heapq.heappush(heap, (neg - top_logp[d + 1][0], counter, d + 1, 0, node, -neg))
+            counter += 1
+    return tokens, parents, logq
+
+
+def test_ddtree_equals_heap_best_first():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        depth = int(torch.randint(1, 16, (1,), generator=gen))
+        vocab = int(torch.randint(2, 60, (1,), generator=gen))
+        budget = int(torch.randint(1, 70, (1,), generator=gen))
+        logits = torch.randn(depth, vocab, generator=gen) * float(5 * torch.rand((), generator=gen))
+        tokens, parents, logq = best_first_reference(7, logits, budget)
+        tree = ddtree(7, logits, budget)
+        n = len(tokens)
+        assert len(tree) == budget + 1, trial  # fixed size: missing nodes are padding roots
+        assert tree.tokens[:n].tolist() == tokens and tree.parents[:n].tolist() == parents, trial
+        assert torch.allclose(tree.logq[:n], torch.tensor(logq)), trial
+        assert (tree.parents[n:] == -1).all() and torch.isinf(tree.logq[n:]).all(), trial
+
+
+def test_ddtree_keeps_parents_first_when_a_token_is_certain():
+    logits = torch.full((6, 50), -100.0)
+    logits[:, 3] = 100.0  # log-prob 0.0 in fp32: children tie with their parents
+    logits[2, 4] = 99.0
+    tokens, parents, logq = ddtree_tensors(logits, 12)
+    assert all(p < i + 1 for i, p in enumerate(parents.tolist()))  # entry i is node i + 1
+    assert (parents >= 0).all()
