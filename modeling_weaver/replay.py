@@ -107,7 +107,8 @@ def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str,
     """One generation with replayed acceptance; returns ``(ids, SpeculativeStats with phase_ms)``."""
     stopping = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
     return _decode(
-        target, input_ids[0], runner=PlantedRunner(drafter, target, seed=seed), weaver=weaver, mode=mode, tree_budget=tree_budget,
+        target, input_ids[0], runner=PlantedRunner(drafter, target, seed=seed), weaver=weaver, mode=mode,
+        tree_budget=tree_budget,
         max_new_tokens=max_new_tokens, processors=LogitsProcessorList(), do_sample=False, verification=None,
         stopping_criteria=stopping, streamer=None, generator=None, target_step=target_step,
         timer=PhaseTimer(input_ids.device), accept=ReplayedAcceptance(trace),
@@ -261,7 +262,8 @@ def run_replay(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "replay.md").write_text(table + "\n\n" + info + "\n")
-    (out / "replay.json").write_text(json.dumps({"info": info, "args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "rows": rows}, indent=1))
+    settings = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    (out / "replay.json").write_text(json.dumps({"info": info, "args": settings, "rows": rows}, indent=1))
     print(table)
     print(info)
     return 0

@@ -7,7 +7,6 @@ A tree's node 0 is the root, the bonus token the target chose last; draft nodes 
 from __future__ import annotations
 
 import functools
-import heapq
 import math
 from dataclasses import dataclass
 
@@ -200,14 +199,16 @@ def weaver_tree(
     children_per_node: int = 8,
     width: int | None = None,
 ) -> Tree:
-    """Weaver best-first: batched expansion rounds over the frontier (DESIGN.md §4).
+    """Weaver best-first: batched expansion rounds over the frontier (DESIGN.md §4), on the device.
 
-    Each round takes the ``width`` best frontier entries (cumulative log-prob) as new tree nodes, runs one batched
-    Weaver node step on them and publishes each node's top ``children_per_node`` pool candidates to the frontier.
-    Entries at the maximum depth become leaves without a step and do not count against ``width``; rounds go on
-    until the budget is filled or the frontier is empty.
+    The root is expanded first; then each round turns the ``width`` best frontier entries (cumulative log-prob) into
+    tree nodes and runs one batched Weaver node step on them, which publishes each node's top ``children_per_node``
+    pool candidates (none for nodes at the maximum depth) to the frontier. ``ceil(budget / width)`` rounds fill the
+    budget; missing nodes (an exhausted frontier) are padding roots. Every shape is fixed by ``budget`` and ``width``
+    and nothing waits for the host, so a captured step can include the whole build.
 
     Args:
+        root: the bonus token (an int or a 0-d tensor on the device).
         weaver: a :class:`~modeling_weaver.modeling_weaver.WeaverModel`.
         prompt: the Weaver prompt for this step (``weaver.encode_prompt``).
         draft_logits: ``[D, V]`` DFlash marginal logits for depths ``1..D``; depth is capped at
@@ -215,48 +216,58 @@ def weaver_tree(
     """
     device = draft_logits.device
     max_depth = min(draft_logits.shape[0], weaver.config.K)
-    if width is None:
-        width = min(32, math.ceil(budget / 16))
-    pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])
-    pool_logits, pool_ids = draft_logits[:max_depth].float().topk(pool, dim=-1)  # [D, pool]
     if max_depth == 0:
-        return Tree.from_lists([root], [-1], device=device)
-    cache = weaver.new_node_cache(budget + 1, device=device)
+        return Tree.from_lists([int(root)], [-1], device=device)
+    width = min(32, math.ceil(budget / 16)) if width is None else width
+    pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])
+    pool_logits, pool_ids = draft_logits[:max_depth].float().topk(pool, dim=-1)  # [D, pool]: children of depth d+1
+    fan = min(children_per_node, pool)
+    n = budget + 1
+    cache = weaver.new_node_cache(n, device=device)
+    neg_inf = float("-inf")
 
-    tokens, parents, logq, depths, scores = [root], [-1], [0.0], [0], [0.0]
-    frontier: list[tuple[float, int, int, int, float]] = []  # (-score, tiebreak, token, parent, logq)
-    expand = [0]  # nodes to run through Weaver this round
-    counter = 0
-    mask = torch.zeros(budget + 1, budget + 1, dtype=torch.bool, device=device)
-    mask[0, 0] = True
-    while expand:
-        idx = torch.tensor(expand, device=device)
-        node_depth = torch.tensor([depths[i] for i in expand], device=device)
-        x = weaver.node_inputs(embed_tokens(torch.tensor([tokens[i] for i in expand], device=device)))
-        query = weaver.step(prompt, cache, x[None], node_depth[None], idx[None], mask[idx][None])[0]
-        cand_logits = weaver.candidate_logits(query, pool_ids[node_depth], pool_logits[node_depth], lm_head_weight)
-        cand_logp = torch.log_softmax(cand_logits.float(), dim=-1)
-        top = cand_logp.topk(min(children_per_node, pool), dim=-1)
-        top_ids = pool_ids[node_depth].gather(-1, top.indices).tolist()
-        top_logp = top.values.tolist()
-        for row, node in enumerate(expand):
-            for lp, tok in zip(top_logp[row], top_ids[row]):
-                heapq.heappush(frontier, (-(scores[node] + lp), counter, tok, node, lp))
-                counter += 1
-        # Select the next nodes: up to `width` best entries become tree nodes now.
-        expand = []
-        while frontier and len(expand) < width and len(tokens) <= budget:
-            neg, _, tok, parent, lp = heapq.heappop(frontier)
-            node = len(tokens)
-            tokens.append(tok)
-            parents.append(parent)
-            logq.append(lp)
-            depths.append(depths[parent] + 1)
-            scores.append(-neg)
-            mask[node] = mask[parent]
-            mask[node, node] = True
-            if depths[node] < max_depth:
-                expand.append(node)
-        if len(tokens) > budget:
+    tokens = torch.zeros(n, dtype=torch.long, device=device)
+    tokens[0] = root
+    parents = torch.full((n,), -1, dtype=torch.long, device=device)
+    logq = torch.full((n,), neg_inf, device=device)
+    logq[0] = 0.0
+    depth = torch.zeros(n, dtype=torch.long, device=device)
+    score = torch.zeros(n, device=device)  # log-probability of the root→node path
+    mask = torch.eye(n, dtype=torch.bool, device=device)
+    # Frontier: slot node·fan + j holds the j-th best child candidate of that node.
+    f_score = torch.full((n * fan,), neg_inf, device=device)
+    f_token = torch.zeros(n * fan, dtype=torch.long, device=device)
+    f_logq = torch.zeros(n * fan, device=device)
+    f_parent = torch.arange(n, device=device).repeat_interleave(fan)
+
+    expand, count = torch.zeros(1, dtype=torch.long, device=device), 1
+    while True:
+        d = depth[expand]
+        x = weaver.node_inputs(embed_tokens(tokens[expand]))
+        query = weaver.step(prompt, cache, x[None], d[None], expand[None], mask[expand][None])[0]
+        row = d.clamp(max=max_depth - 1)
+        cand_logp = torch.log_softmax(
+            weaver.candidate_logits(query, pool_ids[row], pool_logits[row], lm_head_weight).float(), dim=-1)
+        top = cand_logp.topk(fan, dim=-1)
+        real = (parents[expand] >= 0) | (expand == 0)  # padding nodes publish nothing
+        publish = real & (d < max_depth)
+        slots = (expand[:, None] * fan + torch.arange(fan, device=device)).flatten()
+        f_score[slots] = torch.where(publish[:, None], score[expand][:, None] + top.values, neg_inf).flatten()
+        f_token[slots] = pool_ids[row].gather(-1, top.indices).flatten()
+        f_logq[slots] = top.values.flatten()
+        if count >= n:
             break
-    return Tree.from_lists(tokens, parents, logq, device=device)
+        take = min(width, n - count)
+        best = f_score.topk(take)
+        new = torch.arange(count, count + take, device=device)
+        valid = best.values > neg_inf
+        parent = f_parent[best.indices]
+        tokens[new] = torch.where(valid, f_token[best.indices], 0)
+        parents[new] = torch.where(valid, parent, -1)
+        logq[new] = torch.where(valid, f_logq[best.indices], neg_inf)
+        depth[new] = torch.where(valid, depth[parent] + 1, 0)
+        score[new] = best.values
+        f_score[best.indices] = neg_inf  # taken
+        mask[new] = (mask[parent] & valid[:, None]) | (torch.arange(n, device=device)[None] == new[:, None])
+        expand, count = new, count + take
+    return Tree(tokens, parents, logq)

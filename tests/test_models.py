@@ -490,13 +490,32 @@ def test_candidate_logits_gather_pool_rows_only():
     assert logits.dtype == torch.float32
 
 
-def test_weaver_drives_the_tree_builder():
+@pytest.mark.parametrize("budget,width", [(12, None), (30, 4), (7, 3)])
+def test_weaver_drives_the_tree_builder(budget, width):
+    """Fixed-size best-first tree; each node's logq is the Weaver's log-prob of its token given its own root path
+    (recomputed by teacher forcing the path in one call), so the batched rounds' cache and masks are right."""
+    torch.manual_seed(budget)
     weaver = make_weaver()
     embed, lm_head = torch.nn.Embedding(VOCAB, 40), torch.randn(VOCAB, 48)
     prompt = weaver.encode_prompt(torch.randn(1, 48), torch.randn(1, 5, 48))
+    draft_logits = 3 * torch.randn(5, VOCAB)
     with torch.no_grad():
-        tree = weaver_tree(3, weaver, prompt, torch.randn(5, VOCAB), embed, lm_head, budget=12)
-    assert 1 < len(tree) <= 13 and int(tree.depths.max()) <= 5
+        tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width)
+        assert len(tree) == budget + 1 and int(tree.depths.max()) <= 5
+        parents = tree.parents.tolist()
+        assert all(-1 <= p < i for i, p in enumerate(parents)) and (tree.parents[1:] >= 0).all()
+        pool_logits, pool_ids = draft_logits.float().topk(16, dim=-1)
+        for node in range(1, len(tree)):
+            path = tree.path_to(node)  # root..node
+            chain = torch.tensor(path[:-1])
+            depth = torch.arange(len(chain))
+            x = weaver.node_inputs(embed(tree.tokens[chain]))[None]
+            causal = torch.ones(len(chain), len(chain)).tril().bool()[None]
+            query = weaver.step(prompt, weaver.new_node_cache(len(chain)), x, depth[None], depth[None], causal)[0, -1]
+            d = len(chain) - 1
+            logp = torch.log_softmax(weaver.candidate_logits(query, pool_ids[d], pool_logits[d], lm_head), -1)
+            expected = logp[(pool_ids[d] == tree.tokens[node]).nonzero()[0, 0]]
+            assert torch.allclose(tree.logq[node], expected, atol=1e-5), node
 
 
 @pytest.mark.parametrize("family", sorted(TARGETS))

@@ -1,4 +1,4 @@
-"""Acceptance replay (issue 5): the loop at a real shape with accepted lengths from a trace — CPU smoke at tiny shape."""
+"""Acceptance replay (issue 5): the loop at a real shape with accepted lengths from a trace; CPU smoke at tiny shape."""
 
 import json
 
