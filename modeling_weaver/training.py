@@ -30,8 +30,9 @@ the larger of the step and time fractions, so a time budget still decays the lr 
 time and data order exactly. One process by default; DDP when started by ``torchrun`` (NCCL on CUDA, gloo on CPU).
 
 **On the lent GPU machine** (10-minute calls, machine kept only while warm): plan the whole run with
-``--max-minutes`` (the schedule) and cut it into calls with ``--session-minutes`` + ``--resume`` (state in an ignored
-folder of the repo survives between back-to-back calls). Files come back through ``$OUT`` only (≤ 8 files of
+``--max-minutes`` (the schedule) and cut it into calls with ``--session-minutes`` + ``--resume``; keep the output
+folder outside the repo (e.g. ``/tmp``): files there survive between back-to-back calls while the machine stays warm,
+whereas the repo copy is replaced on every call (``scripts/train_smollm2.sh`` does all this). Files come back through ``$OUT`` only (≤ 8 files of
 ≤ 16 MiB): ``tar czf - dflash weaver | split -b 15M - $OUT/drafters.tgz.`` and ``cat drafters.tgz.* | tar xzf -``
 here (a 5-layer SmolLM2 DFlash is 37 MB in bf16, its Weaver 6 MB).
 """

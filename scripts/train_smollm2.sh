@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# The recipe behind the shipped SmolLM2-135M-Instruct drafters (checkpoints/smollm2-135m-instruct), one stage per
-# argument, each bounded in minutes so it fits the lent GPU machine's 10-minute calls (modeling_weaver/smollm2.py
-# says how the GGUF gets there). Work goes to $WORK (default .smol_dev/work); `pack` tars what should come back into
-# $OUT in ≤ 15 MiB pieces (join here with `cat pack.tgz.* | tar xzf -`).
+# The recipe behind the SmolLM2-135M-Instruct drafters, one stage per argument, each bounded in minutes so that it
+# fits the lent GPU machine's 10-minute calls (modeling_weaver/smollm2.py says how the GGUF gets there; keep $WORK
+# outside the repo, e.g. /tmp/smol/work: the repo copy is replaced on every call). `pack` tars what should come back
+# into $OUT in ≤ 15 MiB pieces (join here with `cat pack.tgz.* | tar xzf -`).
 #
-#   scripts/train_smollm2.sh data dflash pack     # call 2 (after the GGUF is in place)
-#   scripts/train_smollm2.sh weaver bench pack    # call 3, while the machine is still warm
+#   scripts/train_smollm2.sh data dflash           # call 2 (after the GGUF is in place)
+#   scripts/train_smollm2.sh dflash                # call 3: the same run resumed (--resume), schedule unchanged
+#   scripts/train_smollm2.sh weaver bench pack     # call 4
+#   scripts/train_smollm2.sh gputests replay       # GPU tests and the Qwen3.6-27B-shape acceptance replay
+#
+# DFlash runs DFLASH_TOTAL minutes of schedule in chunks of at most DFLASH_MIN per call (--session-minutes).
 set -euo pipefail
-WORK=${WORK:-.smol_dev/work}
-DATA_MIN=${DATA_MIN:-2.2} DFLASH_MIN=${DFLASH_MIN:-4} WEAVER_MIN=${WEAVER_MIN:-1.2} BENCH_MIN=${BENCH_MIN:-3.5}
+WORK=${WORK:-/tmp/smol/work}
+DATA_MIN=${DATA_MIN:-2.5} DFLASH_MIN=${DFLASH_MIN:-8} DFLASH_TOTAL=${DFLASH_TOTAL:-16} WEAVER_MIN=${WEAVER_MIN:-4}
+BENCH_MIN=${BENCH_MIN:-3.5}
 EXTRA_DATA=${EXTRA_DATA:-}  # a folder of earlier shard-*.pt to train on as well (copied in as shard-extra-*)
 mkdir -p "$WORK"
 for stage in "$@"; do
@@ -21,9 +26,12 @@ for stage in "$@"; do
         for f in "$EXTRA_DATA"/shard-*.pt; do cp "$f" "$WORK/data/shard-extra-$(basename "$f" | tr -cd '0-9').pt"; done
       fi ;;
     dflash)  # 3-layer block drafter started from the target's last 3 layers, block 16, learned mask embedding
-      # (SmolLM2 has no MASK token); epochs are many: --max-minutes ends the run and its cosine schedule
+      # (SmolLM2 has no MASK token). 64 anchors × 32 sequences per step: the dense block-sparse attention costs
+      # (context + all blocks of the sequence) keys per query, so fewer blocks per sequence make each block cheaper.
+      resume=""; [ -f "$WORK/dflash/training_state.pt" ] && resume="--resume"
       python3 -m modeling_weaver.cli train-dflash --data "$WORK/data" --output-dir "$WORK/dflash" --num-layers 3 \
-        --batch-size 8 --epochs 100 --max-minutes "$DFLASH_MIN" --save-every 0 --log-every 50 --no-progress ;;
+        --anchors 64 --batch-size 32 --epochs 100 --max-minutes "$DFLASH_TOTAL" --session-minutes "$DFLASH_MIN" \
+        --save-every 0 --log-every 50 --no-progress $resume ;;
     weaver)  # 1-layer Weaver, pool 512, DFlash frozen
       python3 -m modeling_weaver.cli train-weaver --data "$WORK/data" --drafter "$WORK/dflash" \
         --output-dir "$WORK/weaver" --batch-size 8 --epochs 100 --max-minutes "$WEAVER_MIN" --save-every 0 \
@@ -32,6 +40,11 @@ for stage in "$@"; do
       python3 -m modeling_weaver.cli bench --drafter "$WORK/dflash" --weaver "$WORK/weaver" --subset "${SUBSET:-10}" \
         --max-new-tokens "${NEW_TOKENS:-128}" --budgets 64 32 16 --temperatures 0 1 --sampling-verifications both \
         --max-minutes "$BENCH_MIN" --out "$WORK/bench" --no-progress ;;
+    gputests)
+      python3 -m pytest -q -m gpu tests/ ;;
+    replay)  # synthetic traces unless TRACE points at a bench results.json
+      src=${TRACE:+--trace $TRACE}; src=${src:---synthetic-mal chain=4 ddtree=5.4 weaver=7.1}
+      python3 -m modeling_weaver.cli replay $src --out "$WORK/replay" ;;
     pack)
       (cd "$WORK" && find . -name training_state.pt -prune -o -type f -print \
         | tar czf - -T -) | split -b 15M - "${OUT:-.}/pack.tgz." ;;
