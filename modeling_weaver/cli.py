@@ -92,6 +92,9 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per prompt (default: 128, tiny: 48)")
     p.add_argument("--prompt", action="append", help="a prompt of your own (repeatable)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16 — bf16 "
+                                                   "makes tree verification relatively cheaper on CPUs with "
+                                                   "avx512_bf16/AMX, but near-tie argmaxes may then flip")
 
 
 _DEMO_PROMPTS = (
@@ -146,7 +149,7 @@ def _real_setup(args):
     if smollm2 is None:
         raise CLIError("loading the target needs modeling_weaver.smollm2, which is missing from this install")
     device = torch.device(args.device) if args.device else smollm2.resolve_device(None)
-    dtype = smollm2.resolve_dtype("auto", device)
+    dtype = smollm2.resolve_dtype(args.dtype, device)
     target, tokenizer = smollm2.load_target(args.target or "smollm2", dtype=dtype, device=device)
     drafter = load_dflash(drafters / "dflash", dtype=dtype, device=device)
     weaver = load_weaver(drafters / "weaver", dtype=dtype, device=device) if (drafters / "weaver").is_dir() else None
