@@ -89,7 +89,10 @@ class BatchedSampler:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs > self.top_p  # keep the smallest set reaching top_p
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-        return order.gather(-1, torch.multinomial(sorted_probs, 1)).squeeze(-1)
+        # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i / Σp — elementwise RNG
+        # and an argmax, which a CUDA graph captures plainly.
+        race = sorted_probs / torch.empty_like(sorted_probs).exponential_()
+        return order.gather(-1, race.argmax(-1, keepdim=True)).squeeze(-1)
 
     def _decode_step(self) -> torch.Tensor:
         logits = self._forward(self.tokens[:, None], self.step_t[None])
