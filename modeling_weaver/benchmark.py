@@ -40,7 +40,7 @@ from .data import (
     require,
     require_dir,
 )
-from .generate import speculative_generate
+from .generate import PhaseTimer, speculative_generate
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
 from .smollm2 import load_target, resolve_device, resolve_dtype
@@ -78,6 +78,7 @@ class PromptRun:
     seconds: float
     output: list[int] = field(repr=False)
     accepted_lengths: list[int] = field(default_factory=list, repr=False)  # per verify step (the replay's trace)
+    phase_ms: dict = field(default_factory=dict)  # loop phases (draft, tree, verify, accept, commit), summed
 
 
 def _sync(device: torch.device):
@@ -148,14 +149,15 @@ def run_prompt(method: Method, target, drafter, weaver, input_ids: torch.Tensor,
             target, input_ids, drafter=drafter, weaver=weaver, mode=method.mode, tree_budget=method.budget,
             max_new_tokens=max_new_tokens, do_sample=sample, temperature=method.temperature if sample else 1.0,
             verification=method.verification if sample else None, generator=generator, return_stats=True,
-            target_step=target_step,
+            target_step=target_step, timer=PhaseTimer(device),
         )
         steps, committed = stats.num_steps, sum(stats.accepted_lengths)
     _sync(device)
     seconds = time.perf_counter() - start
     new = ids[0, input_ids.shape[1]:].tolist()
-    lengths = stats.accepted_lengths if method.mode not in ("ar", "hf") else []
-    return PromptRun("", len(new), steps, committed, seconds, new, lengths)
+    if method.mode in ("ar", "hf"):
+        return PromptRun("", len(new), steps, committed, seconds, new)
+    return PromptRun("", len(new), steps, committed, seconds, new, stats.accepted_lengths, stats.phase_ms)
 
 
 def build_methods(modes, budgets, temperatures, sampling_verifications: str = "default",
@@ -186,6 +188,10 @@ def summarize(method: Method, runs: list[PromptRun], ar_runs: list[PromptRun] | 
     mal = sum(r.committed for r in runs) / max(1, steps)  # SpeculativeStats.mean_accepted_length, pooled
     row = {"method": method.label, **asdict(method), "prompts": len(runs), "new_tokens": tokens, "steps": steps,
            "seconds": round(seconds, 4), "mal": round(mal, 4), "tokens_per_s": round(tokens / max(seconds, 1e-9), 2)}
+    phases = {k for r in runs for k in r.phase_ms}
+    if phases:  # ms per verify step, by loop phase
+        row["step_ms"] = {k: round(sum(r.phase_ms.get(k, 0.0) for r in runs) / max(1, steps), 3) for k in
+                          sorted(phases)}
     if ar_runs is not None:
         ar_tps = sum(r.new_tokens for r in ar_runs) / max(sum(r.seconds for r in ar_runs), 1e-9)
         row["speedup"] = round(row["tokens_per_s"] / ar_tps, 3)
@@ -224,11 +230,25 @@ def markdown_table(rows: list[dict], datasets: list[str]) -> str:
         def mean(key, vals=vals):
             return sum(v[key] for v in vals) / len(vals) if all(key in v for v in vals) else None
 
-        ident = [v.get("identical") for v in vals]
-        ident_cell = "–" if ident[0] is None else ("yes" if all(i == 1.0 for i in ident) else
-                                                   f"NO ({min(ident):.0%})")
+        ident = [(v.get("identical"), v["prompts"]) for v in vals]
+        same = round(sum(i * n for i, n in ident)) if ident[0][0] is not None else None
+        total = sum(n for _, n in ident)
+        ident_cell = "–" if same is None else ("yes" if same == total else f"NO ({same}/{total} prompts)")
         cells += [_fmt(mean("mal")), _fmt(mean("tokens_per_s"), 1), _fmt(mean("speedup")), ident_cell]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def phase_table(rows: list[dict]) -> str:
+    """Per tree method and dataset: ms per verify step in each loop phase (draft, tree, verify, accept, commit)."""
+    phases = ("draft", "tree", "verify", "accept", "commit")
+    lines = ["| method | dataset | " + " | ".join(f"{p} ms" for p in phases) + " | step ms |",
+             "|" + "---|" * (len(phases) + 3)]
+    for r in rows:
+        if "step_ms" in r:
+            cells = [r.get("step_ms", {}).get(p) for p in phases]
+            lines.append(f"| {r['method']} | {DATASET_TITLES.get(r['dataset'], r['dataset'])} | "
+                         + " | ".join(_fmt(c) for c in cells) + f" | {_fmt(sum(c or 0.0 for c in cells))} |")
     return "\n".join(lines)
 
 
@@ -385,7 +405,7 @@ def run_benchmark(args) -> int:
             f"{time.strftime('%Y-%m-%d')}; AR = our TargetAdapter path, target steps {args.target_step}")
 
     def save(rows):  # after every method, so an interrupted run keeps what it measured
-        table = markdown_table(rows, datasets)
+        table = markdown_table(rows, datasets) + "\n\nPer verify step (ms):\n\n" + phase_table(rows)
         (out / "table.md").write_text(table + "\n\n" + info + "\n")
         serial = [{k: v for k, v in r.items() if k != "_runs"} | {"per_prompt": [asdict(x) | {"output": None}
                                                                                  for x in r["_runs"]]} for r in rows]
@@ -416,6 +436,7 @@ __all__ = [
     "autoregressive_generate",
     "build_methods",
     "markdown_table",
+    "phase_table",
     "run_benchmark",
     "run_benchmark_suite",
 ]

@@ -329,6 +329,7 @@ def speculative_generate(
     verification: str | None = None,
     generator: torch.Generator | None = None,
     target_step: str = "eager",
+    timer: PhaseTimer | None = None,
 ):
     """Lossless tree speculative decoding of ``target`` with a DFlash ``drafter`` (and optionally a Weaver).
 
@@ -350,6 +351,7 @@ def speculative_generate(
         target_step: ``"eager"`` (each tree at its own size), ``"static"`` (every tree padded to ``tree_budget + 1``
             nodes, attention over the whole cache, fixed-length commits: the shapes of a captured step) or
             ``"graph"`` (static, and each verify/commit replayed as a CUDA graph on CUDA). Same tokens.
+        timer: a :class:`PhaseTimer`: the time of each loop phase lands in ``stats.phase_ms``.
 
     Returns:
         ``[1, T + new]`` token ids, and a :class:`SpeculativeStats` when ``return_stats=True``.
@@ -378,7 +380,7 @@ def speculative_generate(
         target, input_ids[0], runner=DFlashRunner(drafter, target), weaver=weaver, mode=mode, tree_budget=tree_budget,
         max_new_tokens=max_new_tokens, processors=processors, do_sample=do_sample,
         verification=verification, stopping_criteria=stopping, streamer=streamer, generator=generator,
-        target_step=target_step,
+        target_step=target_step, timer=timer,
     )
     return (ids, stats) if return_stats else ids
 
