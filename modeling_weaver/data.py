@@ -607,6 +607,13 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
             # 2. The target answers them (one decoding mode per round).
             greedy = rng.random() < settings.greedy_fraction
             prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
+            if sampler is not None:  # its cache holds prompt + answer; a turn that re-tokenises longer is dropped
+                room = sampler.max_length - settings.max_response_tokens
+                keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= room]
+                stats.unfinished_prompts += len(prompt_ids) - len(keep)
+                prompts, prompt_ids = [prompts[i] for i in keep], [prompt_ids[i] for i in keep]
+                if not prompts:
+                    continue
             answers = batched_generate(
                 model, tokenizer, prompt_ids, max_new_tokens=settings.max_response_tokens,
                 temperature=0.0 if greedy else settings.response_temperature, top_p=1.0, sampler=sampler,
