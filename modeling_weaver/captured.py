@@ -7,6 +7,10 @@ adapter's device tensor, so nothing in either step depends on the prompt or the 
 CUDA graph, captured once and replayed for any prompt length up to ``max_length``. Elsewhere (or with
 ``capture=False``) the same static-buffer code runs eagerly — what the CPU tests exercise.
 
+:class:`StaticDraft` does the same for the DFlash drafter: its context K/V live in fixed buffers whose rows are
+positions, each step's new context (one accepted path, at most a block) is padded to the block size, and attention
+runs over the whole buffer with a mask.
+
 One :class:`StaticTarget` per tree size; a generation uses one size throughout (the commit graph reads the outputs of
 its own verify graph). Prefill stays eager (chunked, once per prompt). :func:`static_target` keeps them per target,
 cache capacity (rounded up to a power of two) and tree size, so later generations replay the same graphs.
@@ -124,6 +128,97 @@ class StaticTarget:
         self.captures += 1
 
 
+class DFlashStaticCache:
+    """Context K/V of a DFlash drafter in fixed ``[1, kv_heads, rows, head_dim]`` buffers; row = position.
+
+    ``update`` (called by each attention layer) writes the call's K/V at ``slots`` and returns the whole buffers;
+    ``query_key_positions`` tells the layers where queries and keys sit (sliding / causal layer masks).
+    """
+
+    def __init__(self, drafter, rows: int, slots: int, device, dtype):
+        config = drafter.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (1, config.num_key_value_heads, rows, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in drafter.layers]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in drafter.layers]
+        self.slots = torch.zeros(slots, dtype=torch.long, device=device)
+        self.query_key_positions = (torch.zeros(drafter.block_size, dtype=torch.long, device=device),
+                                    torch.arange(rows, device=device))
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int):
+        self.keys[layer_idx].index_copy_(2, self.slots, keys.to(self.keys[layer_idx].dtype))
+        self.values[layer_idx].index_copy_(2, self.slots, values.to(self.values[layer_idx].dtype))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+
+class StaticDraft:
+    """:class:`~modeling_weaver.generate.DFlashRunner` at fixed shapes (CUDA graph on CUDA); same ``draft`` contract.
+
+    Each call drafts one block after ``block_size`` context rows (the accepted path; padding rows go past the block,
+    where the mask never looks). A longer context — the prompt, once — goes in block-size chunks, the block riding
+    along and being overwritten by the next chunk.
+
+    Args:
+        drafter: a :class:`~modeling_weaver.modeling_dflash.DFlashDraftModel`; target: its target (embedding, lm_head).
+        max_length: positions the generation may reach.
+    """
+
+    def __init__(self, drafter, target, max_length: int, capture: bool | None = None):
+        self.drafter = drafter
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.block_size = drafter.config.block_size
+        self.feature_layer_ids = list(drafter.config.target_layer_ids)
+        param = next(drafter.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        size = self.block_size
+        self.rows = max_length + 2 * size  # pads sit after the block
+        self.cache = DFlashStaticCache(drafter, self.rows, 2 * size, self.device, self.dtype)
+        self.context = torch.zeros(size, drafter.fc.in_features, device=self.device, dtype=self.dtype)
+        self.count = torch.zeros((), dtype=torch.long, device=self.device)  # real context rows
+        self.n = torch.zeros((), dtype=torch.long, device=self.device)  # position of the block's first token
+        self.bonus = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._graph: tuple | None = None
+
+    def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        size, device = self.block_size, self.device
+        idx = torch.arange(size, device=device)
+        context_rows = torch.where(idx < self.count, self.n - self.count + idx, self.n + size + idx)
+        block_rows = self.n + idx
+        rows = torch.cat([context_rows, block_rows])
+        self.cache.slots.copy_(rows)
+        self.cache.query_key_positions[0].copy_(block_rows)
+        visible = (torch.arange(self.rows, device=device) < self.n + size).expand(1, 1, size, -1)
+        block = self.drafter.block_embeddings(self.bonus, self.embed_tokens).to(self.dtype)
+        hidden = self.drafter(noise_embedding=block, target_hidden=self.context[None], position_ids=rows[None],
+                              past_key_values=self.cache, attention_mask=visible)[0, 1:]
+        return hidden, self.lm_head(hidden.to(self.lm_head.weight.dtype))
+
+    @torch.no_grad()
+    def draft(self, bonus: int, context: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`DFlashRunner.draft`: block ``[bonus, MASK…]`` at ``n..``, new ``context`` of ``n-C..n-1``."""
+        size = self.block_size
+        if n + 2 * size > self.rows:
+            raise ValueError(f"position {n} is beyond this drafter cache ({self.rows - 2 * size} positions)")
+        first = n - context.shape[0]
+        for start in range(0, context.shape[0], size):
+            chunk = context[start : start + size]
+            self.context[: chunk.shape[0]].copy_(chunk)
+            self.count.fill_(chunk.shape[0])
+            self.n.fill_(first + start + chunk.shape[0])
+            self.bonus.fill_(int(bonus))
+            if not self.capture:
+                out = self._forward()
+            else:
+                if self._graph is None:
+                    graph, graph_out = capture_graph(self._forward)
+                    self._graph = (graph, graph_out)
+                self._graph[0].replay()
+                out = self._graph[1]
+        return out
+
+
 _STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -144,9 +239,20 @@ def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), 
     return step
 
 
+def static_draft(drafter, target, max_length: int, capture: bool | None = None) -> StaticDraft:
+    """The :class:`StaticDraft` of ``drafter`` for this capacity bucket (as :func:`static_target`), kept on it."""
+    capacity = max(256, 1 << (max_length - 1).bit_length())
+    steps = _STATIC_TARGETS.setdefault(drafter, {})
+    key = ("draft", capacity, id(target), capture)
+    if key not in steps:
+        steps[key] = StaticDraft(drafter, target, capacity, capture=capture)
+    return steps[key]
+
+
 def release_static_targets(model) -> None:
-    """Drop the cached steps (caches and CUDA graphs) of ``model``."""
+    """Drop the cached steps (caches and CUDA graphs) of ``model`` (a target or a drafter)."""
     _STATIC_TARGETS.pop(model, None)
 
 
-__all__ = ["StaticTarget", "capture_graph", "release_static_targets", "static_target"]
+__all__ = ["DFlashStaticCache", "StaticDraft", "StaticTarget", "capture_graph", "release_static_targets",
+           "static_draft", "static_target"]

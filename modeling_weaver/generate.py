@@ -29,7 +29,7 @@ from transformers.generation import (
 )
 
 from .accept import accept_greedy, accept_target_only, accept_traversal
-from .captured import static_target
+from .captured import static_draft, static_target
 from .pairing import check_pair
 from .target import TargetAdapter
 from .tree import Tree, chain_tree, ddtree, weaver_tree
@@ -244,9 +244,11 @@ def _decode(
     max_length = prompt.shape[0] + max_new_tokens + tree_budget + 2
     if target_step == "eager":
         target_cache = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids)
-    else:  # kept per target: later generations replay the same graphs
+    else:  # kept per target and drafter: later generations replay the same graphs
         capture = target_step == "graph" and prompt.device.type == "cuda"
         target_cache = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, capture=capture)
+        if type(runner) is DFlashRunner:
+            runner = static_draft(runner.drafter, target, max_length, capture=capture)
     if target_cache.max_tree_nodes is not None and tree_budget + 1 > target_cache.max_tree_nodes:
         raise ValueError(f"tree_budget {tree_budget} is too large for this hybrid target on {target_cache.device}: the "
                          f"GDN tree kernel verifies at most {target_cache.max_tree_nodes} nodes (budget + root)")

@@ -25,6 +25,7 @@ from transformers.generation import LogitsProcessorList, MaxLengthCriteria, Stop
 
 from .accept import Acceptance
 from .benchmark import autoregressive_generate
+from .captured import static_draft
 from .data import cli_entry
 from .generate import MODES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
 from .tree import Tree
@@ -78,21 +79,21 @@ class ReplayedAcceptance:
         return Acceptance(path, int(scores[path[-1]].argmax()))
 
 
-class PlantedRunner(DFlashRunner):
-    """DFlash drafting whose marginals get one planted token per depth d with probability ``top · decay**d``.
+class PlantedRunner:
+    """A drafting runner whose marginals get one planted token per depth d with probability ``top · decay**d``.
 
     Random drafters give near-uniform marginals, so best-first trees come out as stars and cannot hold the traced
     depths; trained drafters are peaked. Planting a peak gives the trees the depth a trained drafter gives them, at
     the drafter's real cost (one extra logsumexp per depth).
     """
 
-    def __init__(self, drafter, target, top: float = 0.8, decay: float = 0.95, seed: int = 0):
-        super().__init__(drafter, target)
-        self.top, self.decay = top, decay
+    def __init__(self, runner, top: float = 0.8, decay: float = 0.95, seed: int = 0):
+        self.runner, self.top, self.decay = runner, top, decay
+        self.feature_layer_ids = runner.feature_layer_ids
         self.gen = torch.Generator().manual_seed(seed)
 
     def draft(self, bonus, context, n):
-        hidden, logits = super().draft(bonus, context, n)
+        hidden, logits = self.runner.draft(bonus, context, n)
         depth, vocab = logits.shape
         rows = torch.arange(depth, device=logits.device)
         peak = torch.randint(vocab, (depth,), generator=self.gen).to(logits.device)
@@ -106,8 +107,13 @@ def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str,
                     max_new_tokens: int, target_step: str = "graph", seed: int = 0):
     """One generation with replayed acceptance; returns ``(ids, SpeculativeStats with phase_ms)``."""
     stopping = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
+    if target_step == "eager":
+        runner = DFlashRunner(drafter, target)
+    else:
+        capture = target_step == "graph" and input_ids.is_cuda
+        runner = static_draft(drafter, target, input_ids.shape[1] + max_new_tokens + tree_budget + 2, capture)
     return _decode(
-        target, input_ids[0], runner=PlantedRunner(drafter, target, seed=seed), weaver=weaver, mode=mode,
+        target, input_ids[0], runner=PlantedRunner(runner, seed=seed), weaver=weaver, mode=mode,
         tree_budget=tree_budget,
         max_new_tokens=max_new_tokens, processors=LogitsProcessorList(), do_sample=False, verification=None,
         stopping_criteria=stopping, streamer=None, generator=None, target_step=target_step,

@@ -75,12 +75,19 @@ class DFlashAttention(nn.Module):
         self.causal_in_block = layer_type == "sliding_attention" if explicit is None else bool(explicit)
         self.is_causal = False
 
-    def layer_mask(self, num_queries: int, num_keys: int, device) -> torch.Tensor | None:
-        """``[Q, K]`` bool mask for causal / sliding layers (queries are the last ``Q`` keys), else ``None``."""
+    def layer_mask(self, num_queries: int, num_keys: int, device, positions=None) -> torch.Tensor | None:
+        """``[Q, K]`` bool mask for causal / sliding layers, else ``None``.
+
+        Queries are the last ``Q`` keys, unless ``positions = (query_positions [Q], key_positions [K])`` says where
+        each sits (a static cache whose rows are positions).
+        """
         if not self.causal_in_block and self.sliding_window is None:
             return None
-        q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
-        k_pos = torch.arange(num_keys, device=device)[None, :]
+        if positions is None:
+            q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+            k_pos = torch.arange(num_keys, device=device)[None, :]
+        else:
+            q_pos, k_pos = positions[0][:, None], positions[1][None, :]
         visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
         if self.causal_in_block:
             visible &= k_pos <= q_pos
@@ -120,7 +127,9 @@ class DFlashAttention(nn.Module):
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
 
-        layer_mask = self.layer_mask(q_len, k.shape[2], q.device)
+        # A static cache (rows = positions, see modeling_weaver.captured) tells where queries and keys sit.
+        positions = getattr(past_key_values, "query_key_positions", None)
+        layer_mask = self.layer_mask(q_len, k.shape[2], q.device, positions)
         if layer_mask is not None:
             layer_mask = _additive_mask(layer_mask, q.dtype)[None, None]
             attention_mask = layer_mask if attention_mask is None else attention_mask + layer_mask
