@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from .target import TargetAdapter, TreeOutput
-from .tree import Tree
+from .tree import Tree, chain_tree_tensors, ddtree_tensors, weaver_tree_tensors, with_root
 
 
 def capture_graph(fn, pool=None, warmup: int = 2):
@@ -179,7 +179,8 @@ class StaticDraft:
         self.count = torch.zeros((), dtype=torch.long, device=self.device)  # real context rows
         self.n = torch.zeros((), dtype=torch.long, device=self.device)  # position of the block's first token
         self.bonus = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._graph: tuple | None = None
+        self._graphs: dict = {}
+        self._proposers: dict = {}
 
     def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         size, device = self.block_size, self.device
@@ -195,28 +196,83 @@ class StaticDraft:
                               past_key_values=self.cache, attention_mask=visible)[0, 1:]
         return hidden, self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
-    @torch.no_grad()
-    def draft(self, bonus: int, context: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`DFlashRunner.draft`: block ``[bonus, MASK…]`` at ``n..``, new ``context`` of ``n-C..n-1``."""
+    def load(self, bonus: int, context: torch.Tensor, n: int) -> bool:
+        """Put the inputs of the last (or only) chunk in the static buffers, running the leading chunks of a long
+        context (block-size pieces) first; returns False when there was no context (nothing to run)."""
         size = self.block_size
         if n + 2 * size > self.rows:
             raise ValueError(f"position {n} is beyond this drafter cache ({self.rows - 2 * size} positions)")
         first = n - context.shape[0]
-        for start in range(0, context.shape[0], size):
+        starts = list(range(0, context.shape[0], size))
+        for start in starts:
             chunk = context[start : start + size]
             self.context[: chunk.shape[0]].copy_(chunk)
             self.count.fill_(chunk.shape[0])
             self.n.fill_(first + start + chunk.shape[0])
             self.bonus.fill_(int(bonus))
-            if not self.capture:
-                out = self._forward()
-            else:
-                if self._graph is None:
-                    graph, graph_out = capture_graph(self._forward)
-                    self._graph = (graph, graph_out)
-                self._graph[0].replay()
-                out = self._graph[1]
+            if start != starts[-1]:
+                self.run(self._forward)
+        return bool(starts)
+
+    def run(self, fn, key="draft"):
+        """``fn()`` — replayed from a CUDA graph captured on first use (one per ``key``) when capturing."""
+        if not self.capture:
+            return fn()
+        if key not in self._graphs:
+            self._graphs[key] = capture_graph(fn)
+        graph, out = self._graphs[key]
+        graph.replay()
         return out
+
+    def proposer(self, mode: str, budget: int, weaver=None) -> StaticProposer:
+        """The :class:`StaticProposer` of this drafter for ``mode`` and ``budget`` (kept: its graph reads its
+        buffers)."""
+        key = (mode, budget, id(weaver))
+        if key not in self._proposers:
+            self._proposers[key] = StaticProposer(self, mode, budget, weaver)
+        return self._proposers[key]
+
+    @torch.no_grad()
+    def draft(self, bonus: int, context: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`DFlashRunner.draft`: block ``[bonus, MASK…]`` at ``n..``, new ``context`` of ``n-C..n-1``."""
+        self.load(bonus, context, n)
+        return self.run(self._forward)
+
+
+class StaticProposer:
+    """Draft and tree build of one mode and budget at fixed shapes: one CUDA graph per step on CUDA.
+
+    ``propose`` returns the drafter's hidden states and logits (as :meth:`StaticDraft.draft`) and the tree, built on
+    the device by the mode's ``*_tensors`` builder (for Weaver, after encoding its prompt from ``last_hidden``).
+    """
+
+    def __init__(self, draft: StaticDraft, mode: str, budget: int, weaver=None):
+        if mode == "weaver" and weaver is None:
+            raise ValueError("the weaver mode needs a Weaver")
+        self.draft, self.mode, self.budget, self.weaver = draft, mode, budget, weaver
+        self.feature_layer_ids = draft.feature_layer_ids
+        self.last_hidden = torch.zeros(draft.lm_head.weight.shape[1], device=draft.device,
+                                       dtype=draft.lm_head.weight.dtype)
+
+    def _forward(self):
+        hidden, logits = self.draft._forward()
+        if self.mode == "chain":
+            drafts = chain_tree_tensors(logits, self.budget)
+        elif self.mode == "ddtree":
+            drafts = ddtree_tensors(logits, self.budget)
+        else:
+            weaver, depth = self.weaver, min(hidden.shape[0], self.weaver.config.K)
+            prompt = weaver.encode_prompt(self.last_hidden[None], hidden[None, :depth].to(self.last_hidden.dtype))
+            drafts = weaver_tree_tensors(self.draft.bonus[0], weaver, prompt, logits, self.draft.embed_tokens,
+                                         self.draft.lm_head.weight, self.budget)
+        return hidden, logits, drafts
+
+    @torch.no_grad()
+    def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor):
+        self.draft.load(bonus, context, n)
+        self.last_hidden.copy_(last_hidden)
+        hidden, logits, drafts = self.draft.run(self._forward, key=(self.mode, self.budget, id(self.weaver)))
+        return hidden, logits, with_root(bonus, drafts)
 
 
 _STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -254,5 +310,5 @@ def release_static_targets(model) -> None:
     _STATIC_TARGETS.pop(model, None)
 
 
-__all__ = ["DFlashStaticCache", "StaticDraft", "StaticTarget", "capture_graph", "release_static_targets",
-           "static_draft", "static_target"]
+__all__ = ["DFlashStaticCache", "StaticDraft", "StaticProposer", "StaticTarget", "capture_graph",
+           "release_static_targets", "static_draft", "static_target"]

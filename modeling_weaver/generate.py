@@ -247,8 +247,9 @@ def _decode(
     else:  # kept per target and drafter: later generations replay the same graphs
         capture = target_step == "graph" and prompt.device.type == "cuda"
         target_cache = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, capture=capture)
-        if type(runner) is DFlashRunner:
-            runner = static_draft(runner.drafter, target, max_length, capture=capture)
+        if type(runner) is DFlashRunner:  # draft + tree build as one fixed-shape step
+            runner = static_draft(runner.drafter, target, max_length, capture=capture).proposer(
+                mode, tree_budget, weaver if mode == "weaver" else None)
     if target_cache.max_tree_nodes is not None and tree_budget + 1 > target_cache.max_tree_nodes:
         raise ValueError(f"tree_budget {tree_budget} is too large for this hybrid target on {target_cache.device}: the "
                          f"GDN tree kernel verifies at most {target_cache.max_tree_nodes} nodes (budget + root)")
@@ -271,17 +272,24 @@ def _decode(
 
     while not out.done:
         with timed("draft"):
-            draft_hidden, draft_logits = runner.draft(bonus, context, target_cache.length)
-
-        with timed("tree"):
-            if mode == "chain":
-                tree = chain_tree(bonus, draft_logits, tree_budget)
-            elif mode == "ddtree":
-                tree = ddtree(bonus, draft_logits, tree_budget)
+            if hasattr(runner, "propose"):  # StaticProposer: the tree comes out of the same (captured) step
+                draft_hidden, draft_logits, tree = runner.propose(bonus, context, target_cache.length, last_hidden)
             else:
-                depth = min(draft_hidden.shape[0], weaver.config.K)
-                prompt_kv = weaver.encode_prompt(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
-                tree = weaver_tree(bonus, weaver, prompt_kv, draft_logits, embed_tokens, lm_head.weight, tree_budget)
+                draft_hidden, draft_logits = runner.draft(bonus, context, target_cache.length)
+                tree = None
+
+        if tree is None:
+            with timed("tree"):
+                if mode == "chain":
+                    tree = chain_tree(bonus, draft_logits, tree_budget)
+                elif mode == "ddtree":
+                    tree = ddtree(bonus, draft_logits, tree_budget)
+                else:
+                    depth = min(draft_hidden.shape[0], weaver.config.K)
+                    prompt_kv = weaver.encode_prompt(last_hidden[None],
+                                                     draft_hidden[None, :depth].to(last_hidden.dtype))
+                    tree = weaver_tree(bonus, weaver, prompt_kv, draft_logits, embed_tokens, lm_head.weight,
+                                       tree_budget)
 
         with timed("verify"):
             verified = target_cache.verify(tree)

@@ -112,6 +112,13 @@ def children_of(parents: list[int]) -> list[list[int]]:
     return kids
 
 
+def with_root(root, drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Tree:
+    """A :class:`Tree` from a builder's draft nodes (``tokens, parents, logq``; parent 0 = the root) and the root."""
+    tokens, parents, logq = drafts
+    return Tree(torch.cat([tokens.new_tensor([int(root)]), tokens]), torch.cat([parents.new_tensor([-1]), parents]),
+                torch.cat([logq.new_zeros(1), logq]))
+
+
 def chain_tree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
     """Plain DFlash: the argmax of each block position, as a single path of ``min(budget, depth)`` drafts.
 
@@ -119,11 +126,13 @@ def chain_tree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
         root: the bonus token.
         draft_logits: ``[D, V]`` DFlash marginal logits for depths ``1..D``.
     """
-    logp = torch.log_softmax(draft_logits[:budget].float(), dim=-1)
-    best = logp.max(dim=-1)
-    n = best.indices.shape[0]
-    tokens = [root] + best.indices.tolist()
-    return Tree.from_lists(tokens, list(range(-1, n)), [0.0] + best.values.tolist(), device=draft_logits.device)
+    return with_root(root, chain_tree_tensors(draft_logits, budget))
+
+
+def chain_tree_tensors(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The chain's draft nodes on the device (see :func:`ddtree_tensors` for the return convention)."""
+    best = torch.log_softmax(draft_logits[:budget].float(), dim=-1).max(dim=-1)
+    return best.indices, torch.arange(best.indices.shape[0], device=draft_logits.device), best.values
 
 
 def ddtree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
@@ -134,10 +143,7 @@ def ddtree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
     probability (parents first). Fewer drafts than ``budget`` exist only when ``depth × vocab`` is smaller; the rest
     are padding roots (:meth:`Tree.padded`), never accepted.
     """
-    tokens, parents, logq = ddtree_tensors(draft_logits, budget)
-    root_t = tokens.new_tensor([root])
-    return Tree(torch.cat([root_t, tokens]), torch.cat([root_t.new_tensor([-1]), parents]),
-                torch.cat([logq.new_zeros(1), logq]))
+    return with_root(root, ddtree_tensors(draft_logits, budget))
 
 
 def ddtree_tensors(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -199,6 +205,22 @@ def weaver_tree(
     children_per_node: int = 8,
     width: int | None = None,
 ) -> Tree:
+    """Weaver best-first tree (see :func:`weaver_tree_tensors`)."""
+    return with_root(root, weaver_tree_tensors(root, weaver, prompt, draft_logits, embed_tokens, lm_head_weight,
+                                               budget, children_per_node, width))
+
+
+def weaver_tree_tensors(
+    root,
+    weaver,
+    prompt,
+    draft_logits: torch.Tensor,
+    embed_tokens: torch.nn.Module,
+    lm_head_weight: torch.Tensor,
+    budget: int,
+    children_per_node: int = 8,
+    width: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weaver best-first: batched expansion rounds over the frontier (DESIGN.md §4), on the device.
 
     The root is expanded first; then each round turns the ``width`` best frontier entries (cumulative log-prob) into
@@ -213,11 +235,14 @@ def weaver_tree(
         prompt: the Weaver prompt for this step (``weaver.encode_prompt``).
         draft_logits: ``[D, V]`` DFlash marginal logits for depths ``1..D``; depth is capped at
             ``min(D, weaver.config.K)``.
+    Returns:
+        the draft nodes as :func:`ddtree_tensors` does.
     """
     device = draft_logits.device
     max_depth = min(draft_logits.shape[0], weaver.config.K)
     if max_depth == 0:
-        return Tree.from_lists([int(root)], [-1], device=device)
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return empty, empty, torch.zeros(0, device=device)
     width = min(32, math.ceil(budget / 16)) if width is None else width
     pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])
     pool_logits, pool_ids = draft_logits[:max_depth].float().topk(pool, dim=-1)  # [D, pool]: children of depth d+1
@@ -270,4 +295,4 @@ def weaver_tree(
         f_score[best.indices] = neg_inf  # taken
         mask[new] = (mask[parent] & valid[:, None]) | (torch.arange(n, device=device)[None] == new[:, None])
         expand, count = new, count + take
-    return Tree(tokens, parents, logq)
+    return tokens[1:], parents[1:], logq[1:]

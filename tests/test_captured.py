@@ -11,7 +11,7 @@ from modeling_weaver.target import text_config
 
 
 def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-12))
 
 
 @pytest.mark.parametrize("layers", ["full", "sliding"])
@@ -38,3 +38,37 @@ def test_static_draft_equals_the_dynamic_runner(layers):
         assert rel(h2, h1) < 1e-5 and rel(l2, l1) < 1e-5, step
     with pytest.raises(ValueError, match="beyond"):
         static.draft(0, torch.randn(1, width), 130)
+
+
+@pytest.mark.parametrize("mode", ["chain", "ddtree", "weaver"])
+def test_static_proposer_gives_the_eager_draft_and_tree(mode):
+    from test_generate import make_drafters
+
+    from modeling_weaver.tree import chain_tree, ddtree, weaver_tree
+
+    target = TINY_TARGETS["qwen3_5"]()
+    drafter, weaver = make_drafters(target)
+    hidden_size = text_config(target.config).hidden_size
+    width = len(drafter.config.target_layer_ids) * hidden_size
+    dynamic = DFlashRunner(drafter, target)
+    proposer = StaticDraft(drafter, target, max_length=96, capture=False).proposer(mode, 10, weaver)
+    gen = torch.Generator().manual_seed(2)
+    n = 0
+    for count in (13, 2, 5):
+        context = torch.randn(count, width, generator=gen)
+        last_hidden = torch.randn(hidden_size, generator=gen)
+        n += count
+        h1, l1 = dynamic.draft(7, context, n)
+        h2, l2, tree = proposer.propose(7, context, n, last_hidden)
+        assert rel(h2, h1) < 1e-5 and rel(l2, l1) < 1e-5
+        if mode == "chain":
+            expected = chain_tree(7, l1, 10)
+        elif mode == "ddtree":
+            expected = ddtree(7, l1, 10)
+        else:
+            depth = min(h1.shape[0], weaver.config.K)
+            prompt = weaver.encode_prompt(last_hidden[None], h1[None, :depth])
+            expected = weaver_tree(7, weaver, prompt, l1, target.get_input_embeddings(),
+                                   target.get_output_embeddings().weight, 10)
+        assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
+        assert torch.allclose(tree.logq, expected.logq, atol=1e-5)
