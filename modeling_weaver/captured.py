@@ -224,12 +224,12 @@ class StaticDraft:
         graph.replay()
         return out
 
-    def proposer(self, mode: str, budget: int, weaver=None) -> StaticProposer:
+    def proposer(self, mode: str, budget: int, weaver=None, shape_logits=None) -> StaticProposer:
         """The :class:`StaticProposer` of this drafter for ``mode`` and ``budget`` (kept: its graph reads its
         buffers)."""
-        key = (mode, budget, id(weaver))
+        key = (mode, budget, id(weaver), id(shape_logits))
         if key not in self._proposers:
-            self._proposers[key] = StaticProposer(self, mode, budget, weaver)
+            self._proposers[key] = StaticProposer(self, mode, budget, weaver, shape_logits)
         return self._proposers[key]
 
     @torch.no_grad()
@@ -244,18 +244,22 @@ class StaticProposer:
 
     ``propose`` returns the drafter's hidden states and logits (as :meth:`StaticDraft.draft`) and the tree, built on
     the device by the mode's ``*_tensors`` builder (for Weaver, after encoding its prompt from ``last_hidden``).
+    ``shape_logits`` (device ops only) may transform the draft logits first — the acceptance replay plants peaks.
     """
 
-    def __init__(self, draft: StaticDraft, mode: str, budget: int, weaver=None):
+    def __init__(self, draft: StaticDraft, mode: str, budget: int, weaver=None, shape_logits=None):
         if mode == "weaver" and weaver is None:
             raise ValueError("the weaver mode needs a Weaver")
         self.draft, self.mode, self.budget, self.weaver = draft, mode, budget, weaver
+        self.shape_logits = shape_logits
         self.feature_layer_ids = draft.feature_layer_ids
         self.last_hidden = torch.zeros(draft.lm_head.weight.shape[1], device=draft.device,
                                        dtype=draft.lm_head.weight.dtype)
 
     def _forward(self):
         hidden, logits = self.draft._forward()
+        if self.shape_logits is not None:
+            logits = self.shape_logits(logits)
         if self.mode == "chain":
             drafts = chain_tree_tensors(logits, self.budget)
         elif self.mode == "ddtree":
@@ -271,7 +275,8 @@ class StaticProposer:
     def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor):
         self.draft.load(bonus, context, n)
         self.last_hidden.copy_(last_hidden)
-        hidden, logits, drafts = self.draft.run(self._forward, key=(self.mode, self.budget, id(self.weaver)))
+        key = (self.mode, self.budget, id(self.weaver), id(self.shape_logits))
+        hidden, logits, drafts = self.draft.run(self._forward, key=key)
         return hidden, logits, with_root(bonus, drafts)
 
 

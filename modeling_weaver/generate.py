@@ -72,7 +72,8 @@ TARGET_STEPS = ("eager", "static", "graph")
 
 
 class PhaseTimer:
-    """Time spent in each phase of the loop (draft, tree, verify, accept, commit), summed over steps.
+    """Time spent in each phase of the loop (draft, tree — or draft+tree for a fixed-shape proposer —, verify,
+    accept, commit), summed over steps.
 
     CUDA events on CUDA (no sync inside the loop; :meth:`totals_ms` synchronises once), wall time elsewhere.
     """
@@ -271,12 +272,13 @@ def _decode(
     stats.num_new_tokens += out.emit([bonus])
 
     while not out.done:
-        with timed("draft"):
-            if hasattr(runner, "propose"):  # StaticProposer: the tree comes out of the same (captured) step
+        if hasattr(runner, "propose"):  # StaticProposer: the tree comes out of the same (captured) step
+            with timed("draft+tree"):
                 draft_hidden, draft_logits, tree = runner.propose(bonus, context, target_cache.length, last_hidden)
-            else:
+        else:
+            with timed("draft"):
                 draft_hidden, draft_logits = runner.draft(bonus, context, target_cache.length)
-                tree = None
+            tree = None
 
         if tree is None:
             with timed("tree"):

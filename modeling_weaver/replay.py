@@ -30,7 +30,7 @@ from .data import cli_entry
 from .generate import MODES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
 from .tree import Tree
 
-PHASES = ("draft", "tree", "verify", "accept", "commit")
+PHASES = ("draft", "tree", "draft+tree", "verify", "accept", "commit")  # draft+tree: one fixed-shape step
 
 
 def synthetic_trace(mal: float, max_length: int, num_steps: int = 4096, seed: int = 0) -> list[int]:
@@ -79,41 +79,55 @@ class ReplayedAcceptance:
         return Acceptance(path, int(scores[path[-1]].argmax()))
 
 
-class PlantedRunner:
-    """A drafting runner whose marginals get one planted token per depth d with probability ``top · decay**d``.
+class PeakPlanter:
+    """Plants one token per depth d of the draft marginals with probability ``top · decay**d`` (device ops only).
 
     Random drafters give near-uniform marginals, so best-first trees come out as stars and cannot hold the traced
     depths; trained drafters are peaked. Planting a peak gives the trees the depth a trained drafter gives them, at
-    the drafter's real cost (one extra logsumexp per depth).
+    the drafter's real cost (one extra logsumexp per depth). Peaks come from the device's default random stream, so
+    a captured step can hold the planting.
     """
 
-    def __init__(self, runner, top: float = 0.8, decay: float = 0.95, seed: int = 0):
-        self.runner, self.top, self.decay = runner, top, decay
-        self.feature_layer_ids = runner.feature_layer_ids
-        self.gen = torch.Generator().manual_seed(seed)
+    def __init__(self, top: float = 0.8, decay: float = 0.95):
+        self.top, self.decay = top, decay
 
-    def draft(self, bonus, context, n):
-        hidden, logits = self.runner.draft(bonus, context, n)
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         depth, vocab = logits.shape
         rows = torch.arange(depth, device=logits.device)
-        peak = torch.randint(vocab, (depth,), generator=self.gen).to(logits.device)
+        peak = torch.randint(vocab, (depth,), device=logits.device)
         q = self.top * self.decay ** rows.double()
         others = logits.float().scatter(1, peak[:, None], float("-inf")).logsumexp(-1)
         planted = (torch.log(q / (1 - q)) + others.double()).to(logits.dtype)
-        return hidden, logits.index_put((rows, peak), planted)
+        return logits.index_put((rows, peak), planted)
+
+
+class PlantedRunner:
+    """An eager drafting runner with planted peaks (:class:`PeakPlanter`)."""
+
+    def __init__(self, runner, planter: PeakPlanter):
+        self.runner, self.planter = runner, planter
+        self.feature_layer_ids = runner.feature_layer_ids
+
+    def draft(self, bonus, context, n):
+        hidden, logits = self.runner.draft(bonus, context, n)
+        return hidden, self.planter(logits)
+
+
+_PLANTER = PeakPlanter()  # one instance: captured proposers are kept per planter
 
 
 def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str, tree_budget: int, trace: list[int],
-                    max_new_tokens: int, target_step: str = "graph", seed: int = 0):
+                    max_new_tokens: int, target_step: str = "graph"):
     """One generation with replayed acceptance; returns ``(ids, SpeculativeStats with phase_ms)``."""
     stopping = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
     if target_step == "eager":
-        runner = DFlashRunner(drafter, target)
-    else:
+        runner = PlantedRunner(DFlashRunner(drafter, target), _PLANTER)
+    else:  # draft, planting and tree build in one fixed-shape (captured) step
         capture = target_step == "graph" and input_ids.is_cuda
-        runner = static_draft(drafter, target, input_ids.shape[1] + max_new_tokens + tree_budget + 2, capture)
+        draft = static_draft(drafter, target, input_ids.shape[1] + max_new_tokens + tree_budget + 2, capture)
+        runner = draft.proposer(mode, tree_budget, weaver if mode == "weaver" else None, shape_logits=_PLANTER)
     return _decode(
-        target, input_ids[0], runner=PlantedRunner(runner, seed=seed), weaver=weaver, mode=mode,
+        target, input_ids[0], runner=runner, weaver=weaver, mode=mode,
         tree_budget=tree_budget,
         max_new_tokens=max_new_tokens, processors=LogitsProcessorList(), do_sample=False, verification=None,
         stopping_criteria=stopping, streamer=None, generator=None, target_step=target_step,
@@ -185,7 +199,7 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
                 "method": f"{mode}@{budget}", "mode": mode, "budget": budget, "tokens_per_s": tps,
                 "speedup": tps / ar_tps, "mal": stats.mean_accepted_length,
                 "trace_mal": sum(trace) / len(trace), "ms_per_step": 1e3 * seconds / steps,
-                **{f"{p}_ms": stats.phase_ms.get(p, 0.0) / steps for p in PHASES},
+                **{f"{p}_ms": stats.phase_ms[p] / steps for p in PHASES if p in stats.phase_ms},
             })
     return rows
 
