@@ -168,8 +168,9 @@ def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: in
 
 
 def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prompt_len: int, max_new_tokens: int,
-                     target_step: str, seed: int = 0) -> list[dict]:
-    """AR, then every budget × mode with its trace; one row each (tokens/s, MAL, ms per step and per phase)."""
+                     target_step: str, seed: int = 0, hf_tokens: int = 0) -> list[dict]:
+    """AR (and HF eager for ``hf_tokens``), then every budget × mode with its trace; one row each: decode tokens/s
+    (prefill excluded), speed-up over AR, MAL, ms per step and per phase."""
     device = next(target.parameters()).device
     vocab = target.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(seed)).to(device)
@@ -183,32 +184,60 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
         sync()
         return out, time.perf_counter() - start
 
-    rows = []
-    _, seconds = timed(lambda warm: autoregressive_generate(target, ids, 8 if warm else max_new_tokens,
-                                                            eos_token_id=[], target_step=target_step))
-    ar_tps = max_new_tokens / seconds
-    rows.append({"method": "ar", "tokens_per_s": ar_tps, "ms_per_step": 1e3 / ar_tps, "mal": 1.0, "speedup": 1.0})
+    def ar(tokens):
+        return autoregressive_generate(target, ids, tokens, eos_token_id=[], target_step=target_step)
+
+    # Decode rates leave the prompt out: the same chunked prefill (+ first token) precedes every method.
+    _, prefill = timed(lambda warm: ar(1))
+    _, seconds = timed(lambda warm: ar(8 if warm else max_new_tokens))
+    ar_tps = (max_new_tokens - 1) / (seconds - prefill)
+    rows = [{"method": "ar", "tokens_per_s": ar_tps, "ms_per_step": 1e3 / ar_tps, "mal": 1.0, "speedup": 1.0,
+             "prefill_s": prefill}]
+    if hf_tokens:
+        def hf(tokens):
+            return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens,
+                                   min_new_tokens=tokens)
+        _, hf_prefill = timed(lambda warm: hf(1))
+        _, seconds = timed(lambda warm: hf(2 if warm else hf_tokens))
+        hf_tps = (hf_tokens - 1) / (seconds - hf_prefill)
+        rows.append({"method": "hf eager", "tokens_per_s": hf_tps, "ms_per_step": 1e3 / hf_tps, "mal": 1.0,
+                     "speedup": hf_tps / ar_tps})
     for budget in budgets:
         for mode in modes:
             trace = traces[(mode, budget)]
             (out, stats), seconds = timed(lambda warm, mode=mode, budget=budget, trace=trace: replay_generate(
                 target, drafter, weaver, ids, mode, budget, trace, 8 if warm else max_new_tokens, target_step))
             steps = stats.num_steps
-            tps = (out.shape[1] - ids.shape[1]) / seconds
+            tps = (out.shape[1] - ids.shape[1] - 1) / (seconds - prefill)
             rows.append({
                 "method": f"{mode}@{budget}", "mode": mode, "budget": budget, "tokens_per_s": tps,
                 "speedup": tps / ar_tps, "mal": stats.mean_accepted_length,
-                "trace_mal": sum(trace) / len(trace), "ms_per_step": 1e3 * seconds / steps,
+                "trace_mal": sum(trace) / len(trace), "ms_per_step": 1e3 * (seconds - prefill) / steps,
                 **{f"{p}_ms": stats.phase_ms[p] / steps for p in PHASES if p in stats.phase_ms},
             })
     return rows
 
 
+def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:
+    """Measured device copy bandwidth in bytes/s (read + write counted), median of ``reps`` CUDA-event timings."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / sorted(times[3:])[reps // 2]
+
+
 def replay_table(rows: list[dict]) -> str:
-    head = ["method", "MAL (trace)", "tok/s", "×AR", "ms/step"] + [f"{p} ms" for p in PHASES]
+    head = ["method", "MAL (trace)", "decode tok/s", "×AR", "ms/step"] + [f"{p} ms" for p in PHASES]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        mal = "1.00" if r["method"] == "ar" else f"{r['mal']:.2f} ({r['trace_mal']:.2f})"
+        mal = f"{r['mal']:.2f} ({r['trace_mal']:.2f})" if "trace_mal" in r else "1.00"
         phases = [f"{r[p + '_ms']:.2f}" if p + "_ms" in r else "–" for p in PHASES]
         lines.append("| " + " | ".join([r["method"], mal, f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
                                         f"{r['ms_per_step']:.2f}"] + phases) + " |")
@@ -248,6 +277,8 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--prompt-length", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--target-step", choices=TARGET_STEPS, default="graph")
+    parser.add_argument("--hf-tokens", type=int, default=32,
+                        help="also time transformers' eager generate for this many tokens (0: skip)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--seed", type=int, default=0)
@@ -272,12 +303,19 @@ def run_replay(args) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rows = run_replay_suite(target, drafter, weaver, traces, args.modes, args.budgets, args.prompt_length,
-                            args.max_new_tokens, args.target_step, args.seed)
+                            args.max_new_tokens, args.target_step, args.seed, args.hf_tokens)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    limit = ""
+    if device.type == "cuda":  # memory-bound AR limit: every weight read once per token
+        bandwidth = copy_bandwidth(device)
+        limit = (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s, target weights {weight_bytes / 1e9:.1f} GB → "
+                 f"memory-bound AR limit {bandwidth / weight_bytes:.1f} tok/s")
     info = (f"replayed acceptance — {source}; shape {args.shape}, {args.dtype}, random weights; prompt "
             f"{args.prompt_length}, {args.max_new_tokens} new tokens, batch 1; target steps {args.target_step}; "
             f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
-            + (f"; peak memory {peak:.1f} GiB" if peak is not None else "") + f"; {time.strftime('%Y-%m-%d')}")
+            + (f"; peak memory {peak:.1f} GiB" if peak is not None else "") + limit
+            + f"; decode rates (prefill excluded); {time.strftime('%Y-%m-%d')}")
     table = replay_table(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

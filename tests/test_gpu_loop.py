@@ -60,3 +60,22 @@ def test_graphs_are_captured_once_per_tree_size_across_prompt_lengths():
         assert torch.equal(got, reference(target, ids, 32)), length
     steps = list(_STATIC_TARGETS[target].values())
     assert len(steps) == 1 and steps[0].capture and steps[0].captures == 1
+
+
+def test_graph_steps_allocate_nothing_per_step_and_capture_once():
+    """After warm-up, a long graph-mode generation neither grows memory nor captures again (draft+tree, verify and
+    commit graphs: one each for this mode and budget)."""
+    from modeling_weaver.captured import _STATIC_TARGETS
+
+    target = TINY_TARGETS["qwen3_5"]().cuda()
+    drafter, weaver = (m.cuda() for m in make_drafters(target))
+    ids = torch.randint(0, 97, (1, 20), device="cuda")
+    kwargs = dict(drafter=drafter, weaver=weaver, mode="weaver", tree_budget=12, target_step="graph")
+    speculative_generate(target, ids, max_new_tokens=64, **kwargs)  # warm-up: captures
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    speculative_generate(target, ids, max_new_tokens=1000, **kwargs)  # same capacity bucket (≤ 2048)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 1 << 20  # per-call scratch only, no per-step growth
+    draft = next(v for k, v in _STATIC_TARGETS[drafter].items() if k[0] == "draft")
+    assert len(draft._graphs) == 1 and draft.capture

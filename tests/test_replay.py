@@ -46,9 +46,10 @@ def test_replay_suite_runs_every_phase_at_tiny_shape():
     traces = {(m, 8): synthetic_trace(mal, drafter.block_size, seed=0) for m, mal in
               (("chain", 3.0), ("ddtree", 3.5), ("weaver", 4.0))}
     rows = run_replay_suite(target, drafter, weaver, traces, ["chain", "ddtree", "weaver"], [8], prompt_len=12,
-                            max_new_tokens=40, target_step="static")
-    assert [r["method"] for r in rows] == ["ar", "chain@8", "ddtree@8", "weaver@8"]
-    for row in rows[1:]:
+                            max_new_tokens=40, target_step="static", hf_tokens=6)
+    assert [r["method"] for r in rows] == ["ar", "hf eager", "chain@8", "ddtree@8", "weaver@8"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    for row in rows[2:]:
         assert row["mal"] > 1.5  # planted peaks give the trees enough depth for the traced lengths
         assert all(row[f"{p}_ms"] > 0 for p in ("draft+tree", "verify", "accept", "commit"))  # static steps
         assert "tree_ms" not in row
