@@ -43,7 +43,7 @@ from .data import (
 from .generate import PhaseTimer, speculative_generate
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
-from .smollm2 import load_target, resolve_device, resolve_dtype
+from .smollm2 import load_target, resolve_device, resolve_drafter_dtype, resolve_dtype
 from .target import TargetAdapter
 from .tree import Tree
 
@@ -363,6 +363,9 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--hf-baseline", action="store_true", help="also time target.generate (HF eager), greedy")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
+    parser.add_argument("--drafter-dtype", default="auto",
+                        help="auto (bf16 where bf16 matmuls are native, else the target's), float32, bfloat16; "
+                             "draft logits only shape trees: the output never depends on it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmark_results", help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip plot.png (no matplotlib needed)")
@@ -392,7 +395,9 @@ def run_benchmark(args) -> int:
     if args.subset:
         prompts = {ds: items[: args.subset] for ds, items in prompts.items()}
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
-    drafter = DFlashDraftModel.from_pretrained(args.drafter, dtype=dtype).to(device).eval() if args.drafter else None
+    drafter_dtype = resolve_drafter_dtype(args.drafter_dtype, device, dtype)
+    drafter = (DFlashDraftModel.from_pretrained(args.drafter, dtype=drafter_dtype).to(device).eval()
+               if args.drafter else None)
     weaver = WeaverModel.from_pretrained(args.weaver, dtype=dtype).to(device).eval() if args.weaver else None
     methods = build_methods(args.modes, args.budgets, args.temperatures, args.sampling_verifications,
                             args.hf_baseline)
@@ -400,7 +405,8 @@ def run_benchmark(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     datasets = list(prompts)
     info = (f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), dtype "
-            f"{str(dtype).replace('torch.', '')}, target {args.target}, max_new_tokens {args.max_new_tokens}, "
+            f"{str(dtype).replace('torch.', '')} (drafter {str(drafter_dtype).replace('torch.', '')}), target "
+            f"{args.target}, max_new_tokens {args.max_new_tokens}, "
             f"prompts {', '.join(f'{DATASET_TITLES.get(d, d)} {len(v)}' for d, v in prompts.items())}, "
             f"{time.strftime('%Y-%m-%d')}; AR = our TargetAdapter path, target steps {args.target_step}")
 

@@ -95,6 +95,8 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16 — bf16 "
                                                    "makes tree verification relatively cheaper on CPUs with "
                                                    "avx512_bf16/AMX, but near-tie argmaxes may then flip")
+    p.add_argument("--drafter-dtype", default="auto", help="auto (bf16 where bf16 matmuls are native, else the "
+                                                           "target's), float32 or bfloat16 — never changes the output")
 
 
 _DEMO_PROMPTS = (
@@ -151,7 +153,8 @@ def _real_setup(args):
     device = torch.device(args.device) if args.device else smollm2.resolve_device(None)
     dtype = smollm2.resolve_dtype(args.dtype, device)
     target, tokenizer = smollm2.load_target(args.target or "smollm2", dtype=dtype, device=device)
-    drafter = load_dflash(drafters / "dflash", dtype=dtype, device=device)
+    drafter = load_dflash(drafters / "dflash", dtype=smollm2.resolve_drafter_dtype(args.drafter_dtype, device, dtype),
+                          device=device)
     weaver = load_weaver(drafters / "weaver", dtype=dtype, device=device) if (drafters / "weaver").is_dir() else None
     prompts = []
     for text in args.prompt or _DEMO_PROMPTS:

@@ -13,6 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers.generation import (
     EosTokenCriteria,
     GenerateDecoderOnlyOutput,
@@ -29,7 +30,7 @@ from transformers.generation import (
 )
 
 from .accept import accept_greedy, accept_target_only, accept_traversal
-from .captured import static_draft, static_target
+from .captured import draft_head, static_draft, static_target
 from .pairing import check_pair
 from .target import TargetAdapter
 from .tree import Tree, chain_tree, ddtree, weaver_tree
@@ -167,17 +168,17 @@ class DFlashRunner:
     def __init__(self, drafter, target):
         self.drafter = drafter
         self.embed_tokens = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
         self.block_size = drafter.config.block_size
         self.feature_layer_ids = list(drafter.config.target_layer_ids)
         self.dtype = next(drafter.parameters()).dtype
+        self.head = draft_head(target, self.dtype)
         self.cache = drafter.new_cache()
 
     def draft(self, bonus: int, context: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One block ``[bonus, MASK…]`` at positions ``n..n+B-1``, reading ``context [C, n_layers·H]``: the target
         features of the positions ``n-C..n-1`` not yet in the drafter's cache. Returns the drafter's hidden states
         and marginal logits for depths ``1..B-1`` (``[B-1, H]``, ``[B-1, V]``)."""
-        device = self.lm_head.weight.device
+        device = self.head[0].device
         block = self.drafter.block_embeddings(torch.tensor([bonus], device=device), self.embed_tokens).to(self.dtype)
         position_ids = torch.arange(n - context.shape[0], n + self.block_size, device=device)[None]
         hidden = self.drafter(
@@ -185,7 +186,7 @@ class DFlashRunner:
             past_key_values=self.cache, use_cache=True,
         )[0, 1:]
         self.drafter.crop_cache(self.cache, n)  # block K/V never persist
-        return hidden, self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        return hidden, F.linear(hidden, *self.head)
 
 
 class _Output:

