@@ -23,8 +23,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .accept import accept_greedy_tensors
 from .target import TargetAdapter, TreeOutput
-from .tree import Tree, chain_tree_tensors, ddtree_tensors, weaver_tree_tensors, with_root
+from .tree import Tree, ancestor_mask_of, chain_tree_tensors, ddtree_tensors, weaver_tree_tensors, with_root
 
 
 def capture_graph(fn, pool=None, warmup: int = 2):
@@ -257,6 +258,15 @@ class StaticDraft:
             self._proposers[key] = StaticProposer(self, mode, budget, weaver, shape_logits)
         return self._proposers[key]
 
+    def fused_step(self, proposer: StaticProposer, target: StaticTarget) -> FusedGreedyStep:
+        """The :class:`FusedGreedyStep` of ``proposer`` and ``target`` (kept: its graph reads their buffers)."""
+        key = ("fused", id(proposer), id(target))
+        if key not in self._proposers:
+            self._proposers[key] = FusedGreedyStep(proposer, target)
+        step = self._proposers[key]
+        step.ready = False  # a new generation starts with an ordinary step
+        return step
+
     @torch.no_grad()
     def draft(self, bonus: int, context: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """As :meth:`DFlashRunner.draft`: block ``[bonus, MASK…]`` at ``n..``, new ``context`` of ``n-C..n-1``."""
@@ -305,6 +315,78 @@ class StaticProposer:
         return hidden, logits, with_root(bonus, drafts)
 
 
+class FusedGreedyStep:
+    """One whole greedy step — draft + tree, verify, accept, commit — at fixed shapes: one CUDA graph on CUDA.
+
+    The step reads its inputs (the accepted path's target features, its length, the committed length, the bonus
+    token, the last hidden state) from device buffers that the previous step wrote, so nothing returns to the host
+    inside it; the host reads the accepted tokens once afterwards. The first step after the prefill runs the ordinary
+    way and :meth:`arm` seeds the buffers from it.
+    """
+
+    def __init__(self, proposer: StaticProposer, target: StaticTarget):
+        self.proposer, self.target = proposer, target
+        self.capture = proposer.draft.capture
+        self.ready = False
+        self._graph: tuple | None = None
+
+    def arm(self, verified: TreeOutput, path: list[int], bonus: int) -> None:
+        draft = self.proposer.draft
+        draft.context[: len(path)].copy_(verified.features[path].to(draft.dtype))
+        draft.count.fill_(len(path))
+        draft.n.fill_(self.target.length)
+        draft.bonus.fill_(int(bonus))
+        self.proposer.last_hidden.copy_(verified.hidden[path[-1]])
+        self.ready = True
+
+    def _step(self):
+        draft, adapter, size = self.proposer.draft, self.target.adapter, self.target.num_nodes
+        _, _, (tokens, parents, _) = self.proposer._forward()
+        pad = size - 1 - tokens.shape[0]  # a chain has min(budget, depth) drafts
+        tokens = torch.cat([draft.bonus, tokens, tokens.new_zeros(pad)])
+        parents = torch.cat([parents.new_full((1,), -1), parents, parents.new_full((pad,), -1)])
+        out = adapter.forward_tree(tokens, parents, adapter.max_length)
+        path, length, bonus = accept_greedy_tensors(tokens, parents, out.logits, ancestor_mask_of(parents))
+        adapter.commit_path(path)
+        rows = min(size, draft.block_size)  # a path never exceeds the block
+        draft.context[:rows].copy_(out.features[path.clamp(min=0)][:rows].to(draft.dtype))
+        draft.count.copy_(length)
+        draft.n.copy_(adapter.length_t)
+        draft.bonus.copy_(bonus.view(1))
+        self.proposer.last_hidden.copy_(out.hidden[path.gather(0, (length - 1).view(1))[0]])
+        return tokens, path, length, bonus
+
+    def _state(self) -> list[torch.Tensor]:
+        """Every tensor a step updates in place below the committed length (scratch rows excepted)."""
+        draft, adapter = self.proposer.draft, self.target.adapter
+        tensors = [adapter.length_t, draft.context, draft.count, draft.n, draft.bonus, self.proposer.last_hidden]
+        for cache in adapter.layer_caches:
+            tensors += [cache.state, cache.window] if hasattr(cache, "state") else []
+        return tensors
+
+    def _capture(self):
+        # Warm-up steps advance the state: keep a copy and put it back before the captured step is replayed.
+        saved = [x.clone() for x in self._state()]
+        graph = capture_graph(self._step, warmup=1)
+        for x, y in zip(self._state(), saved):
+            x.copy_(y)
+        return graph
+
+    @torch.no_grad()
+    def step(self) -> tuple[list[int], int]:
+        """Run one step; returns the accepted path's tokens (root first) and the new bonus token."""
+        if not self.capture:
+            tokens, path, length, bonus = self._step()
+        else:
+            if self._graph is None:
+                self._graph = self._capture()
+            self._graph[0].replay()
+            tokens, path, length, bonus = self._graph[1]
+        *accepted, n, new_bonus = torch.cat([tokens[path], length.view(1), bonus.view(1)]).tolist()  # one host read
+        self.target.adapter.length += n
+        return accepted[:n], new_bonus
+
+
 _STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -340,5 +422,5 @@ def release_static_targets(model) -> None:
     _STATIC_TARGETS.pop(model, None)
 
 
-__all__ = ["DFlashStaticCache", "draft_head", "StaticDraft", "StaticProposer", "StaticTarget", "capture_graph",
-           "release_static_targets", "static_draft", "static_target"]
+__all__ = ["DFlashStaticCache", "FusedGreedyStep", "StaticDraft", "StaticProposer", "StaticTarget", "capture_graph",
+           "draft_head", "release_static_targets", "static_draft", "static_target"]

@@ -272,7 +272,19 @@ def _decode(
     bonus = first_token(verified.logits[-1])
     stats.num_new_tokens += out.emit([bonus])
 
+    # Greedy with a fixed-shape proposer: after one ordinary step, whole steps run on the device (one graph each).
+    fused = None
+    if hasattr(runner, "propose") and not do_sample and accept is None:
+        fused = runner.draft.fused_step(runner, target_cache)
+
     while not out.done:
+        if fused is not None and fused.ready:
+            with timed("step"):
+                path_tokens, bonus = fused.step()
+            stats.accepted_lengths.append(len(path_tokens))
+            stats.tree_sizes.append(tree_budget + 1)
+            stats.num_new_tokens += out.emit(path_tokens[1:] + [bonus])
+            continue
         if hasattr(runner, "propose"):  # StaticProposer: the tree comes out of the same (captured) step
             with timed("draft+tree"):
                 draft_hidden, draft_logits, tree = runner.propose(bonus, context, target_cache.length, last_hidden)
@@ -315,6 +327,8 @@ def _decode(
         stats.accepted_lengths.append(len(accepted.path))
         stats.tree_sizes.append(len(tree))
         stats.num_new_tokens += out.emit(tree.tokens[accepted.path[1:]].tolist() + [bonus])
+        if fused is not None:
+            fused.arm(verified, accepted.path, bonus)
 
     if timer is not None:
         stats.phase_ms = timer.totals_ms()

@@ -72,3 +72,45 @@ def test_static_proposer_gives_the_eager_draft_and_tree(mode):
                                    target.get_output_embeddings().weight, 10)
         assert torch.equal(tree.tokens, expected.tokens) and torch.equal(tree.parents, expected.parents)
         assert torch.allclose(tree.logq, expected.logq, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("mode", ["chain", "ddtree", "weaver"])
+def test_fused_greedy_steps_are_exact_with_deep_acceptance(name, mode):
+    """Whole steps on the device (draft + tree, verify, greedy accept, commit): a drafter whose marginals are
+    planted with the target's own continuation (wrong at ~15 % of depths) gets long paths accepted, and the output
+    is still exactly greedy decoding."""
+    from test_generate import make_drafters, reference
+    from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+
+    from modeling_weaver.captured import static_draft
+    from modeling_weaver.generate import PhaseTimer, _decode
+
+    torch.manual_seed(0)
+    target = TINY_TARGETS[name]()
+    drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else 96)
+    with torch.no_grad():  # Weaver then follows the planted marginals
+        weaver.lm_head_query_in.weight.zero_()
+    ids = torch.randint(0, 97, (1, 9))
+    new = 64
+    ref = reference(target, ids, new + 40)[0]
+    draft = static_draft(drafter, target, ids.shape[1] + new + 40, capture=False)
+
+    def plant(logits):
+        depth = logits.shape[0]
+        rows = torch.arange(depth)
+        true = ref[(draft.n + 1 + rows).clamp(max=ref.shape[0] - 1)]
+        bump = torch.where(torch.rand(depth) < 0.15, 0.0, 12.0).to(logits.dtype)
+        return logits.index_put((rows, true), logits[rows, true] + bump)
+
+    proposer = draft.proposer(mode, 24, weaver if mode == "weaver" else None, shape_logits=plant)
+    timer = PhaseTimer(torch.device("cpu"))
+    got, stats = _decode(
+        target, ids[0], runner=proposer, weaver=weaver, mode=mode, tree_budget=24, max_new_tokens=new,
+        processors=LogitsProcessorList(), do_sample=False, verification=None,
+        stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + new)]), streamer=None,
+        generator=None, target_step="static", timer=timer,
+    )
+    assert torch.equal(got[0], ref[: ids.shape[1] + new])
+    assert "step" in stats.phase_ms and len(timer.spans["step"]) == stats.num_steps - 1  # all fused but the first
+    assert max(stats.accepted_lengths) >= 6 and stats.mean_accepted_length > 2.5, stats.accepted_lengths
