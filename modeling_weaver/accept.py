@@ -159,17 +159,22 @@ def accept_greedy_tensors(tokens: torch.Tensor, parents: torch.Tensor, logits: t
     Returns:
         ``path [N]`` (root..leaf, right-padded with -1), ``length`` (0-d, nodes on the path), ``bonus`` (0-d token).
     """
-    n = tokens.shape[0]
     best = logits.argmax(-1)
     correct = (tokens == best[parents.clamp(min=0)]) | (parents < 0)
     accepted = ancestor_mask[:, 0] & ~(ancestor_mask & ~correct[None]).any(1)
     depth = ancestor_mask.sum(1) - 1
     leaf = torch.where(accepted, depth, -1).argmax()
-    on_path = ancestor_mask[leaf]
-    slots = torch.where(on_path, depth, n)  # node j goes to path[depth j]; others to a spill slot
-    path = torch.full((n + 1,), -1, dtype=torch.long, device=tokens.device)
-    path.scatter_(0, slots, torch.arange(n, device=tokens.device))
-    return path[:n], depth[leaf] + 1, best[leaf]
+    return path_to_leaf(ancestor_mask, leaf), depth[leaf] + 1, best[leaf]
+
+
+def path_to_leaf(ancestor_mask: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+    """``[N]`` root..``leaf`` node indices right-padded with -1, on the device (``leaf`` a 0-d tensor)."""
+    n = ancestor_mask.shape[0]
+    depth = ancestor_mask.sum(1) - 1
+    slots = torch.where(ancestor_mask[leaf], depth, n)  # node j goes to path[depth j]; others to a spill slot
+    path = torch.full((n + 1,), -1, dtype=torch.long, device=ancestor_mask.device)
+    path.scatter_(0, slots, torch.arange(n, device=ancestor_mask.device))
+    return path[:n]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

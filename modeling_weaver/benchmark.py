@@ -241,7 +241,7 @@ def markdown_table(rows: list[dict], datasets: list[str]) -> str:
 
 def phase_table(rows: list[dict]) -> str:
     """Per tree method and dataset: ms per verify step in each loop phase (draft, tree, verify, accept, commit)."""
-    phases = ("draft", "tree", "draft+tree", "verify", "accept", "commit")
+    phases = ("draft", "tree", "draft+tree", "verify", "accept", "commit", "step")
     lines = ["| method | dataset | " + " | ".join(f"{p} ms" for p in phases) + " | step ms |",
              "|" + "---|" * (len(phases) + 3)]
     for r in rows:

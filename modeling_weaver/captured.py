@@ -258,11 +258,14 @@ class StaticDraft:
             self._proposers[key] = StaticProposer(self, mode, budget, weaver, shape_logits)
         return self._proposers[key]
 
-    def fused_step(self, proposer: StaticProposer, target: StaticTarget) -> FusedGreedyStep:
-        """The :class:`FusedGreedyStep` of ``proposer`` and ``target`` (kept: its graph reads their buffers)."""
-        key = ("fused", id(proposer), id(target))
+    def fused_step(self, proposer: StaticProposer, target: StaticTarget, acceptance=None) -> FusedGreedyStep:
+        """The :class:`FusedGreedyStep` of ``proposer`` and ``target`` (kept: its graph reads their buffers).
+
+        ``acceptance``: an object with a device ``tensors(tokens, parents, logits, ancestor_mask, logq)`` method
+        returning ``(path, length, bonus)`` instead of greedy acceptance."""
+        key = ("fused", id(proposer), id(target), id(acceptance))
         if key not in self._proposers:
-            self._proposers[key] = FusedGreedyStep(proposer, target)
+            self._proposers[key] = FusedGreedyStep(proposer, target, acceptance)
         step = self._proposers[key]
         step.ready = False  # a new generation starts with an ordinary step
         return step
@@ -324,8 +327,8 @@ class FusedGreedyStep:
     way and :meth:`arm` seeds the buffers from it.
     """
 
-    def __init__(self, proposer: StaticProposer, target: StaticTarget):
-        self.proposer, self.target = proposer, target
+    def __init__(self, proposer: StaticProposer, target: StaticTarget, acceptance=None):
+        self.proposer, self.target, self.acceptance = proposer, target, acceptance
         self.capture = proposer.draft.capture
         self.ready = False
         self._graph: tuple | None = None
@@ -341,12 +344,17 @@ class FusedGreedyStep:
 
     def _step(self):
         draft, adapter, size = self.proposer.draft, self.target.adapter, self.target.num_nodes
-        _, _, (tokens, parents, _) = self.proposer._forward()
+        _, _, (tokens, parents, logq) = self.proposer._forward()
         pad = size - 1 - tokens.shape[0]  # a chain has min(budget, depth) drafts
         tokens = torch.cat([draft.bonus, tokens, tokens.new_zeros(pad)])
         parents = torch.cat([parents.new_full((1,), -1), parents, parents.new_full((pad,), -1)])
         out = adapter.forward_tree(tokens, parents, adapter.max_length)
-        path, length, bonus = accept_greedy_tensors(tokens, parents, out.logits, ancestor_mask_of(parents))
+        mask = ancestor_mask_of(parents)
+        if self.acceptance is None:
+            path, length, bonus = accept_greedy_tensors(tokens, parents, out.logits, mask)
+        else:  # e.g. the benchmark's replayed acceptance
+            logq = torch.cat([logq.new_zeros(1), logq, logq.new_full((pad,), float("-inf"))])
+            path, length, bonus = self.acceptance.tensors(tokens, parents, out.logits, mask, logq)
         adapter.commit_path(path)
         rows = min(size, draft.block_size)  # a path never exceeds the block
         draft.context[:rows].copy_(out.features[path.clamp(min=0)][:rows].to(draft.dtype))

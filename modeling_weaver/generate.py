@@ -233,7 +233,8 @@ def _decode(
     accept=None,
 ) -> tuple[torch.Tensor, SpeculativeStats]:
     """The loop. ``timer`` times its phases into ``stats.phase_ms``; ``accept(tree, scores)`` → ``Acceptance``
-    replaces the acceptance rule (the benchmark's acceptance replay, :mod:`modeling_weaver.replay`)."""
+    replaces the acceptance rule (the benchmark's acceptance replay, :mod:`modeling_weaver.replay`; with a device
+    ``accept.tensors`` it also runs inside fused steps)."""
     timed = timer or _untimed
     if target_step not in TARGET_STEPS:
         raise ValueError(f"target_step must be one of {TARGET_STEPS}, got {target_step!r}")
@@ -274,8 +275,8 @@ def _decode(
 
     # Greedy with a fixed-shape proposer: after one ordinary step, whole steps run on the device (one graph each).
     fused = None
-    if hasattr(runner, "propose") and not do_sample and accept is None:
-        fused = runner.draft.fused_step(runner, target_cache)
+    if hasattr(runner, "propose") and not do_sample and (accept is None or hasattr(accept, "tensors")):
+        fused = runner.draft.fused_step(runner, target_cache, accept)
 
     while not out.done:
         if fused is not None and fused.ready:

@@ -23,14 +23,14 @@ from pathlib import Path
 import torch
 from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
-from .accept import Acceptance
+from .accept import Acceptance, path_to_leaf
 from .benchmark import autoregressive_generate
 from .captured import static_draft
 from .data import cli_entry
 from .generate import MODES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
 from .tree import Tree
 
-PHASES = ("draft", "tree", "draft+tree", "verify", "accept", "commit")  # draft+tree: one fixed-shape step
+PHASES = ("draft", "tree", "draft+tree", "verify", "accept", "commit", "step")  # step: one fused graph
 
 
 def synthetic_trace(mal: float, max_length: int, num_steps: int = 4096, seed: int = 0) -> list[int]:
@@ -61,22 +61,35 @@ def load_traces(results_json: str | Path) -> dict[tuple[str, int], list[int]]:
 
 
 class ReplayedAcceptance:
-    """Accept, at step s, the most probable root→node path with ``trace[s]`` nodes (bonus: the target's argmax)."""
+    """Accept, at step s, the most probable root→node path with ``trace[s]`` nodes (bonus: the target's argmax).
 
-    def __init__(self, trace: list[int]):
-        self.trace, self.step = trace, 0
+    On the device (:meth:`tensors`, which a fused captured step can hold: the trace and the step counter are device
+    tensors) or on a :class:`Tree` (``__call__``, same code). :meth:`reset` restarts the trace for a new generation.
+    """
+
+    def __init__(self, trace: list[int], device=None):
+        self.trace = torch.tensor(trace, dtype=torch.long, device=device)
+        self.step = torch.zeros((), dtype=torch.long, device=device)
+
+    def reset(self) -> None:
+        self.step.zero_()
+
+    def tensors(self, tokens, parents, logits, ancestor_mask, logq):
+        want = self.trace[self.step % self.trace.shape[0]]
+        self.step += 1
+        depth = ancestor_mask.sum(1) - 1
+        real = ancestor_mask[:, 0]  # padding roots never qualify
+        path_logq = torch.where(ancestor_mask, logq.float()[None], 0.0).sum(1)  # root→node log-probability
+        reach = torch.minimum(want - 1, torch.where(real, depth, 0).max())
+        leaf = torch.where(real & (depth == reach), path_logq, float("-inf")).argmax()
+        return path_to_leaf(ancestor_mask, leaf), depth[leaf] + 1, logits[leaf].argmax()
 
     def __call__(self, tree: Tree, scores: torch.Tensor) -> Acceptance:
-        want = self.trace[self.step % len(self.trace)]
-        self.step += 1
-        depths = tree.depths
-        logq = tree.logq.float().clone()
+        logq = tree.logq.clone()
         logq[0] = 0.0
-        cum = (tree.ancestor_mask.float() * logq[None]).sum(1)  # log-probability of each root→node path
-        depth = min(want - 1, int(depths.max()))
-        cum[depths != depth] = float("-inf")
-        path = tree.path_to(int(cum.argmax()))
-        return Acceptance(path, int(scores[path[-1]].argmax()))
+        path, length, bonus = self.tensors(tree.tokens, tree.parents, scores, tree.ancestor_mask, logq)
+        *path, bonus = torch.cat([path, bonus.view(1)]).tolist()
+        return Acceptance(path[: int(length)], bonus)
 
 
 class PeakPlanter:
@@ -116,9 +129,15 @@ class PlantedRunner:
 _PLANTER = PeakPlanter()  # one instance: captured proposers are kept per planter
 
 
-def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str, tree_budget: int, trace: list[int],
-                    max_new_tokens: int, target_step: str = "graph"):
-    """One generation with replayed acceptance; returns ``(ids, SpeculativeStats with phase_ms)``."""
+def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str, tree_budget: int,
+                    acceptance: ReplayedAcceptance, max_new_tokens: int, target_step: str = "graph",
+                    fused: bool = True):
+    """One generation with replayed acceptance (restarted from the trace's first step); returns ``(ids,
+    SpeculativeStats with phase_ms)``. Keep one ``acceptance`` per method: captured steps are kept per object.
+
+    ``fused=False`` keeps acceptance on the host, so static/graph steps stay split into draft+tree, verify and commit
+    (a per-phase breakdown) instead of one fused step per iteration."""
+    acceptance.reset()
     stopping = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
     if target_step == "eager":
         runner = PlantedRunner(DFlashRunner(drafter, target), _PLANTER)
@@ -131,7 +150,7 @@ def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str,
         tree_budget=tree_budget,
         max_new_tokens=max_new_tokens, processors=LogitsProcessorList(), do_sample=False, verification=None,
         stopping_criteria=stopping, streamer=None, generator=None, target_step=target_step,
-        timer=PhaseTimer(input_ids.device), accept=ReplayedAcceptance(trace),
+        timer=PhaseTimer(input_ids.device), accept=acceptance if fused else acceptance.__call__,
     )
 
 
@@ -168,7 +187,7 @@ def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: in
 
 
 def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prompt_len: int, max_new_tokens: int,
-                     target_step: str, seed: int = 0, hf_tokens: int = 0) -> list[dict]:
+                     target_step: str, seed: int = 0, hf_tokens: int = 0, fused: bool = True) -> list[dict]:
     """AR (and HF eager for ``hf_tokens``), then every budget × mode with its trace; one row each: decode tokens/s
     (prefill excluded), speed-up over AR, MAL, ms per step and per phase."""
     device = next(target.parameters()).device
@@ -177,7 +196,7 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(fn):
-        fn(warm=True)  # warm-up: kernel compilation, graph capture
+        fn(warm=True)  # warm-up: kernel compilation, graph capture (same lengths: same cache buckets and graphs)
         sync()
         start = time.perf_counter()
         out = fn(warm=False)
@@ -189,7 +208,7 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
 
     # Decode rates leave the prompt out: the same chunked prefill (+ first token) precedes every method.
     _, prefill = timed(lambda warm: ar(1))
-    _, seconds = timed(lambda warm: ar(8 if warm else max_new_tokens))
+    _, seconds = timed(lambda warm: ar(max_new_tokens))
     ar_tps = (max_new_tokens - 1) / (seconds - prefill)
     rows = [{"method": "ar", "tokens_per_s": ar_tps, "ms_per_step": 1e3 / ar_tps, "mal": 1.0, "speedup": 1.0,
              "prefill_s": prefill}]
@@ -205,8 +224,9 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
     for budget in budgets:
         for mode in modes:
             trace = traces[(mode, budget)]
-            (out, stats), seconds = timed(lambda warm, mode=mode, budget=budget, trace=trace: replay_generate(
-                target, drafter, weaver, ids, mode, budget, trace, 8 if warm else max_new_tokens, target_step))
+            acceptance = ReplayedAcceptance(trace, device)
+            (out, stats), seconds = timed(lambda warm, mode=mode, budget=budget, acc=acceptance: replay_generate(
+                target, drafter, weaver, ids, mode, budget, acc, max_new_tokens, target_step, fused))
             steps = stats.num_steps
             tps = (out.shape[1] - ids.shape[1] - 1) / (seconds - prefill)
             rows.append({
@@ -277,6 +297,9 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--prompt-length", type=int, default=512)
     parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--target-step", choices=TARGET_STEPS, default="graph")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="keep draft+tree, verify and commit as separate steps (per-phase times) instead of one "
+                             "fused step per iteration")
     parser.add_argument("--hf-tokens", type=int, default=32,
                         help="also time transformers' eager generate for this many tokens (0: skip)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -303,7 +326,7 @@ def run_replay(args) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rows = run_replay_suite(target, drafter, weaver, traces, args.modes, args.budgets, args.prompt_length,
-                            args.max_new_tokens, args.target_step, args.seed, args.hf_tokens)
+                            args.max_new_tokens, args.target_step, args.seed, args.hf_tokens, not args.no_fuse)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     limit = ""
@@ -312,7 +335,7 @@ def run_replay(args) -> int:
         limit = (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s, target weights {weight_bytes / 1e9:.1f} GB → "
                  f"memory-bound AR limit {bandwidth / weight_bytes:.1f} tok/s")
     info = (f"replayed acceptance — {source}; shape {args.shape}, {args.dtype}, random weights; prompt "
-            f"{args.prompt_length}, {args.max_new_tokens} new tokens, batch 1; target steps {args.target_step}; "
+            f"{args.prompt_length}, {args.max_new_tokens} new tokens, batch 1; steps {args.target_step}{' unfused' if args.no_fuse else ''}; "
             f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
             + (f"; peak memory {peak:.1f} GiB" if peak is not None else "") + limit
             + f"; decode rates (prefill excluded); {time.strftime('%Y-%m-%d')}")

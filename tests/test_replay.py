@@ -53,9 +53,14 @@ def test_replay_suite_runs_every_phase_at_tiny_shape():
         assert row["mal"] > 1.5  # planted peaks give the trees enough depth for the traced lengths
         assert all(row[f"{p}_ms"] > 0 for p in ("draft+tree", "verify", "accept", "commit"))  # static steps
         assert "tree_ms" not in row
-    _, stats = replay_generate(target, drafter, weaver, torch.zeros(1, 5, dtype=torch.long), "chain", 8, [3, 1, 5],
-                               max_new_tokens=60, target_step="eager")
+    _, stats = replay_generate(target, drafter, weaver, torch.zeros(1, 5, dtype=torch.long), "chain", 8,
+                               ReplayedAcceptance([3, 1, 5]), max_new_tokens=60, target_step="eager")
     assert stats.accepted_lengths[:6] == [3, 1, 5, 3, 1, 5]  # a chain always holds the traced depth
+    for step in ("static", "eager"):  # fused device steps replay the same trace as the host rule
+        _, fused = replay_generate(target, drafter, weaver, torch.zeros(1, 5, dtype=torch.long), "weaver", 8,
+                                   ReplayedAcceptance([3, 1, 5]), max_new_tokens=60, target_step=step)
+        assert fused.accepted_lengths[:6] == [3, 1, 5, 3, 1, 5], step
+        assert ("step" in fused.phase_ms) == (step == "static")
 
 
 def test_traces_come_from_bench_results(tmp_path):
