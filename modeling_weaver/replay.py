@@ -187,9 +187,11 @@ def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: in
 
 
 def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prompt_len: int, max_new_tokens: int,
-                     target_step: str, seed: int = 0, hf_tokens: int = 0, fused: bool = True) -> list[dict]:
+                     target_step: str, seed: int = 0, hf_tokens: int = 0, fused: bool = True,
+                     split: bool = False) -> list[dict]:
     """AR (and HF eager for ``hf_tokens``), then every budget × mode with its trace; one row each: decode tokens/s
-    (prefill excluded), speed-up over AR, MAL, ms per step and per phase."""
+    (prefill excluded), speed-up over AR, MAL, ms per step and per phase. ``split`` adds, per method, a run with
+    unfused steps ("split": per-phase times)."""
     device = next(target.parameters()).device
     vocab = target.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(seed)).to(device)
@@ -225,16 +227,18 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
         for mode in modes:
             trace = traces[(mode, budget)]
             acceptance = ReplayedAcceptance(trace, device)
-            (out, stats), seconds = timed(lambda warm, mode=mode, budget=budget, acc=acceptance: replay_generate(
-                target, drafter, weaver, ids, mode, budget, acc, max_new_tokens, target_step, fused))
-            steps = stats.num_steps
-            tps = (out.shape[1] - ids.shape[1] - 1) / (seconds - prefill)
-            rows.append({
-                "method": f"{mode}@{budget}", "mode": mode, "budget": budget, "tokens_per_s": tps,
-                "speedup": tps / ar_tps, "mal": stats.mean_accepted_length,
-                "trace_mal": sum(trace) / len(trace), "ms_per_step": 1e3 * (seconds - prefill) / steps,
-                **{f"{p}_ms": stats.phase_ms[p] / steps for p in PHASES if p in stats.phase_ms},
-            })
+            for fuse in (fused, False) if split else (fused,):
+                (out, stats), seconds = timed(lambda warm, mode=mode, budget=budget, acc=acceptance, fuse=fuse:
+                                              replay_generate(target, drafter, weaver, ids, mode, budget, acc,
+                                                              max_new_tokens, target_step, fuse))
+                steps = stats.num_steps
+                tps = (out.shape[1] - ids.shape[1] - 1) / (seconds - prefill)
+                rows.append({
+                    "method": f"{mode}@{budget}" + ("" if fuse == fused else " split"), "mode": mode,
+                    "budget": budget, "tokens_per_s": tps, "speedup": tps / ar_tps, "mal": stats.mean_accepted_length,
+                    "trace_mal": sum(trace) / len(trace), "ms_per_step": 1e3 * (seconds - prefill) / steps,
+                    **{f"{p}_ms": stats.phase_ms[p] / steps for p in PHASES if p in stats.phase_ms},
+                })
     return rows
 
 
@@ -300,6 +304,8 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--no-fuse", action="store_true",
                         help="keep draft+tree, verify and commit as separate steps (per-phase times) instead of one "
                              "fused step per iteration")
+    parser.add_argument("--split", action="store_true",
+                        help="also run every method unfused in the same process (rows marked 'split')")
     parser.add_argument("--hf-tokens", type=int, default=32,
                         help="also time transformers' eager generate for this many tokens (0: skip)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -326,7 +332,8 @@ def run_replay(args) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     rows = run_replay_suite(target, drafter, weaver, traces, args.modes, args.budgets, args.prompt_length,
-                            args.max_new_tokens, args.target_step, args.seed, args.hf_tokens, not args.no_fuse)
+                            args.max_new_tokens, args.target_step, args.seed, args.hf_tokens, not args.no_fuse,
+                            args.split)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     limit = ""

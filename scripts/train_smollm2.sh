@@ -44,7 +44,7 @@ for stage in "$@"; do
       python3 -m pytest -q -m gpu tests/ ;;
     replay)  # synthetic traces unless TRACE points at a bench results.json
       src=${TRACE:+--trace $TRACE}; src=${src:---synthetic-mal chain=4 ddtree=5.4 weaver=7.1}
-      python3 -m modeling_weaver.cli replay $src --out "$WORK/replay" ;;
+      python3 -m modeling_weaver.cli replay $src --split --out "$WORK/replay" ;;
     pack)
       (cd "$WORK" && find . -name training_state.pt -prune -o -type f -print \
         | tar czf - -T -) | split -b 15M - "${OUT:-.}/pack.tgz." ;;
