@@ -179,7 +179,7 @@ def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: in
     torch.set_default_dtype(dtype)  # build in the final dtype: a 27B target would not fit twice
     try:
         with torch.device(device):
-            target = AutoModelForCausalLM.from_config(target_config)
+            target = AutoModelForCausalLM.from_config(target_config, dtype=dtype)
             drafter, weaver = DFlashDraftModel(dconfig), WeaverModel(wconfig)
     finally:
         torch.set_default_dtype(previous)
