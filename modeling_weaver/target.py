@@ -146,7 +146,7 @@ class GatedDeltaNetLayerCache:
         mixed, k, u, gamma = self.pending
         weaver_kernels.conv_tree_commit(self.window, mixed, path)
         weaver_kernels.gdn_tree_commit(self.state, k, u, gamma, path, use_qk_l2norm_in_kernel=True)
-        self.pending = None
+        # `pending` stays: a captured commit is warmed up and recorded by calling it several times
 
 
 class TargetAdapter:

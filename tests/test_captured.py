@@ -114,3 +114,132 @@ def test_fused_greedy_steps_are_exact_with_deep_acceptance(name, mode):
     assert torch.equal(got[0], ref[: ids.shape[1] + new])
     assert "step" in stats.phase_ms and len(timer.spans["step"]) == stats.num_steps - 1  # all fused but the first
     assert max(stats.accepted_lengths) >= 6 and stats.mean_accepted_length > 2.5, stats.accepted_lengths
+
+
+class FakeGraph:
+    """CPU stand-in for a CUDA graph with its semantics: outputs live in fixed tensors, a replay recomputes from the
+    static inputs and overwrites them in place (so code that reads anything but those tensors, or that relies on
+    Python state set at capture time, goes wrong here as it would on the GPU)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+        copy_into(self.out, self.fn())
+
+    def pool(self):
+        return None
+
+
+def copy_into(dst, src):
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for d, s in zip(dst, src):
+            copy_into(d, s)
+    elif hasattr(dst, "__dataclass_fields__"):
+        for name in dst.__dataclass_fields__:
+            copy_into(getattr(dst, name), getattr(src, name))
+
+
+def fake_capture_graph(fn, pool=None, warmup: int = 2):
+    for _ in range(warmup):
+        fn()
+    graph = FakeGraph(fn)
+    graph.out = fn()  # a real capture records without running; every caller restores or tolerates one run
+    return graph, graph.out
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """Run every 'captured' path on CPU through FakeGraph."""
+    import sys
+
+    import modeling_weaver.benchmark  # noqa: F401
+    import modeling_weaver.captured as captured
+    import modeling_weaver.replay  # noqa: F401
+
+    # sys.modules: the package's `generate` attribute is the function, not the module
+    generate, benchmark, replay = (sys.modules[f"modeling_weaver.{m}"] for m in ("generate", "benchmark", "replay"))
+
+    monkeypatch.setattr(captured, "capture_graph", fake_capture_graph)
+    real_target, real_draft = captured.static_target, captured.static_draft
+
+    def forced_target(model, max_length, num_nodes, feature_layer_ids=(), capture=None):
+        return real_target(model, max_length, num_nodes, feature_layer_ids, capture=True)
+
+    def forced_draft(drafter, target, max_length, capture=None):
+        return real_draft(drafter, target, max_length, capture=True)
+
+    for module in (generate, benchmark, replay):
+        if hasattr(module, "static_target"):
+            monkeypatch.setattr(module, "static_target", forced_target)
+        if hasattr(module, "static_draft"):
+            monkeypatch.setattr(module, "static_draft", forced_draft)
+    yield
+    captured._STATIC_TARGETS.clear()
+
+
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_graph_semantics_keep_the_loop_exact(fake_graphs, name):
+    """With graph semantics (fixed outputs, replays), AR and the loop in every mode stay token-identical, several
+    prompt lengths share one set of captures, and the captured steps are the ones that run."""
+    from test_generate import make_drafters, prompts, reference
+
+    from modeling_weaver import speculative_generate
+    from modeling_weaver.benchmark import autoregressive_generate
+    from modeling_weaver.captured import _STATIC_TARGETS
+
+    target = TINY_TARGETS[name]()
+    drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else 96)
+    for ids in prompts():
+        expected = reference(target, ids, 40)
+        assert torch.equal(autoregressive_generate(target, ids, 40, target_step="graph"), expected)
+        for mode in ("chain", "ddtree", "weaver"):
+            got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=10,
+                                       max_new_tokens=40, target_step="graph")
+            assert torch.equal(got, expected), (name, mode, ids.shape)
+    steps = [s for s in _STATIC_TARGETS[target].values()]
+    assert {s.num_nodes for s in steps} == {1, 11}, [(s.num_nodes, s.capture, s.captures) for s in steps]
+    assert all(s.capture and s.captures == 1 for s in steps), [(s.num_nodes, s.capture, s.captures) for s in steps]
+    draft = next(v for k, v in _STATIC_TARGETS[drafter].items() if k[0] == "draft")
+    fused = [v for k, v in draft._proposers.items() if k[0] == "fused"]
+    assert len(fused) == 3 and all(f._graph is not None and f._graph[0].replays > 0 for f in fused)
+
+
+def test_graph_semantics_fused_steps_with_deep_acceptance(fake_graphs):
+    for name in ("llama", "qwen3_5"):
+        for mode in ("chain", "weaver"):
+            test_fused_greedy_steps_are_exact_with_deep_acceptance(name, mode)
+
+
+def test_graph_semantics_sampler(fake_graphs):
+    from test_sampler import EOS, hf_greedy
+
+    from modeling_weaver.sampler import BatchedSampler
+
+    model = TINY_TARGETS["qwen3"]()
+    sampler = BatchedSampler(model, batch_size=4, max_length=64, capture=True)
+    gen = torch.Generator().manual_seed(4)
+    for lengths in [(3, 9, 5), (1, 12, 2, 8)]:
+        prompts = [torch.randint(0, 97, (n,), generator=gen).tolist() for n in lengths]
+        got = sampler.generate(prompts, 24, eos_token_id=EOS)
+        for (tokens, _), ref in zip(got, hf_greedy(model, prompts, 24)):
+            assert tokens == ref[: len(tokens)]
+    assert sampler.capture and sampler._graph.replays > 0
+
+
+def test_graph_semantics_replay(fake_graphs):
+    """The acceptance replay with captured fused steps follows its trace as the host rule does."""
+    from modeling_weaver.replay import ReplayedAcceptance, random_models, replay_generate
+
+    target, drafter, weaver = random_models("tiny", torch.device("cpu"), torch.float32)
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    for mode in ("chain", "ddtree", "weaver"):
+        acceptance = ReplayedAcceptance([3, 1, 5])
+        for _ in range(2):  # the second generation replays the same captures
+            _, stats = replay_generate(target, drafter, weaver, ids, mode, 8, acceptance, 60, target_step="graph")
+            assert stats.accepted_lengths[:6] == [3, 1, 5, 3, 1, 5], mode
+            assert "step" in stats.phase_ms
