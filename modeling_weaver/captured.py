@@ -368,6 +368,7 @@ class FusedGreedyStep:
         """Every tensor a step updates in place below the committed length (scratch rows excepted)."""
         draft, adapter = self.proposer.draft, self.target.adapter
         tensors = [adapter.length_t, draft.context, draft.count, draft.n, draft.bonus, self.proposer.last_hidden]
+        tensors += list(getattr(self.acceptance, "state", lambda: [])())  # e.g. a replayed trace's step counter
         for cache in adapter.layer_caches:
             tensors += [cache.state, cache.window] if hasattr(cache, "state") else []
         return tensors

@@ -74,6 +74,10 @@ class ReplayedAcceptance:
     def reset(self) -> None:
         self.step.zero_()
 
+    def state(self) -> list[torch.Tensor]:
+        """What :meth:`tensors` updates in place (restored around a captured step's warm-up)."""
+        return [self.step]
+
     def tensors(self, tokens, parents, logits, ancestor_mask, logq):
         want = self.trace[self.step % self.trace.shape[0]]
         self.step += 1
