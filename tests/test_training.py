@@ -222,3 +222,25 @@ def test_cli_errors_are_one_line(tiny, capsys):
     args = _dflash_args(tiny, tiny / "d2", "--resume")
     assert run_train_dflash(args) == 1
     assert "no training_state.pt" in capsys.readouterr().err
+
+
+def test_drafter_starts_from_the_targets_last_layers():
+    from tiny_targets import TINY_TARGETS
+
+    from modeling_weaver import DFlashConfig, DFlashDraftModel
+    from modeling_weaver.training import init_from_target_layers
+
+    target = TINY_TARGETS["llama"]()
+    drafter = DFlashDraftModel(DFlashConfig.from_target_config(target.config, num_hidden_layers=2, block_size=8,
+                                                               target_layer_ids=[0, 1]))
+    init_from_target_layers(drafter, target)
+    for mine, theirs in zip(drafter.layers, target.model.layers[-2:]):
+        assert torch.equal(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
+        assert torch.equal(mine.self_attn.q_proj.weight, theirs.self_attn.q_proj.weight)
+        assert torch.equal(mine.input_layernorm.weight, theirs.input_layernorm.weight)
+    assert torch.equal(drafter.norm.weight, target.model.norm.weight)
+    assert (drafter.layers[0].self_attn.q_norm.weight == 1).all()  # Llama has no q_norm: kept at its init
+    wide = DFlashDraftModel(DFlashConfig.from_target_config(target.config, num_hidden_layers=1, block_size=8,
+                                                           target_layer_ids=[1], intermediate_size=100))
+    with pytest.raises(ValueError, match="cannot start the drafter from target layers"):
+        init_from_target_layers(wide, target)
