@@ -1,19 +1,21 @@
-"""Fixed-shape target steps, captured in CUDA graphs (issue 5).
+"""Fixed-shape decoding steps, captured in CUDA graphs (issue 5).
 
 :class:`StaticTarget` wraps a :class:`~modeling_weaver.target.TargetAdapter` for one tree size: every verify pads the
 tree to ``num_nodes`` and attends over the whole cache (``bound = max_length``), every commit takes the accepted path
 right-padded with -1 to ``num_nodes``. Inputs go through static buffers, and the committed length is read from the
 adapter's device tensor, so nothing in either step depends on the prompt or the position: on CUDA each step is one
 CUDA graph, captured once and replayed for any prompt length up to ``max_length``. Elsewhere (or with
-``capture=False``) the same static-buffer code runs eagerly — what the CPU tests exercise.
+``capture=False``) the same static-buffer code runs eagerly — what the CPU tests exercise (also with graph semantics).
 
 :class:`StaticDraft` does the same for the DFlash drafter: its context K/V live in fixed buffers whose rows are
 positions, each step's new context (one accepted path, at most a block) is padded to the block size, and attention
-runs over the whole buffer with a mask.
+runs over the whole buffer with a mask. :class:`StaticProposer` adds the device tree build of one mode and budget.
+:class:`FusedGreedyStep` makes a whole greedy step — draft + tree, verify, acceptance, commit — one graph.
 
 One :class:`StaticTarget` per tree size; a generation uses one size throughout (the commit graph reads the outputs of
-its own verify graph). Prefill stays eager (chunked, once per prompt). :func:`static_target` keeps them per target,
-cache capacity (rounded up to a power of two) and tree size, so later generations replay the same graphs.
+its own verify graph). Prefill stays eager (chunked, once per prompt). :func:`static_target` and :func:`static_draft`
+keep the steps per model, cache capacity (rounded up to a power of two) and tree size, so later generations replay
+the same graphs. :func:`draft_head` gives a drafter the target's lm_head in its own dtype.
 """
 
 from __future__ import annotations
