@@ -427,9 +427,12 @@ def generate(
     tree_budget: int = 64,
     verification: str | None = None,
     tree_streamer=None,
+    target_step: str = "eager",
     **model_kwargs,
 ):
     """``target.generate(input_ids, custom_generate=generate, drafter=..., weaver=..., mode=..., tree_budget=...)``.
+
+    ``target_step`` as in :func:`speculative_generate` (``"graph"``: CUDA-graph steps on CUDA).
 
     transformers has already applied ``generation_config`` (``max_new_tokens``, ``eos_token_id``, ``do_sample``,
     temperature/top-k/top-p) and built the processors and stopping criteria this loop honours.
@@ -458,8 +461,8 @@ def generate(
     ids, _ = _decode(
         model, input_ids[0], runner=DFlashRunner(drafter, model), weaver=weaver, mode=mode, tree_budget=tree_budget,
         max_new_tokens=max_new_tokens, processors=logits_processor, do_sample=do_sample,
-        verification=verification,
-        stopping_criteria=stopping_criteria, streamer=streamer, generator=None,
+        verification=verification, stopping_criteria=stopping_criteria, streamer=streamer, generator=None,
+        target_step=target_step,
     )
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=ids)

@@ -167,6 +167,12 @@ def test_custom_generate_equals_speculative_generate(name):
                                  tree_budget=10, max_new_tokens=20, do_sample=False)
         assert torch.equal(direct, via_hf)
         assert torch.equal(via_hf, reference(target, ids, 20))
+        static = target.generate(ids, custom_generate=generate, drafter=drafter, weaver=weaver, mode=mode,
+                                 tree_budget=10, max_new_tokens=20, do_sample=False, target_step="static")
+        assert torch.equal(static, via_hf)
+    with pytest.raises(ValueError, match="target_step"):  # the option reaches the loop through transformers
+        target.generate(ids, custom_generate=generate, drafter=drafter, weaver=weaver, mode="chain", tree_budget=10,
+                        max_new_tokens=5, do_sample=False, target_step="bogus")
 
 
 def test_custom_generate_honours_eos_and_generation_config():
