@@ -27,21 +27,30 @@ import torch.nn.functional as F
 
 from .accept import accept_greedy_tensors
 from .target import TargetAdapter, TreeOutput
-from .tree import Tree, ancestor_mask_of, chain_tree_tensors, ddtree_tensors, weaver_tree_tensors, with_root
+from .tree import Tree, ancestor_mask_of, tree_drafts, with_root
 
 
-def capture_graph(fn, pool=None, warmup: int = 2):
+def capture_graph(fn, pool=None, warmup: int = 2, restore=()):
     """Run ``fn`` ``warmup`` times on a side stream (kernel compilation, autotuning, cuBLAS workspaces), then capture
-    one call in a CUDA graph. Returns ``(graph, output of the captured call)``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    one call in a CUDA graph. Returns ``(graph, output of the captured call)``.
+
+    ``restore``: tensors ``fn`` advances in place (a step counter, committed state); the warm-ups' changes to them are
+    undone, so the first replay starts where the caller left off.
+    """
+    saved = [x.clone() for x in restore]
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+    finally:  # also when capture fails and the caller goes on eagerly
+        for x, y in zip(restore, saved):
+            x.copy_(y)
     return graph, out
 
 
@@ -208,7 +217,7 @@ class StaticDraft:
         self.n = torch.zeros((), dtype=torch.long, device=self.device)  # position of the block's first token
         self.bonus = torch.zeros(1, dtype=torch.long, device=self.device)
         self._graphs: dict = {}
-        self._proposers: dict = {}
+        self._steps: dict = {}  # proposers and fused steps built on this drafter (their graphs read their buffers)
 
     def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         size, device = self.block_size, self.device
@@ -224,9 +233,9 @@ class StaticDraft:
                               past_key_values=self.cache, attention_mask=visible)[0, 1:]
         return hidden, F.linear(hidden, *self.head)
 
-    def load(self, bonus: int, context: torch.Tensor, n: int) -> bool:
+    def load(self, bonus: int, context: torch.Tensor, n: int) -> None:
         """Put the inputs of the last (or only) chunk in the static buffers, running the leading chunks of a long
-        context (block-size pieces) first; returns False when there was no context (nothing to run)."""
+        context (block-size pieces) first."""
         size = self.block_size
         if n + 2 * size > self.rows:
             raise ValueError(f"position {n} is beyond this drafter cache ({self.rows - 2 * size} positions)")
@@ -240,7 +249,6 @@ class StaticDraft:
             self.bonus.fill_(int(bonus))
             if start != starts[-1]:
                 self.run(self._forward)
-        return bool(starts)
 
     def run(self, fn, key="draft"):
         """``fn()`` — replayed from a CUDA graph captured on first use (one per ``key``) when capturing."""
@@ -256,9 +264,9 @@ class StaticDraft:
         """The :class:`StaticProposer` of this drafter for ``mode`` and ``budget`` (kept: its graph reads its
         buffers)."""
         key = (mode, budget, id(weaver), id(shape_logits))
-        if key not in self._proposers:
-            self._proposers[key] = StaticProposer(self, mode, budget, weaver, shape_logits)
-        return self._proposers[key]
+        if key not in self._steps:
+            self._steps[key] = StaticProposer(self, mode, budget, weaver, shape_logits)
+        return self._steps[key]
 
     def fused_step(self, proposer: StaticProposer, target: StaticTarget, acceptance=None) -> FusedGreedyStep:
         """The :class:`FusedGreedyStep` of ``proposer`` and ``target`` (kept: its graph reads their buffers).
@@ -266,9 +274,9 @@ class StaticDraft:
         ``acceptance``: an object with a device ``tensors(tokens, parents, logits, ancestor_mask, logq)`` method
         returning ``(path, length, bonus)`` instead of greedy acceptance."""
         key = ("fused", id(proposer), id(target), id(acceptance))
-        if key not in self._proposers:
-            self._proposers[key] = FusedGreedyStep(proposer, target, acceptance)
-        step = self._proposers[key]
+        if key not in self._steps:
+            self._steps[key] = FusedGreedyStep(proposer, target, acceptance)
+        step = self._steps[key]
         step.ready = False  # a new generation starts with an ordinary step
         return step
 
@@ -283,7 +291,7 @@ class StaticProposer:
     """Draft and tree build of one mode and budget at fixed shapes: one CUDA graph per step on CUDA.
 
     ``propose`` returns the drafter's hidden states and logits (as :meth:`StaticDraft.draft`) and the tree, built on
-    the device by the mode's ``*_tensors`` builder (for Weaver, after encoding its prompt from ``last_hidden``).
+    the device by :func:`~modeling_weaver.tree.tree_drafts`.
     ``shape_logits`` (device ops only) may transform the draft logits first — the acceptance replay plants peaks.
     """
 
@@ -300,15 +308,8 @@ class StaticProposer:
         hidden, logits = self.draft._forward()
         if self.shape_logits is not None:
             logits = self.shape_logits(logits)
-        if self.mode == "chain":
-            drafts = chain_tree_tensors(logits, self.budget)
-        elif self.mode == "ddtree":
-            drafts = ddtree_tensors(logits, self.budget)
-        else:
-            weaver, depth = self.weaver, min(hidden.shape[0], self.weaver.config.K)
-            prompt = weaver.encode_prompt(self.last_hidden[None], hidden[None, :depth].to(self.last_hidden.dtype))
-            drafts = weaver_tree_tensors(self.draft.bonus[0], weaver, prompt, logits, self.draft.embed_tokens,
-                                         self.draft.lm_head.weight, self.budget)
+        drafts = tree_drafts(self.mode, self.draft.bonus[0], hidden, logits, self.budget, self.weaver,
+                             self.last_hidden, self.draft.embed_tokens, self.draft.lm_head.weight)
         return hidden, logits, drafts
 
     @torch.no_grad()
@@ -376,12 +377,7 @@ class FusedGreedyStep:
         return tensors
 
     def _capture(self):
-        # Warm-up steps advance the state: keep a copy and put it back before the captured step is replayed.
-        saved = [x.clone() for x in self._state()]
-        graph = capture_graph(self._step, warmup=1)
-        for x, y in zip(self._state(), saved):
-            x.copy_(y)
-        return graph
+        return capture_graph(self._step, warmup=1, restore=self._state())  # a warm-up step advances the state
 
     @torch.no_grad()
     def step(self) -> tuple[list[int], int]:

@@ -33,7 +33,7 @@ from .accept import accept_greedy, accept_target_only, accept_traversal
 from .captured import draft_head, static_draft, static_target
 from .pairing import check_pair
 from .target import TargetAdapter
-from .tree import Tree, chain_tree, ddtree, weaver_tree
+from .tree import tree_drafts, with_root
 
 MODES = ("weaver", "ddtree", "chain")
 VERIFICATIONS = ("target_only", "traversal")
@@ -296,16 +296,8 @@ def _decode(
 
         if tree is None:
             with timed("tree"):
-                if mode == "chain":
-                    tree = chain_tree(bonus, draft_logits, tree_budget)
-                elif mode == "ddtree":
-                    tree = ddtree(bonus, draft_logits, tree_budget)
-                else:
-                    depth = min(draft_hidden.shape[0], weaver.config.K)
-                    prompt_kv = weaver.encode_prompt(last_hidden[None],
-                                                     draft_hidden[None, :depth].to(last_hidden.dtype))
-                    tree = weaver_tree(bonus, weaver, prompt_kv, draft_logits, embed_tokens, lm_head.weight,
-                                       tree_budget)
+                tree = with_root(bonus, tree_drafts(mode, bonus, draft_hidden, draft_logits, tree_budget, weaver,
+                                                    last_hidden, embed_tokens, lm_head.weight))
 
         with timed("verify"):
             verified = target_cache.verify(tree)

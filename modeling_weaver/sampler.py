@@ -101,18 +101,15 @@ class BatchedSampler:
         return self.tokens
 
     def _capture(self):
-        """Capture the decode step; warm-up and capture run it three times, so the step counter and tokens are
-        restored after (the K/V rows they wrote lie ahead and are rewritten before anything attends to them)."""
+        """Capture the decode step. Warm-up and capture run it, so the step counter and tokens are put back (the K/V
+        rows they wrote lie ahead and are rewritten before anything attends to them)."""
         from .captured import capture_graph
 
-        saved = self.step_t.clone(), self.tokens.clone()
         try:
-            self._graph, _ = capture_graph(self._decode_step)
+            self._graph, _ = capture_graph(self._decode_step, restore=(self.step_t, self.tokens))
         except RuntimeError as err:  # slower, not wrong: say so and go on eagerly
             warnings.warn(f"BatchedSampler: CUDA-graph capture failed ({err}); decoding eagerly", stacklevel=3)
             self.capture = False
-        self.step_t.copy_(saved[0])
-        self.tokens.copy_(saved[1])
 
     @torch.no_grad()
     def generate(self, prompts, max_new_tokens: int, eos_token_id, temperature: float = 0.0, top_p: float = 1.0,

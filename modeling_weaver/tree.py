@@ -119,6 +119,23 @@ def with_root(root, drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> 
                 torch.cat([logq.new_zeros(1), logq]))
 
 
+def tree_drafts(mode: str, root, draft_hidden: torch.Tensor, draft_logits: torch.Tensor, budget: int, weaver=None,
+                last_hidden: torch.Tensor | None = None, embed_tokens=None, lm_head_weight=None):
+    """The draft nodes of one step's tree in ``mode`` (``chain``, ``ddtree`` or ``weaver``), on the device.
+
+    Weaver trees also need the Weaver, the target's final hidden state before the block (``last_hidden``, its prompt
+    with the drafter's ``draft_hidden``), the target's embedding and lm_head weight. Returns what the
+    ``*_tensors`` builders return; :func:`with_root` makes the :class:`Tree`.
+    """
+    if mode == "chain":
+        return chain_tree_tensors(draft_logits, budget)
+    if mode == "ddtree":
+        return ddtree_tensors(draft_logits, budget)
+    depth = min(draft_hidden.shape[0], weaver.config.K)
+    prompt = weaver.encode_prompt(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
+    return weaver_tree_tensors(root, weaver, prompt, draft_logits, embed_tokens, lm_head_weight, budget)
+
+
 def chain_tree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
     """Plain DFlash: the argmax of each block position, as a single path of ``min(budget, depth)`` drafts.
 

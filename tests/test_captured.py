@@ -144,11 +144,14 @@ def copy_into(dst, src):
             copy_into(getattr(dst, name), getattr(src, name))
 
 
-def fake_capture_graph(fn, pool=None, warmup: int = 2):
+def fake_capture_graph(fn, pool=None, warmup: int = 2, restore=()):
+    saved = [x.clone() for x in restore]
     for _ in range(warmup):
         fn()
     graph = FakeGraph(fn)
-    graph.out = fn()  # a real capture records without running; every caller restores or tolerates one run
+    graph.out = fn()  # a real capture records without running: the restore below undoes this run too
+    for x, y in zip(restore, saved):
+        x.copy_(y)
     return graph, graph.out
 
 
@@ -205,7 +208,7 @@ def test_graph_semantics_keep_the_loop_exact(fake_graphs, name):
     assert {s.num_nodes for s in steps} == {1, 11}, [(s.num_nodes, s.capture, s.captures) for s in steps]
     assert all(s.capture and s.captures == 1 for s in steps), [(s.num_nodes, s.capture, s.captures) for s in steps]
     draft = next(v for k, v in _STATIC_TARGETS[drafter].items() if k[0] == "draft")
-    fused = [v for k, v in draft._proposers.items() if k[0] == "fused"]
+    fused = [v for k, v in draft._steps.items() if k[0] == "fused"]
     assert len(fused) == 3 and all(f._graph is not None and f._graph[0].replays > 0 for f in fused)
 
 
