@@ -192,10 +192,11 @@ def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: in
 
 def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prompt_len: int, max_new_tokens: int,
                      target_step: str, seed: int = 0, hf_tokens: int = 0, fused: bool = True,
-                     split: bool = False) -> list[dict]:
+                     split: bool = False, on_row=None) -> list[dict]:
     """AR (and HF eager for ``hf_tokens``), then every budget × mode with its trace; one row each: decode tokens/s
     (prefill excluded), speed-up over AR, MAL, ms per step and per phase. ``split`` adds, per method, a run with
-    unfused steps ("split": per-phase times)."""
+    unfused steps ("split": per-phase times). ``on_row(rows)`` is called after every row (save as you go)."""
+    on_row = on_row or (lambda rows: None)
     device = next(target.parameters()).device
     vocab = target.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(seed)).to(device)
@@ -218,6 +219,7 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
     ar_tps = (max_new_tokens - 1) / (seconds - prefill)
     rows = [{"method": "ar", "tokens_per_s": ar_tps, "ms_per_step": 1e3 / ar_tps, "mal": 1.0, "speedup": 1.0,
              "prefill_s": prefill}]
+    on_row(rows)
     if hf_tokens:
         def hf(tokens):
             return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens,
@@ -227,6 +229,7 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
         hf_tps = (hf_tokens - 1) / (seconds - hf_prefill)
         rows.append({"method": "hf eager", "tokens_per_s": hf_tps, "ms_per_step": 1e3 / hf_tps, "mal": 1.0,
                      "speedup": hf_tps / ar_tps})
+        on_row(rows)
     for budget in budgets:
         for mode in modes:
             trace = traces[(mode, budget)]
@@ -243,6 +246,7 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
                     "trace_mal": sum(trace) / len(trace), "ms_per_step": 1e3 * (seconds - prefill) / steps,
                     **{f"{p}_ms": stats.phase_ms[p] / steps for p in PHASES if p in stats.phase_ms},
                 })
+                on_row(rows)
     return rows
 
 
@@ -333,29 +337,37 @@ def run_replay(args) -> int:
         mals = _parse_mal(args.synthetic_mal, args.modes, args.budgets)
         traces = {k: synthetic_trace(v, drafter.block_size, seed=args.seed) for k, v in mals.items()}
         source = "synthetic traces (" + ", ".join(f"{m}@{b}={v:g}" for (m, b), v in sorted(mals.items())) + ")"
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    rows = run_replay_suite(target, drafter, weaver, traces, args.modes, args.budgets, args.prompt_length,
-                            args.max_new_tokens, args.target_step, args.seed, args.hf_tokens, not args.no_fuse,
-                            args.split)
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     limit = ""
     if device.type == "cuda":  # memory-bound AR limit: every weight read once per token
         bandwidth = copy_bandwidth(device)
         limit = (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s, target weights {weight_bytes / 1e9:.1f} GB → "
                  f"memory-bound AR limit {bandwidth / weight_bytes:.1f} tok/s")
-    info = (f"replayed acceptance — {source}; shape {args.shape}, {args.dtype}, random weights; prompt "
-            f"{args.prompt_length}, {args.max_new_tokens} new tokens, batch 1; steps {args.target_step}{' unfused' if args.no_fuse else ''}; "
-            f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
-            + (f"; peak memory {peak:.1f} GiB" if peak is not None else "") + limit
-            + f"; decode rates (prefill excluded); {time.strftime('%Y-%m-%d')}")
-    table = replay_table(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "replay.md").write_text(table + "\n\n" + info + "\n")
-    settings = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    (out / "replay.json").write_text(json.dumps({"info": info, "args": settings, "rows": rows}, indent=1))
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def save(rows, final=False):
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        info = (f"replayed acceptance — {source}; shape {args.shape}, {args.dtype}, random weights; prompt "
+                f"{args.prompt_length}, {args.max_new_tokens} new tokens, batch 1; steps {args.target_step}"
+                f"{' unfused' if args.no_fuse else ''}; device "
+                f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
+                + (f"; peak memory {peak:.1f} GiB" if peak is not None else "") + limit
+                + f"; decode rates (prefill excluded); {time.strftime('%Y-%m-%d')}"
+                + ("" if final else "; INCOMPLETE (run still going or stopped)"))
+        table = replay_table(rows)
+        if not final:
+            print(table.splitlines()[-1], flush=True)
+        (out / "replay.md").write_text(table + "\n\n" + info + "\n")
+        (out / "replay.json").write_text(json.dumps({"info": info, "args": settings, "rows": rows}, indent=1))
+        return table, info
+
+    rows = run_replay_suite(target, drafter, weaver, traces, args.modes, args.budgets, args.prompt_length,
+                            args.max_new_tokens, args.target_step, args.seed, args.hf_tokens, not args.no_fuse,
+                            args.split, on_row=save)
+    table, info = save(rows, final=True)
     print(table)
     print(info)
     return 0

@@ -21,14 +21,15 @@ for stage in "$@"; do
   case $stage in
     data)    # target-written prompts + the target's own answers (half greedy, half T=0.7), leak-checked
       python3 -m modeling_weaver.cli make-data --out "$WORK/data" --num-samples 1000000 --batch-size 2048 \
-        --max-response-tokens 384 --max-minutes "$DATA_MIN" --no-progress
+        --max-response-tokens 384 --max-minutes "$DATA_MIN" --sampler "${SAMPLER:-auto}" --no-progress
       if [ -n "$EXTRA_DATA" ]; then
         for f in "$EXTRA_DATA"/shard-*.pt; do cp "$f" "$WORK/data/shard-extra-$(basename "$f" | tr -cd '0-9').pt"; done
       fi ;;
     dflash)  # 3-layer block drafter started from the target's last 3 layers, block 16, learned mask embedding
       # (SmolLM2 has no MASK token). 64 anchors × 32 sequences per step: the dense block-sparse attention costs
       # (context + all blocks of the sequence) keys per query, so fewer blocks per sequence make each block cheaper.
-      resume=""; [ -f "$WORK/dflash/training_state.pt" ] && resume="--resume"
+      # DFLASH_INIT: a drafter folder to start from instead (a first run's weights, fresh optimizer and schedule).
+      resume=${DFLASH_INIT:+--init-from $DFLASH_INIT}; [ -f "$WORK/dflash/training_state.pt" ] && resume="--resume"
       python3 -m modeling_weaver.cli train-dflash --data "$WORK/data" --output-dir "$WORK/dflash" --num-layers 3 \
         --anchors 64 --batch-size 32 --epochs 100 --max-minutes "$DFLASH_TOTAL" --session-minutes "$DFLASH_MIN" \
         --save-every 0 --log-every 50 --no-progress $resume ;;
@@ -38,7 +39,7 @@ for stage in "$@"; do
         --log-every 50 --no-progress ;;
     bench)
       python3 -m modeling_weaver.cli bench --drafter "$WORK/dflash" --weaver "$WORK/weaver" --subset "${SUBSET:-10}" \
-        --max-new-tokens "${NEW_TOKENS:-128}" --budgets 64 32 16 --temperatures 0 1 --sampling-verifications both \
+        --max-new-tokens "${NEW_TOKENS:-128}" --target-step "${TARGET_STEP:-graph}" --budgets 64 32 16 --temperatures 0 1 --sampling-verifications both \
         --max-minutes "$BENCH_MIN" --out "$WORK/bench" --no-progress ;;
     gputests)
       python3 -m pytest -q -m gpu tests/ ;;
