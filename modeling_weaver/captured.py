@@ -364,7 +364,7 @@ class FusedGreedyStep:
         draft.count.copy_(length)
         draft.n.copy_(adapter.length_t)
         draft.bonus.copy_(bonus.view(1))
-        self.proposer.last_hidden.copy_(out.hidden[path.gather(0, (length - 1).view(1))[0]])
+        self.proposer.last_hidden.copy_(out.hidden[path.gather(0, (length - 1).view(1))][0])
         return tokens, path, length, bonus
 
     def _state(self) -> list[torch.Tensor]:

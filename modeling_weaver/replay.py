@@ -79,14 +79,14 @@ class ReplayedAcceptance:
         return [self.step]
 
     def tensors(self, tokens, parents, logits, ancestor_mask, logq):
-        want = self.trace[self.step % self.trace.shape[0]]
+        want = self.trace[(self.step % self.trace.shape[0]).view(1)][0]
         self.step += 1
         depth = ancestor_mask.sum(1) - 1
         real = ancestor_mask[:, 0]  # padding roots never qualify
         path_logq = torch.where(ancestor_mask, logq.float()[None], 0.0).sum(1)  # root→node log-probability
         reach = torch.minimum(want - 1, torch.where(real, depth, 0).max())
-        leaf = torch.where(real & (depth == reach), path_logq, float("-inf")).argmax()
-        return path_to_leaf(ancestor_mask, leaf), depth[leaf] + 1, logits[leaf].argmax()
+        leaf = torch.where(real & (depth == reach), path_logq, float("-inf")).argmax().view(1)
+        return path_to_leaf(ancestor_mask, leaf), depth[leaf][0] + 1, logits[leaf][0].argmax()
 
     def __call__(self, tree: Tree, scores: torch.Tensor) -> Acceptance:
         logq = tree.logq.clone()

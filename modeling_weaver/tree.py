@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -95,9 +94,9 @@ def ancestor_mask_of(parents: torch.Tensor) -> torch.Tensor:
     ``ceil(log2 N)`` times covers every ancestor.
     """
     n = parents.shape[0]
-    has_parent = (parents >= 0).to(torch.float32)[:, None]
-    reach = torch.eye(n, dtype=torch.float32, device=parents.device)
-    reach = reach + F.one_hot(parents.clamp(min=0), n).to(torch.float32) * has_parent
+    nodes = torch.arange(n, device=parents.device)
+    # (F.one_hot would check its input's range on the host.)
+    reach = ((nodes[:, None] == nodes[None]) | (parents[:, None] == nodes[None])).to(torch.float32)
     for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
         reach = (reach @ reach).clamp_(max=1.0)
     return reach > 0
@@ -180,7 +179,7 @@ def ddtree_tensors(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tenso
     k = min(budget, vocab)
     device = draft_logits.device
     top = torch.log_softmax(draft_logits.float(), dim=-1).topk(k, dim=-1)  # [D, k]
-    neg_inf = torch.tensor(float("-inf"), device=device)
+    neg_inf = float("-inf")
     # Level d keeps `budget` paths: score, token rank, parent slot in level d-1 (-1 for depth 1).
     scores = torch.full((budget,), float("-inf"), device=device)
     scores[:k] = top.values[0]
@@ -268,11 +267,13 @@ def weaver_tree_tensors(
     cache = weaver.new_node_cache(n, device=device)
     neg_inf = float("-inf")
 
+    # No Python-number stores into device tensors below (`x[i] = 0.0` copies from the host, which a CUDA graph
+    # capture refuses): fill_, index_fill_ and torch.where take scalars without a copy.
     tokens = torch.zeros(n, dtype=torch.long, device=device)
-    tokens[0] = root
+    tokens[:1].copy_(torch.as_tensor(root, device=device).view(1))
     parents = torch.full((n,), -1, dtype=torch.long, device=device)
     logq = torch.full((n,), neg_inf, device=device)
-    logq[0] = 0.0
+    logq[:1].fill_(0.0)
     depth = torch.zeros(n, dtype=torch.long, device=device)
     score = torch.zeros(n, device=device)  # log-probability of the root→node path
     mask = torch.eye(n, dtype=torch.bool, device=device)
@@ -309,7 +310,7 @@ def weaver_tree_tensors(
         logq[new] = torch.where(valid, f_logq[best.indices], neg_inf)
         depth[new] = torch.where(valid, depth[parent] + 1, 0)
         score[new] = best.values
-        f_score[best.indices] = neg_inf  # taken
+        f_score.index_fill_(0, best.indices, neg_inf)  # taken
         mask[new] = (mask[parent] & valid[:, None]) | (torch.arange(n, device=device)[None] == new[:, None])
         expand, count = new, count + take
     return tokens[1:], parents[1:], logq[1:]

@@ -1,6 +1,7 @@
 """Fixed-shape steps (CUDA graphs on GPU; the same code eagerly on CPU) equal the dynamic ones."""
 
 import pytest
+from torch.utils._python_dispatch import TorchDispatchMode
 import torch
 from tiny_targets import TINY_TARGETS
 
@@ -116,10 +117,21 @@ def test_fused_greedy_steps_are_exact_with_deep_acceptance(name, mode):
     assert max(stats.accepted_lengths) >= 6 and stats.mean_accepted_length > 2.5, stats.accepted_lengths
 
 
+class CaptureRules(TorchDispatchMode):
+    """What a CUDA graph capture refuses, seen on CPU: reading a tensor on the host (``.item()``, ``int(t)``, indexing
+    with a 0-d tensor) and storing host data into a tensor (``torch.tensor(...)``, ``x[i] = 0.0``)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default):
+            raise RuntimeError(f"{func} inside a captured step: a CUDA graph capture would fail here")
+        return func(*args, **(kwargs or {}))
+
+
 class FakeGraph:
     """CPU stand-in for a CUDA graph with its semantics: outputs live in fixed tensors, a replay recomputes from the
     static inputs and overwrites them in place (so code that reads anything but those tensors, or that relies on
-    Python state set at capture time, goes wrong here as it would on the GPU)."""
+    Python state set at capture time, goes wrong here as it would on the GPU); capture and replays run under
+    :class:`CaptureRules`."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -127,7 +139,8 @@ class FakeGraph:
 
     def replay(self):
         self.replays += 1
-        copy_into(self.out, self.fn())
+        with CaptureRules():
+            copy_into(self.out, self.fn())
 
     def pool(self):
         return None
@@ -149,7 +162,8 @@ def fake_capture_graph(fn, pool=None, warmup: int = 2, restore=()):
     for _ in range(warmup):
         fn()
     graph = FakeGraph(fn)
-    graph.out = fn()  # a real capture records without running: the restore below undoes this run too
+    with CaptureRules():
+        graph.out = fn()  # a real capture records without running: the restore below undoes this run too
     for x, y in zip(restore, saved):
         x.copy_(y)
     return graph, graph.out
