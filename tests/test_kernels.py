@@ -146,6 +146,7 @@ TREE_CASES = [
     ("chain", 1, 1, 1, 2, 16, 16, torch.float32, True),  # root only
     ("random", 16, 1, 2, 4, 16, 16, torch.float32, True),  # exactly one row block
     ("random", 2, 1, 1, 1, 16, 16, torch.float32, False),
+    ("best_first", 129, 1, 1, 2, 16, 16, torch.float32, True),  # budget 128 + root: past 128 nodes (9 row blocks)
 ]
 
 
@@ -442,7 +443,7 @@ REAL = dict(H=16, HV=48, K=128, V=128)
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("T", [16, 37, 64, 128])
+@pytest.mark.parametrize("T", [16, 37, 64, 128, 129])
 @pytest.mark.parametrize("kind", ["best_first", "chain", "star", "shuffled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("impl", ["fused", "split"])

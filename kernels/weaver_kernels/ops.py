@@ -122,7 +122,7 @@ def gdn_tree_verify(
     """Tree gated delta rule from the committed state; writes no state. See ``gdn_tree.naive.gdn_tree_verify_ref``.
 
     Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32, ``gamma [B, T, HV]`` fp32.
-    CUDA: one Triton launch, T ≤ 128 nodes (``gdn_tree.chunk.MAX_NODES``).
+    CUDA: one Triton launch, T ≤ 256 nodes (``gdn_tree.chunk.MAX_NODES``).
     """
     if scale is None:
         scale = q.shape[-1] ** -0.5

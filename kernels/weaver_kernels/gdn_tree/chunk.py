@@ -18,10 +18,10 @@ Everything that does not depend on U (K S0, Q S0, the [16, T] score rows, Γ, D)
 head's S0 tile is read once and no [T, T] matrix ever touches memory.
 
 Grid: (V / BV, B·HV). Each program owns one value head and BV value columns and holds its S0 tile ([K, BV]) in
-registers; earlier blocks are visited BC (≤ 64) columns at a time. Limit: T ≤ 128 nodes (``MAX_NODES``): the
-per-block Γ reduction and the read-back of U use full-width [16, T_pad] / [T_pad, BV] tiles, and the serial chain of
-⌈T/16⌉ row blocks costs ~7-8 µs per block on the H200 (latency-bound), so T = 256 would be both register-heavy and
-~130 µs; the paper's budgets are ≤ 128 nodes.
+registers; earlier blocks are visited BC (≤ 64) columns at a time. Limit: T ≤ 256 nodes (``MAX_NODES``, so that a
+budget of 128 drafts plus the root fits): the per-block Γ reduction and the read-back of U use full-width
+[16, T_pad] / [T_pad, BV] tiles, and the serial chain of ⌈T/16⌉ row blocks costs ~7-8 µs per block on the H200
+(latency-bound), so time grows linearly past 128 nodes.
 
 An alternative three-launch form (``impl="split"``, below) moves all inverses and K Kᵀ products into parallel
 launches; it measured slower on the H200 and is not the default.
@@ -44,7 +44,7 @@ import triton.language as tl
 
 from ..utils import is_interpret, launch_ctx, next_pow2
 
-MAX_NODES = 128
+MAX_NODES = 256
 # T at or above which gdn_tree_verify_triton uses the split (3-launch) form by default. Measured on the H200 (run 2,
 # BENCHMARKS.md): split is slower than fused at every T ≤ 128 (T=64: 37.9 vs 27.7 µs), so by default never.
 SPLIT_MIN_NODES = MAX_NODES + 1
