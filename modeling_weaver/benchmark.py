@@ -40,7 +40,7 @@ from .data import (
     require,
     require_dir,
 )
-from .generate import PhaseTimer, speculative_generate
+from .generate import PHASES, PhaseTimer, speculative_generate
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
 from .smollm2 import load_target, resolve_device, resolve_drafter_dtype, resolve_dtype
@@ -241,12 +241,11 @@ def markdown_table(rows: list[dict], datasets: list[str]) -> str:
 
 def phase_table(rows: list[dict]) -> str:
     """Per tree method and dataset: ms per verify step in each loop phase (draft, tree, verify, accept, commit)."""
-    phases = ("draft", "tree", "draft+tree", "verify", "accept", "commit", "step")
-    lines = ["| method | dataset | " + " | ".join(f"{p} ms" for p in phases) + " | step ms |",
-             "|" + "---|" * (len(phases) + 3)]
+    lines = ["| method | dataset | " + " | ".join(f"{p} ms" for p in PHASES) + " | total ms |",
+             "|" + "---|" * (len(PHASES) + 3)]
     for r in rows:
         if "step_ms" in r:
-            cells = [r.get("step_ms", {}).get(p) for p in phases]
+            cells = [r.get("step_ms", {}).get(p) for p in PHASES]
             lines.append(f"| {r['method']} | {DATASET_TITLES.get(r['dataset'], r['dataset'])} | "
                          + " | ".join(_fmt(c) for c in cells) + f" | {_fmt(sum(c or 0.0 for c in cells))} |")
     return "\n".join(lines)

@@ -72,6 +72,11 @@ class SpeculativeStats:
 TARGET_STEPS = ("eager", "static", "graph")
 
 
+# Loop phases in report order; eager steps time draft, tree, verify, accept, commit; fixed-shape steps draft+tree
+# instead of draft and tree; a fused greedy step is one "step" (so the phases of one step never overlap).
+PHASES = ("draft", "tree", "draft+tree", "verify", "accept", "commit", "step")
+
+
 class PhaseTimer:
     """Time spent in each phase of the loop (draft, tree — or draft+tree for a fixed-shape proposer —, verify,
     accept, commit), summed over steps.

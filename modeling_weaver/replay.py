@@ -27,10 +27,9 @@ from .accept import Acceptance, path_to_leaf
 from .benchmark import autoregressive_generate
 from .captured import static_draft
 from .data import cli_entry
-from .generate import MODES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
+from .generate import MODES, PHASES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
 from .tree import Tree
 
-PHASES = ("draft", "tree", "draft+tree", "verify", "accept", "commit", "step")  # step: one fused graph
 
 
 def synthetic_trace(mal: float, max_length: int, num_steps: int = 4096, seed: int = 0) -> list[int]:
