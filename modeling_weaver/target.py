@@ -39,6 +39,35 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def fused_norm(module: torch.nn.Module, dtype: torch.dtype):
+    """``module`` (an RMSNorm of the target) as one :func:`weaver_kernels.rms_norm` launch, called like the module.
+
+    Used when the module is one of the forms the op knows (Llama/Qwen2/Qwen3, Qwen3.5, gated Qwen3.5) and the op's
+    torch reference reproduces it bit for bit on a random input here; anything else keeps the module itself.
+    """
+    name = type(module).__name__
+    kind = (weaver_kernels.RMS_GATED if name.endswith("RMSNormGated") else
+            weaver_kernels.RMS_ONE_PLUS if name == "Qwen3_5RMSNorm" else
+            weaver_kernels.RMS_WEIGHT if name in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm") else None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    weight = getattr(module, "weight", None)
+    if kind is None or eps is None or weight is None:
+        return module
+    rng = torch.Generator(device=weight.device).manual_seed(0)  # leaves the global RNG alone
+    x, gate = (torch.randn(3, weight.shape[0], generator=rng, device=weight.device, dtype=dtype) for _ in range(2))
+    if kind != weaver_kernels.RMS_GATED:
+        gate = None
+    with torch.no_grad():
+        expected = module(x) if gate is None else module(x, gate)
+        if not torch.equal(expected, weaver_kernels.rms_norm_ref(x, weight, gate, eps, kind)):
+            return module
+
+    def norm(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        return weaver_kernels.rms_norm(x, weight, eps, kind, gate)
+
+    return norm
+
+
 @dataclass
 class TreeOutput:
     """What one target pass over a tree gives the loop.
@@ -71,6 +100,8 @@ class AttentionLayerCache:
         # Qwen3.5 packs a per-head output gate next to each query head.
         self.gated = attn.q_proj.out_features == 2 * self.num_heads * self.head_dim
         self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.qk_norm = (fused_norm(attn.q_norm, dtype), fused_norm(attn.k_norm, dtype)) if hasattr(attn, "q_norm") \
+            else None
         shape = (1, self.num_kv_heads, max_length, self.head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
@@ -89,8 +120,8 @@ class AttentionLayerCache:
             gate = gate.reshape(1, N, -1)
         k = attn.k_proj(h).view(1, N, self.num_kv_heads, self.head_dim)
         v = attn.v_proj(h).view(1, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        if self.qk_norm is not None:
+            q, k = self.qk_norm[0](q), self.qk_norm[1](k)
         q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
         self.keys.index_copy_(2, slots, k.to(self.keys.dtype))
         self.values.index_copy_(2, slots, v.to(self.values.dtype))
@@ -118,6 +149,7 @@ class GatedDeltaNetLayerCache:
 
     def __init__(self, gdn: torch.nn.Module, device, dtype):
         self.gdn = gdn
+        self.norm = fused_norm(gdn.norm, dtype)
         self.state = torch.zeros(1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, device=device, dtype=torch.float32)
         self.window = torch.zeros(1, gdn.conv_dim, gdn.conv_kernel_size - 1, device=device, dtype=dtype)
         self.pending: tuple[torch.Tensor, ...] | None = None
@@ -139,7 +171,7 @@ class GatedDeltaNetLayerCache:
             q, k, v, g, beta, self.state, tree_mask, use_qk_l2norm_in_kernel=True
         )
         self.pending = (mixed, k, u, gamma)
-        o = gdn.norm(o.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
+        o = self.norm(o.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
         return gdn.out_proj(o.reshape(1, N, -1))
 
     def commit(self, path: torch.Tensor):
@@ -189,6 +221,9 @@ class TargetAdapter:
                 self.layer_caches.append(
                     AttentionLayerCache(layer.self_attn, config, max_length, self.device, self.dtype)
                 )
+        self.layer_norms = [(fused_norm(layer.input_layernorm, self.dtype),
+                             fused_norm(layer.post_attention_layernorm, self.dtype)) for layer in decoder.layers]
+        self.final_norm = fused_norm(decoder.norm, self.dtype)
         self._has_attention = any(isinstance(c, AttentionLayerCache) for c in self.layer_caches)
         # Gated DeltaNet layers verify at most this many nodes at once on this device (None: no limit).
         self.max_tree_nodes = weaver_kernels.max_tree_nodes(self.device) if self.hybrid else None
@@ -249,16 +284,17 @@ class TargetAdapter:
         attn_mask = self.attention_mask(tree_mask, bound) if self._has_attention else None
         slots = self.length_t + torch.arange(N, device=self.device)
         features = {}
-        for i, (layer, cache) in enumerate(zip(self.decoder.layers, self.layer_caches)):
-            h = layer.input_layernorm(x)
+        for i, (layer, cache, (norm1, norm2)) in enumerate(zip(self.decoder.layers, self.layer_caches,
+                                                                   self.layer_norms)):
+            h = norm1(x)
             if isinstance(cache, GatedDeltaNetLayerCache):
                 x = x + cache.forward_tree(h, tree_mask, parents)
             else:
                 x = x + cache.forward_tree(h, rope, attn_mask, slots)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + layer.mlp(norm2(x))
             if i in self.feature_layer_ids:
                 features[i] = x
-        hidden = self.decoder.norm(x)
+        hidden = self.final_norm(x)
         if len(self.layer_caches) - 1 in features:
             # transformers' hidden_states[L] (what drafters are trained on) is the final-normed output
             features[len(self.layer_caches) - 1] = hidden

@@ -81,6 +81,7 @@ def ik():
         chunk=load_interpreted("weaver_kernels.gdn_tree.chunk"),
         conv=load_interpreted("weaver_kernels.conv_tree.conv"),
         base=load_interpreted("weaver_kernels.gdn_tree.baseline"),
+        norm=load_interpreted("weaver_kernels.rms_norm.fused"),
     )
 
 
@@ -127,6 +128,53 @@ def _assert_errs(err, dtype):
     for name, e in err.items():
         lim = 1e-10 if name == "commit_ref_vs_recurrent" else tol
         assert e <= lim, f"{name}: rel RMS {e:.3g} > {lim:g} ({err})"
+
+
+# ------------------------------------------------------------------------------------------------- CPU: RMSNorm
+def _to_bf16_truncating(t):
+    """fp32 → bf16 the way Triton's interpreter converts (truncation), to check interpreted bf16 kernels exactly."""
+    return (t.float().contiguous().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+def _rms_norm_interpreted_bf16(x, weight, gate, eps, kind):
+    """:func:`rms_norm_ref` with the interpreter's truncating casts at the same rounding points."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if kind == wk.RMS_ONE_PLUS:
+        return _to_bf16_truncating(h * (1.0 + weight.float()))
+    y = _to_bf16_truncating(weight.float() * _to_bf16_truncating(h).float()).float()
+    if kind == wk.RMS_GATED:
+        y = y * torch.nn.functional.silu(gate.float())
+    return _to_bf16_truncating(y)
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2], ids=["weight", "one_plus", "gated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [40, 128])
+def test_rms_norm_interpreter(ik, kind, dtype, D):
+    gen = torch.Generator().manual_seed(D + kind)
+    x = (3 * torch.randn(2, 3, D, generator=gen)).to(dtype)
+    gate = torch.randn(2, 3, D, generator=gen).to(dtype) if kind == wk.RMS_GATED else None
+    weight = torch.randn(D, generator=gen).to(dtype)
+    out = torch.full_like(x, float("nan"))
+    got = ik.norm.rms_norm_triton(x, weight, gate, 1e-6, kind, out=out)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
+    if dtype == torch.float32:
+        ref = wk.rms_norm_ref(x.double(), weight.double(), None if gate is None else gate.double(), 1e-6, kind)
+        assert rel_rms(got, ref) <= 1e-6, rel_rms(got, ref)
+    else:  # same rounding points as the reference, with the interpreter's truncation: equal up to rare ties
+        ref = _rms_norm_interpreted_bf16(x, weight, gate, 1e-6, kind)
+        assert (got != ref).float().mean() <= 0.01 and rel_rms(got, ref) <= 1e-3
+        # and within bf16 rounding of the module-exact reference
+        assert rel_rms(got, wk.rms_norm_ref(x, weight, gate, 1e-6, kind)) <= 2e-2
+
+
+def test_rms_norm_gate_goes_with_the_gated_form():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="gate"):
+        wk.rms_norm(x, torch.ones(8), 1e-6, wk.RMS_GATED)
+    with pytest.raises(ValueError, match="gate"):
+        wk.rms_norm(x, torch.ones(8), 1e-6, wk.RMS_WEIGHT, gate=x)
 
 
 # ------------------------------------------------------------------------------------------------ CPU: GDN tree
@@ -334,6 +382,9 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(torch.ops.weaver.conv_tree.default, (a.x, a.window, a.weight, a.bias, a.parents, "silu"))
     torch.library.opcheck(torch.ops.weaver.conv_tree.default, (a.x, a.window, a.weight, None, a.parents, None))
     torch.library.opcheck(torch.ops.weaver.conv_tree_commit.default, (a.window.clone(), a.x, a.path))
+    x = torch.randn(3, 5, 40)
+    torch.library.opcheck(torch.ops.weaver.rms_norm.default, (x, torch.randn(40), None, 1e-6, wk.RMS_ONE_PLUS))
+    torch.library.opcheck(torch.ops.weaver.rms_norm.default, (x, torch.randn(40), x.flip(0), 1e-6, wk.RMS_GATED))
 
 
 def test_public_ops_match_references_cpu():

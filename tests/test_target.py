@@ -5,7 +5,7 @@ import torch
 from tiny_targets import TINY_TARGETS, VOCAB
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from modeling_weaver.target import AttentionLayerCache, GatedDeltaNetLayerCache, TargetAdapter
+from modeling_weaver.target import AttentionLayerCache, GatedDeltaNetLayerCache, TargetAdapter, fused_norm
 from modeling_weaver.tree import Tree
 
 
@@ -195,3 +195,36 @@ def test_ancestor_mask_and_depths_match_a_parent_walk():
             assert tree.ancestor_mask[i].nonzero().flatten().tolist() == sorted(path)
             assert int(tree.depths[i]) == len(path) - 1
             assert parents[i] < i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_every_target_norm_runs_as_one_fused_op(name, dtype):
+    """Each RMSNorm of the tiny targets (layer norms, q/k norms, GDN output norms, final norm) is recognised and
+    taken over by weaver_kernels.rms_norm, whose result equals the module's bit for bit here (torch reference)."""
+    model = TINY_TARGETS[name]().to(dtype)
+    norms = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "RMSNormGated"))]
+    assert norms
+    for module in norms:
+        fused = fused_norm(module, dtype)
+        assert fused is not module, type(module).__name__
+        x = 4 * torch.randn(2, 3, module.weight.shape[0], dtype=dtype)
+        gated = type(module).__name__.endswith("Gated")
+        gate = torch.randn_like(x) if gated else None
+        assert torch.equal(fused(x, gate) if gated else fused(x), module(x, gate) if gated else module(x))
+
+
+def test_unknown_norm_keeps_the_module():
+    class OddNorm(torch.nn.Module):  # a name the op does not know
+        def __init__(self):
+            super().__init__()
+            self.weight, self.eps = torch.nn.Parameter(torch.ones(4)), 1e-6
+
+        def forward(self, x):
+            return x * 2
+
+    module = OddNorm()
+    assert fused_norm(module, torch.float32) is module
+    liar = TINY_TARGETS["llama"]().model.norm
+    liar.forward = lambda x: x  # the right name, another computation: the self-check refuses it
+    assert fused_norm(liar, torch.float32) is liar

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from .conv_tree.naive import conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_tree_commit_ref, gdn_tree_verify_ref
+from .rms_norm.naive import GATED, rms_norm_ref
 
 
 def max_tree_nodes(device) -> int | None:
@@ -107,6 +108,21 @@ def _(window, x, path):
     return None
 
 
+# ------------------------------------------------------------------------------------------------------ RMSNorm
+@torch.library.custom_op("weaver::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, weight: Tensor, gate: Tensor | None, eps: float, kind: int) -> Tensor:
+    if x.is_cuda:
+        from .rms_norm.fused import rms_norm_triton
+
+        return rms_norm_triton(x, weight, gate, eps, kind)
+    return _contig(rms_norm_ref(x, weight, gate, eps, kind))
+
+
+@_rms_norm_op.register_fake
+def _(x, weight, gate, eps, kind):
+    return x.new_empty(x.shape)
+
+
 # ------------------------------------------------------------------------------------------------ public seams
 def gdn_tree_verify(
     q: Tensor,
@@ -155,3 +171,11 @@ def conv_tree_commit(window: Tensor, x: Tensor, path: Tensor) -> Tensor:
     """Slide the committed window in place along ``path`` (may be right-padded with -1); returns it."""
     torch.ops.weaver.conv_tree_commit(window, x, path)
     return window
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, kind: int, gate: Tensor | None = None) -> Tensor:
+    """RMSNorm over the last dimension in one of transformers' forms (``rms_norm.naive``: 0 Llama, 1 Qwen3.5,
+    2 gated Qwen3.5 with ``gate``); output in x's dtype. CUDA: one Triton launch instead of the module's 6–9."""
+    if (kind == GATED) != (gate is not None):
+        raise ValueError("rms_norm: a gate goes with kind 2 (gated) and only with it")
+    return torch.ops.weaver.rms_norm(x, weight, gate, float(eps), int(kind))
