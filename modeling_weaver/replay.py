@@ -33,16 +33,25 @@ from .tree import Tree
 
 
 def synthetic_trace(mal: float, max_length: int, num_steps: int = 4096, seed: int = 0) -> list[int]:
-    """Accepted lengths (bonus included) ``1 + min(G, max_length - 1)`` with ``G`` geometric of mean ``mal - 1``."""
+    """Accepted lengths (bonus included) ``1 + min(G, max_length - 1)``, ``G`` geometric, whose mean is ``mal``: the
+    continuation probability ``q`` solves ``1 + Σ_{k=1}^{m} q^k = mal`` (``m = max_length - 1``; the cap at the block
+    would otherwise pull the mean below the requested value)."""
     if not 1.0 <= mal <= max_length:
         raise ValueError(f"a synthetic MAL must lie in [1, {max_length}], got {mal}")
     gen = torch.Generator().manual_seed(seed)
     if mal == 1.0:
         return [1] * num_steps
-    p = 1.0 / mal  # stop probability per depth: mean (1 - p) / p = mal - 1 extra tokens
+    m = max_length - 1
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # E[1 + min(G, m)] = 1 + Σ q^k grows with q
+        q = (lo + hi) / 2
+        lo, hi = (q, hi) if 1 + sum(q**k for k in range(1, m + 1)) < mal else (lo, q)
+    q = (lo + hi) / 2
+    if q >= 1.0 - 1e-12:
+        return [max_length] * num_steps
     u = torch.rand(num_steps, generator=gen, dtype=torch.float64)
-    extra = (torch.log1p(-u) / math.log(1.0 - p)).floor()
-    return (1 + extra.clamp(max=max_length - 1)).long().tolist()
+    extra = (torch.log1p(-u) / math.log(q)).floor()  # P(G >= k) = q^k
+    return (1 + extra.clamp(max=m)).long().tolist()
 
 
 def load_traces(results_json: str | Path) -> dict[tuple[str, int], list[int]]:

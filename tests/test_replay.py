@@ -17,9 +17,11 @@ from modeling_weaver.tree import Tree
 
 
 def test_synthetic_trace_has_the_asked_mean_and_range():
-    trace = synthetic_trace(4.0, max_length=16, num_steps=20000, seed=1)
-    assert min(trace) >= 1 and max(trace) <= 16
-    assert abs(sum(trace) / len(trace) - 4.0) < 0.15  # the cap at 16 takes a little off the geometric mean
+    for mal in (4.0, 7.1, 12.0):  # the paper's 7.1 at block 16: the cap would pull a plain geometric to 6.5
+        trace = synthetic_trace(mal, max_length=16, num_steps=20000, seed=1)
+        assert min(trace) >= 1 and max(trace) <= 16
+        assert abs(sum(trace) / len(trace) - mal) < 0.1, (mal, sum(trace) / len(trace))
+    assert synthetic_trace(16.0, 16, 5) == [16] * 5
     assert synthetic_trace(1.0, 8, 10) == [1] * 10
     with pytest.raises(ValueError, match="MAL"):
         synthetic_trace(20.0, max_length=16)
