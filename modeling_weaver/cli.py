@@ -88,7 +88,9 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
                                       f"{DEFAULT_SHIPPED_DRAFTERS.relative_to(SOURCE_ROOT)}/ in a source checkout)")
     p.add_argument("--mode", choices=("weaver", "ddtree", "chain"), default="weaver", help="tree policy (default: "
                                                                                            "weaver)")
-    p.add_argument("--tree-budget", type=int, default=64, help="draft nodes per tree (default: 64)")
+    p.add_argument("--tree-budget", type=int, default=16,
+                   help="draft nodes per tree (default: 16 — a small target's tree pass is overhead-bound, so larger "
+                        "trees cost more than their extra acceptance brings; BENCHMARKS.md)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per prompt (default: 128, tiny: 48)")
     p.add_argument("--prompt", action="append", help="a prompt of your own (repeatable)")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
