@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .captured import static_target
+from .captured import static_target, step_options
 from .data import (
     DATASET_TITLES,
     EvalPrompt,
@@ -40,7 +40,7 @@ from .data import (
     require,
     require_dir,
 )
-from .generate import PHASES, PhaseTimer, speculative_generate
+from .generate import PHASES, TARGET_STEPS, PhaseTimer, speculative_generate
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
 from .smollm2 import load_target, resolve_device, resolve_drafter_dtype, resolve_dtype
@@ -100,8 +100,8 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
     Args:
         input_ids: ``[1, T]`` prompt. temperature: 0 = greedy, else plain sampling at that temperature.
         eos_token_id: one id or several; default the target's generation config.
-        target_step: ``"eager"``, ``"static"`` or ``"graph"`` (the one-node step captured in a CUDA graph on CUDA),
-            as in :func:`~modeling_weaver.generate.speculative_generate`.
+        target_step: ``"eager"``, ``"static"``, ``"graph"`` (the one-node step captured in a CUDA graph on CUDA) or
+            ``"compiled"``, as in :func:`~modeling_weaver.generate.speculative_generate`.
     Returns:
         ``[1, T + new]`` ids (greedy output equals ``target.generate(do_sample=False)``).
     """
@@ -111,7 +111,7 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
     if target_step == "eager":
         adapter = TargetAdapter(target, max_length=max_length)
     else:
-        adapter = static_target(target, max_length, 1, capture=target_step == "graph" and input_ids.is_cuda)
+        adapter = static_target(target, max_length, 1, **step_options(target_step, input_ids.device))
     logits = adapter.prefill(input_ids[0]).logits[-1]
     new: list[int] = []
     while True:
@@ -369,9 +369,9 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--out", default="benchmark_results", help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip plot.png (no matplotlib needed)")
     parser.add_argument("--strict", action="store_true", help="exit non-zero if a greedy run differs from AR")
-    parser.add_argument("--target-step", choices=("eager", "static", "graph"), default="eager",
-                        help="target verify/commit steps for AR and trees alike: eager, static shapes, or static "
-                             "shapes replayed as CUDA graphs (on CUDA)")
+    parser.add_argument("--target-step", choices=TARGET_STEPS, default="eager",
+                        help="target verify/commit steps for AR and trees alike: eager, static shapes, static "
+                             "shapes replayed as CUDA graphs (on CUDA), or those with the tree pass torch.compiled")
     parser.add_argument("--max-minutes", type=float, default=None,
                         help="start no new method after this many minutes (results so far are kept)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -88,7 +88,7 @@ class StaticTarget:
         return self.adapter.prefill(input_ids, chunk_size)
 
     def _verify(self) -> TreeOutput:
-        return self.adapter.forward_tree(self.tokens, self.parents, self.adapter.max_length)
+        return self.adapter.tree_step(self.tokens, self.parents, self.adapter.max_length)
 
     def _commit(self) -> None:
         self.adapter.commit_path(self.path)
@@ -351,7 +351,7 @@ class FusedGreedyStep:
         pad = size - 1 - tokens.shape[0]  # a chain has min(budget, depth) drafts
         tokens = torch.cat([draft.bonus, tokens, tokens.new_zeros(pad)])
         parents = torch.cat([parents.new_full((1,), -1), parents, parents.new_full((pad,), -1)])
-        out = adapter.forward_tree(tokens, parents, adapter.max_length)
+        out = adapter.tree_step(tokens, parents, adapter.max_length)
         mask = ancestor_mask_of(parents)
         if self.acceptance is None:
             path, length, bonus = accept_greedy_tensors(tokens, parents, out.logits, mask)
@@ -397,18 +397,29 @@ class FusedGreedyStep:
 _STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), capture: bool | None = None
-                  ) -> StaticTarget:
+def step_options(target_step: str, device) -> dict:
+    """``static_target`` options of a loop ``target_step``: ``"static"`` (fixed shapes, eager), ``"graph"`` (CUDA
+    graphs on CUDA), ``"compiled"`` (``torch.compile``d tree pass, in CUDA graphs on CUDA)."""
+    cuda = torch.device(device).type == "cuda"
+    return {"capture": target_step in ("graph", "compiled") and cuda, "compile": target_step == "compiled"}
+
+
+def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), capture: bool | None = None,
+                  compile: bool = False) -> StaticTarget:
     """The :class:`StaticTarget` of ``model`` for this capacity bucket and tree size, reset for a new generation.
 
     Capacity is ``max_length`` rounded up to a power of two (at least 256), so prompts of any length up to it share
-    one set of graphs. The buffers live as long as the model (:func:`release_static_targets` frees them).
+    one set of graphs (and, with ``compile``, one compiled tree pass). The buffers live as long as the model
+    (:func:`release_static_targets` frees them).
     """
     capacity = max(256, 1 << (max_length - 1).bit_length())
     steps = _STATIC_TARGETS.setdefault(model, {})
-    key = (capacity, num_nodes, tuple(feature_layer_ids), capture)
+    key = (capacity, num_nodes, tuple(feature_layer_ids), capture, compile)
     if key not in steps:
-        steps[key] = StaticTarget(TargetAdapter(model, capacity, feature_layer_ids), num_nodes, capture=capture)
+        adapter = TargetAdapter(model, capacity, feature_layer_ids)
+        if compile:
+            adapter.compile_tree_step()
+        steps[key] = StaticTarget(adapter, num_nodes, capture=capture)
     step = steps[key]
     step.adapter.reset()
     return step
@@ -430,4 +441,4 @@ def release_static_targets(model) -> None:
 
 
 __all__ = ["DFlashStaticCache", "FusedGreedyStep", "StaticDraft", "StaticProposer", "StaticTarget", "capture_graph",
-           "draft_head", "release_static_targets", "static_draft", "static_target"]
+           "draft_head", "release_static_targets", "static_draft", "static_target", "step_options"]

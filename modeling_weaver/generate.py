@@ -30,7 +30,7 @@ from transformers.generation import (
 )
 
 from .accept import accept_greedy, accept_target_only, accept_traversal
-from .captured import draft_head, static_draft, static_target
+from .captured import draft_head, static_draft, static_target, step_options
 from .pairing import check_pair
 from .target import TargetAdapter
 from .tree import tree_drafts, with_root
@@ -69,7 +69,7 @@ class SpeculativeStats:
         return sum(self.accepted_lengths) / max(1, self.num_steps)
 
 
-TARGET_STEPS = ("eager", "static", "graph")
+TARGET_STEPS = ("eager", "static", "graph", "compiled")
 
 
 # Loop phases in report order; eager steps time draft, tree, verify, accept, commit; fixed-shape steps draft+tree
@@ -253,10 +253,10 @@ def _decode(
     if target_step == "eager":
         target_cache = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids)
     else:  # kept per target and drafter: later generations replay the same graphs
-        capture = target_step == "graph" and prompt.device.type == "cuda"
-        target_cache = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, capture=capture)
+        options = step_options(target_step, prompt.device)
+        target_cache = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, **options)
         if type(runner) is DFlashRunner:  # draft + tree build as one fixed-shape step
-            runner = static_draft(runner.drafter, target, max_length, capture=capture).proposer(
+            runner = static_draft(runner.drafter, target, max_length, capture=options["capture"]).proposer(
                 mode, tree_budget, weaver if mode == "weaver" else None)
     if target_cache.max_tree_nodes is not None and tree_budget + 1 > target_cache.max_tree_nodes:
         raise ValueError(f"tree_budget {tree_budget} is too large for this hybrid target on {target_cache.device}: the "
@@ -375,7 +375,8 @@ def speculative_generate(
         generator: random source for sampling.
         target_step: ``"eager"`` (each tree at its own size), ``"static"`` (every tree padded to ``tree_budget + 1``
             nodes, attention over the whole cache, fixed-length commits: the shapes of a captured step) or
-            ``"graph"`` (static, and each verify/commit replayed as a CUDA graph on CUDA). Same tokens.
+            ``"graph"`` (static, and each verify/commit replayed as a CUDA graph on CUDA) or ``"compiled"`` (graph,
+            with the target's tree pass ``torch.compile``d once per tree size). Same tokens.
         timer: a :class:`PhaseTimer`: the time of each loop phase lands in ``stats.phase_ms``.
 
     Returns:

@@ -25,7 +25,7 @@ from transformers.generation import LogitsProcessorList, MaxLengthCriteria, Stop
 
 from .accept import Acceptance, path_to_leaf
 from .benchmark import autoregressive_generate
-from .captured import static_draft
+from .captured import static_draft, step_options
 from .data import cli_entry
 from .generate import MODES, PHASES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
 from .tree import Tree
@@ -154,7 +154,7 @@ def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str,
     if target_step == "eager":
         runner = PlantedRunner(DFlashRunner(drafter, target), _PLANTER)
     else:  # draft, planting and tree build in one fixed-shape (captured) step
-        capture = target_step == "graph" and input_ids.is_cuda
+        capture = step_options(target_step, input_ids.device)["capture"]
         draft = static_draft(drafter, target, input_ids.shape[1] + max_new_tokens + tree_budget + 2, capture)
         runner = draft.proposer(mode, tree_budget, weaver if mode == "weaver" else None, shape_logits=_PLANTER)
     return _decode(

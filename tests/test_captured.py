@@ -1,9 +1,9 @@
 """Fixed-shape steps (CUDA graphs on GPU; the same code eagerly on CPU) equal the dynamic ones."""
 
 import pytest
-from torch.utils._python_dispatch import TorchDispatchMode
 import torch
 from tiny_targets import TINY_TARGETS
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from modeling_weaver import DFlashConfig, DFlashDraftModel
 from modeling_weaver.captured import StaticDraft
@@ -184,8 +184,8 @@ def fake_graphs(monkeypatch):
     monkeypatch.setattr(captured, "capture_graph", fake_capture_graph)
     real_target, real_draft = captured.static_target, captured.static_draft
 
-    def forced_target(model, max_length, num_nodes, feature_layer_ids=(), capture=None):
-        return real_target(model, max_length, num_nodes, feature_layer_ids, capture=True)
+    def forced_target(model, max_length, num_nodes, feature_layer_ids=(), capture=None, compile=False):
+        return real_target(model, max_length, num_nodes, feature_layer_ids, capture=True, compile=compile)
 
     def forced_draft(drafter, target, max_length, capture=None):
         return real_draft(drafter, target, max_length, capture=True)
@@ -224,6 +224,30 @@ def test_graph_semantics_keep_the_loop_exact(fake_graphs, name):
     draft = next(v for k, v in _STATIC_TARGETS[drafter].items() if k[0] == "draft")
     fused = [v for k, v in draft._steps.items() if k[0] == "fused"]
     assert len(fused) == 3 and all(f._graph is not None and f._graph[0].replays > 0 for f in fused)
+
+
+def test_compiled_tree_steps_are_exact_and_compile_once_per_tree_size():
+    """target_step="compiled": the tree pass runs torch.compile'd (whole graph, static shapes), AR and fused Weaver
+    steps stay token-identical, and a second prompt of another length compiles nothing new."""
+    from test_generate import make_drafters, reference
+    from torch._dynamo.utils import counters
+
+    from modeling_weaver import speculative_generate
+    from modeling_weaver.benchmark import autoregressive_generate
+
+    torch._dynamo.reset()
+    target = TINY_TARGETS["qwen3_5"]()
+    drafter, weaver = make_drafters(target, mask_token_id=None)
+    graphs = []
+    for length in (7, 19):
+        ids = torch.randint(0, 90, (1, length), generator=torch.Generator().manual_seed(length))
+        expected = reference(target, ids, 24)
+        assert torch.equal(autoregressive_generate(target, ids, 24, target_step="compiled"), expected)
+        got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="weaver", tree_budget=8,
+                                   max_new_tokens=24, target_step="compiled")
+        assert torch.equal(got, expected), length
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == 2 and graphs[1] == graphs[0], graphs  # one per tree size (1 and 9 nodes), never again
 
 
 def test_graph_semantics_fused_steps_with_deep_acceptance(fake_graphs):

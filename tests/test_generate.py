@@ -386,7 +386,7 @@ def test_target_step_is_checked_and_graph_runs_eagerly_off_cuda():
     drafter, weaver = make_drafters(target)
     ids = prompts(1)[0]
     with pytest.raises(ValueError, match="target_step"):
-        speculative_generate(target, ids, drafter=drafter, weaver=weaver, target_step="compiled")
+        speculative_generate(target, ids, drafter=drafter, weaver=weaver, target_step="jit")
     got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="ddtree", tree_budget=8,
                                max_new_tokens=16, target_step="graph")
     assert torch.equal(got, reference(target, ids, 16))

@@ -13,7 +13,7 @@ from modeling_weaver.target import text_config
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.mark.parametrize("target_step", ["eager", "graph"])
+@pytest.mark.parametrize("target_step", ["eager", "graph", "compiled"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(TINY_TARGETS))
 def test_greedy_identity_on_gpu(name, mode, target_step):
