@@ -260,12 +260,13 @@ class StaticDraft:
         graph.replay()
         return out
 
-    def proposer(self, mode: str, budget: int, weaver=None, shape_logits=None) -> StaticProposer:
+    def proposer(self, mode: str, budget: int, weaver=None, shape_logits=None, compile: bool = False
+                 ) -> StaticProposer:
         """The :class:`StaticProposer` of this drafter for ``mode`` and ``budget`` (kept: its graph reads its
-        buffers)."""
-        key = (mode, budget, id(weaver), id(shape_logits))
+        buffers); ``compile``: its tree build ``torch.compile``d."""
+        key = (mode, budget, id(weaver), id(shape_logits), compile)
         if key not in self._steps:
-            self._steps[key] = StaticProposer(self, mode, budget, weaver, shape_logits)
+            self._steps[key] = StaticProposer(self, mode, budget, weaver, shape_logits, compile)
         return self._steps[key]
 
     def fused_step(self, proposer: StaticProposer, target: StaticTarget, acceptance=None) -> FusedGreedyStep:
@@ -295,11 +296,15 @@ class StaticProposer:
     ``shape_logits`` (device ops only) may transform the draft logits first — the acceptance replay plants peaks.
     """
 
-    def __init__(self, draft: StaticDraft, mode: str, budget: int, weaver=None, shape_logits=None):
+    def __init__(self, draft: StaticDraft, mode: str, budget: int, weaver=None, shape_logits=None,
+                 compile: bool = False):
         if mode == "weaver" and weaver is None:
             raise ValueError("the weaver mode needs a Weaver")
         self.draft, self.mode, self.budget, self.weaver = draft, mode, budget, weaver
         self.shape_logits = shape_logits
+        # The tree build is dozens of small ops per expansion round: compiled, inductor fuses them (whole graph,
+        # the rounds unrolled; one compile per proposer).
+        self._tree = torch.compile(self._build_tree, dynamic=False, fullgraph=True) if compile else self._build_tree
         self.feature_layer_ids = draft.feature_layer_ids
         self.last_hidden = torch.zeros(draft.lm_head.weight.shape[1], device=draft.device,
                                        dtype=draft.lm_head.weight.dtype)
@@ -308,15 +313,17 @@ class StaticProposer:
         hidden, logits = self.draft._forward()
         if self.shape_logits is not None:
             logits = self.shape_logits(logits)
-        drafts = tree_drafts(self.mode, self.draft.bonus[0], hidden, logits, self.budget, self.weaver,
-                             self.last_hidden, self.draft.embed_tokens, self.draft.lm_head.weight)
-        return hidden, logits, drafts
+        return hidden, logits, self._tree(hidden, logits)
+
+    def _build_tree(self, hidden: torch.Tensor, logits: torch.Tensor):
+        return tree_drafts(self.mode, self.draft.bonus[0], hidden, logits, self.budget, self.weaver,
+                           self.last_hidden, self.draft.embed_tokens, self.draft.lm_head.weight)
 
     @torch.no_grad()
     def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor):
         self.draft.load(bonus, context, n)
         self.last_hidden.copy_(last_hidden)
-        key = (self.mode, self.budget, id(self.weaver), id(self.shape_logits))
+        key = (self.mode, self.budget, id(self.weaver), id(self.shape_logits), self._tree is not self._build_tree)
         hidden, logits, drafts = self.draft.run(self._forward, key=key)
         return hidden, logits, with_root(bonus, drafts)
 

@@ -257,7 +257,7 @@ def _decode(
         target_cache = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, **options)
         if type(runner) is DFlashRunner:  # draft + tree build as one fixed-shape step
             runner = static_draft(runner.drafter, target, max_length, capture=options["capture"]).proposer(
-                mode, tree_budget, weaver if mode == "weaver" else None)
+                mode, tree_budget, weaver if mode == "weaver" else None, compile=options["compile"])
     if target_cache.max_tree_nodes is not None and tree_budget + 1 > target_cache.max_tree_nodes:
         raise ValueError(f"tree_budget {tree_budget} is too large for this hybrid target on {target_cache.device}: the "
                          f"GDN tree kernel verifies at most {target_cache.max_tree_nodes} nodes (budget + root)")
@@ -376,7 +376,7 @@ def speculative_generate(
         target_step: ``"eager"`` (each tree at its own size), ``"static"`` (every tree padded to ``tree_budget + 1``
             nodes, attention over the whole cache, fixed-length commits: the shapes of a captured step) or
             ``"graph"`` (static, and each verify/commit replayed as a CUDA graph on CUDA) or ``"compiled"`` (graph,
-            with the target's tree pass ``torch.compile``d once per tree size). Same tokens.
+            with the target's tree pass and the tree build ``torch.compile``d once per tree size). Same tokens.
         timer: a :class:`PhaseTimer`: the time of each loop phase lands in ``stats.phase_ms``.
 
     Returns:

@@ -154,9 +154,10 @@ def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str,
     if target_step == "eager":
         runner = PlantedRunner(DFlashRunner(drafter, target), _PLANTER)
     else:  # draft, planting and tree build in one fixed-shape (captured) step
-        capture = step_options(target_step, input_ids.device)["capture"]
-        draft = static_draft(drafter, target, input_ids.shape[1] + max_new_tokens + tree_budget + 2, capture)
-        runner = draft.proposer(mode, tree_budget, weaver if mode == "weaver" else None, shape_logits=_PLANTER)
+        options = step_options(target_step, input_ids.device)
+        draft = static_draft(drafter, target, input_ids.shape[1] + max_new_tokens + tree_budget + 2, options["capture"])
+        runner = draft.proposer(mode, tree_budget, weaver if mode == "weaver" else None, shape_logits=_PLANTER,
+                                compile=options["compile"])
     return _decode(
         target, input_ids[0], runner=runner, weaver=weaver, mode=mode,
         tree_budget=tree_budget,
