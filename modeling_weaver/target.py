@@ -51,7 +51,7 @@ def fused_norm(module: torch.nn.Module, dtype: torch.dtype):
             weaver_kernels.RMS_WEIGHT if name in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm") else None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     weight = getattr(module, "weight", None)
-    if kind is None or eps is None or weight is None:
+    if kind is None or eps is None or weight is None or weight.dtype != dtype:  # (mixed dtypes would promote)
         return module
     rng = torch.Generator(device=weight.device).manual_seed(0)  # leaves the global RNG alone
     x, gate = (torch.randn(3, weight.shape[0], generator=rng, device=weight.device, dtype=dtype) for _ in range(2))

@@ -228,3 +228,5 @@ def test_unknown_norm_keeps_the_module():
     liar = TINY_TARGETS["llama"]().model.norm
     liar.forward = lambda x: x  # the right name, another computation: the self-check refuses it
     assert fused_norm(liar, torch.float32) is liar
+    norm = TINY_TARGETS["llama"]().model.norm  # fp32 weight with bf16 activations would promote: keep the module
+    assert fused_norm(norm, torch.bfloat16) is norm
