@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .accept import accept_greedy_tensors
-from .target import TargetAdapter, TreeOutput
+from .target import TargetAdapter, TreeOutput, compile_static
 from .tree import Tree, ancestor_mask_of, tree_drafts, with_root
 
 
@@ -304,7 +304,8 @@ class StaticProposer:
         self.shape_logits = shape_logits
         # The tree build is dozens of small ops per expansion round: compiled, inductor fuses them (whole graph,
         # the rounds unrolled; one compile per proposer).
-        self._tree = torch.compile(self._build_tree, dynamic=False, fullgraph=True) if compile else self._build_tree
+        self.compiled = compile
+        self._tree = compile_static(self._build_tree) if compile else self._build_tree
         self.feature_layer_ids = draft.feature_layer_ids
         self.last_hidden = torch.zeros(draft.lm_head.weight.shape[1], device=draft.device,
                                        dtype=draft.lm_head.weight.dtype)
@@ -323,7 +324,7 @@ class StaticProposer:
     def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor):
         self.draft.load(bonus, context, n)
         self.last_hidden.copy_(last_hidden)
-        key = (self.mode, self.budget, id(self.weaver), id(self.shape_logits), self._tree is not self._build_tree)
+        key = (self.mode, self.budget, id(self.weaver), id(self.shape_logits), self.compiled)
         hidden, logits, drafts = self.draft.run(self._forward, key=key)
         return hidden, logits, with_root(bonus, drafts)
 

@@ -68,6 +68,18 @@ def fused_norm(module: torch.nn.Module, dtype: torch.dtype):
     return norm
 
 
+def compile_static(fn):
+    """``torch.compile(fn)`` for fixed-shape decoding steps: whole graph, static shapes.
+
+    Every adapter (cache bucket × tree size) and every proposer (mode × budget) compiles the same code object once,
+    and dynamo counts those compiles against one per-code limit (8 by default; past it a ``fullgraph`` compile
+    raises): the limit is raised to 64 for this process.
+    """
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 64)
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
 @dataclass
 class TreeOutput:
     """What one target pass over a tree gives the loop.
@@ -273,7 +285,7 @@ class TargetAdapter:
         """Make :attr:`tree_step` a ``torch.compile``d :meth:`forward_tree` (whole graph, static shapes: one compile
         per tree size): inductor fuses the elementwise work between the matmuls, which a captured step otherwise
         runs as hundreds of small kernels."""
-        self.tree_step = torch.compile(self.forward_tree, dynamic=False, fullgraph=True)
+        self.tree_step = compile_static(self.forward_tree)
 
     @torch.no_grad()
     def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, bound: int) -> TreeOutput:

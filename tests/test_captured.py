@@ -252,6 +252,34 @@ def test_compiled_tree_steps_are_exact_and_compile_once_per_tree_size():
     assert graphs[0] == 3 and graphs[1] == graphs[0], graphs
 
 
+def test_compiled_and_plain_proposers_keep_their_own_graphs(monkeypatch):
+    """A compiled proposer and a plain one of the same mode and budget never share a captured graph, and compiled
+    steps may compile more than dynamo's default 8 times per code object (buckets × tree sizes, modes × budgets)."""
+    from test_generate import make_drafters
+
+    import modeling_weaver.captured as captured
+    from modeling_weaver.captured import static_draft
+    from modeling_weaver.target import compile_static
+
+    def capture_without_rules(fn, pool=None, warmup=2, restore=()):  # CaptureRules' dispatch mode stops dynamo
+        graph = FakeGraph(fn)
+        graph.out = fn()
+        graph.replay = lambda: copy_into(graph.out, fn())
+        return graph, graph.out
+
+    monkeypatch.setattr(captured, "capture_graph", capture_without_rules)
+    target = TINY_TARGETS["llama"]()
+    drafter, _ = make_drafters(target, mask_token_id=96)
+    draft = static_draft(drafter, target, 64, capture=True)
+    context = torch.randn(5, drafter.fc.in_features)
+    trees = [draft.proposer("ddtree", 8, compile=c).propose(3, context, 5, torch.zeros(drafter.config.hidden_size))[2]
+             for c in (False, True)]
+    assert len(draft._graphs) == 2
+    assert torch.equal(trees[0].tokens, trees[1].tokens) and torch.equal(trees[0].parents, trees[1].parents)
+    compile_static(lambda x: x)
+    assert torch._dynamo.config.recompile_limit >= 64
+
+
 def test_graph_semantics_fused_steps_with_deep_acceptance(fake_graphs):
     for name in ("llama", "qwen3_5"):
         for mode in ("chain", "weaver"):
