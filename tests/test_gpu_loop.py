@@ -13,7 +13,7 @@ from modeling_weaver.target import text_config
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.mark.parametrize("target_step", ["eager", "graph", "compiled"])
+@pytest.mark.parametrize("target_step", ["eager", "graph"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(TINY_TARGETS))
 def test_greedy_identity_on_gpu(name, mode, target_step):
@@ -46,6 +46,23 @@ def test_greedy_identity_on_gpu(name, mode, target_step):
         )
         assert torch.equal(got, expected), (name, mode, "oracle")
         assert stats.mean_accepted_length > 2.5
+
+
+@pytest.mark.parametrize("mode", ["ddtree", "weaver"])
+def test_compiled_steps_identity_on_gpu(mode):
+    """target_step="compiled" (torch.compile'd tree pass and tree build inside CUDA graphs) on the hybrid target:
+    AR and the loop token-identical to transformers; one drafter pair, so three compiles in all per mode."""
+    from modeling_weaver.benchmark import autoregressive_generate
+
+    target = TINY_TARGETS["qwen3_5"]().cuda()
+    drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
+    for ids in prompts():
+        ids = ids.cuda()
+        expected = reference(target, ids, 48)
+        assert torch.equal(autoregressive_generate(target, ids, 48, target_step="compiled"), expected)
+        got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
+                                   max_new_tokens=48, target_step="compiled")
+        assert torch.equal(got, expected), mode
 
 
 def test_graphs_are_captured_once_per_tree_size_across_prompt_lengths():
