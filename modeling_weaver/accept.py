@@ -164,14 +164,15 @@ def accept_greedy_tensors(tokens: torch.Tensor, parents: torch.Tensor, logits: t
     accepted = ancestor_mask[:, 0] & ~(ancestor_mask & ~correct[None]).any(1)
     depth = ancestor_mask.sum(1) - 1
     leaf = torch.where(accepted, depth, -1).argmax().view(1)
-    return path_to_leaf(ancestor_mask, leaf), depth[leaf][0] + 1, best[leaf][0]
+    return path_to_leaf(ancestor_mask, leaf, depth), depth[leaf][0] + 1, best[leaf][0]
 
 
-def path_to_leaf(ancestor_mask: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
+def path_to_leaf(ancestor_mask: torch.Tensor, leaf: torch.Tensor, depth: torch.Tensor | None = None) -> torch.Tensor:
     """``[N]`` root..``leaf`` node indices right-padded with -1, on the device (``leaf`` a one-element tensor: a 0-d
-    index would make PyTorch read it on the host, which a CUDA graph capture refuses)."""
+    index would make PyTorch read it on the host, which a CUDA graph capture refuses; ``depth``: the nodes' depths
+    if the caller has them)."""
     n = ancestor_mask.shape[0]
-    depth = ancestor_mask.sum(1) - 1
+    depth = ancestor_mask.sum(1) - 1 if depth is None else depth
     slots = torch.where(ancestor_mask[leaf.view(1)][0], depth, n)  # node j goes to path[depth j]; others to a spill slot
     path = torch.full((n + 1,), -1, dtype=torch.long, device=ancestor_mask.device)
     path.scatter_(0, slots, torch.arange(n, device=ancestor_mask.device))

@@ -245,7 +245,7 @@ def phase_table(rows: list[dict]) -> str:
              "|" + "---|" * (len(PHASES) + 3)]
     for r in rows:
         if "step_ms" in r:
-            cells = [r.get("step_ms", {}).get(p) for p in PHASES]
+            cells = [r["step_ms"].get(p) for p in PHASES]
             lines.append(f"| {r['method']} | {DATASET_TITLES.get(r['dataset'], r['dataset'])} | "
                          + " | ".join(_fmt(c) for c in cells) + f" | {_fmt(sum(c or 0.0 for c in cells))} |")
     return "\n".join(lines)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .accept import accept_greedy_tensors
 from .target import TargetAdapter, TreeOutput, compile_static
-from .tree import Tree, ancestor_mask_of, tree_drafts, with_root
+from .tree import Tree, ancestor_mask_of, rooted, tree_drafts, with_root
 
 
 def capture_graph(fn, pool=None, warmup: int = 2, restore=()):
@@ -88,7 +88,8 @@ class StaticTarget:
         return self.adapter.prefill(input_ids, chunk_size)
 
     def _verify(self) -> TreeOutput:
-        return self.adapter.tree_step(self.tokens, self.parents, self.adapter.max_length)
+        # (the mask passed in, as the fused step does: one signature, one compile, when the tree step is compiled)
+        return self.adapter.tree_step(self.tokens, self.parents, self.adapter.max_length, ancestor_mask_of(self.parents))
 
     def _commit(self) -> None:
         self.adapter.commit_path(self.path)
@@ -264,7 +265,7 @@ class StaticDraft:
                  ) -> StaticProposer:
         """The :class:`StaticProposer` of this drafter for ``mode`` and ``budget`` (kept: its graph reads its
         buffers); ``compile``: its tree build ``torch.compile``d."""
-        key = (mode, budget, id(weaver), id(shape_logits), compile)
+        key = StaticProposer.key_of(mode, budget, weaver, shape_logits, compile)
         if key not in self._steps:
             self._steps[key] = StaticProposer(self, mode, budget, weaver, shape_logits, compile)
         return self._steps[key]
@@ -304,11 +305,15 @@ class StaticProposer:
         self.shape_logits = shape_logits
         # The tree build is dozens of small ops per expansion round: compiled, inductor fuses them (whole graph,
         # the rounds unrolled; one compile per proposer).
-        self.compiled = compile
+        self.key = self.key_of(mode, budget, weaver, shape_logits, compile)  # of this proposer's graph as well
         self._tree = compile_static(self._build_tree) if compile else self._build_tree
         self.feature_layer_ids = draft.feature_layer_ids
         self.last_hidden = torch.zeros(draft.lm_head.weight.shape[1], device=draft.device,
                                        dtype=draft.lm_head.weight.dtype)
+
+    @staticmethod
+    def key_of(mode, budget, weaver, shape_logits, compile) -> tuple:
+        return (mode, budget, id(weaver), id(shape_logits), compile)
 
     def _forward(self):
         hidden, logits = self.draft._forward()
@@ -324,8 +329,7 @@ class StaticProposer:
     def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor):
         self.draft.load(bonus, context, n)
         self.last_hidden.copy_(last_hidden)
-        key = (self.mode, self.budget, id(self.weaver), id(self.shape_logits), self.compiled)
-        hidden, logits, drafts = self.draft.run(self._forward, key=key)
+        hidden, logits, drafts = self.draft.run(self._forward, key=self.key)
         return hidden, logits, with_root(bonus, drafts)
 
 
@@ -355,20 +359,17 @@ class FusedGreedyStep:
 
     def _step(self):
         draft, adapter, size = self.proposer.draft, self.target.adapter, self.target.num_nodes
-        _, _, (tokens, parents, logq) = self.proposer._forward()
-        pad = size - 1 - tokens.shape[0]  # a chain has min(budget, depth) drafts
-        tokens = torch.cat([draft.bonus, tokens, tokens.new_zeros(pad)])
-        parents = torch.cat([parents.new_full((1,), -1), parents, parents.new_full((pad,), -1)])
-        out = adapter.tree_step(tokens, parents, adapter.max_length)
+        # a chain has min(budget, depth) drafts: padded to the step's size
+        tokens, parents, logq = rooted(draft.bonus, self.proposer._forward()[2], size)
         mask = ancestor_mask_of(parents)
+        out = adapter.tree_step(tokens, parents, adapter.max_length, mask)
         if self.acceptance is None:
             path, length, bonus = accept_greedy_tensors(tokens, parents, out.logits, mask)
         else:  # e.g. the benchmark's replayed acceptance
-            logq = torch.cat([logq.new_zeros(1), logq, logq.new_full((pad,), float("-inf"))])
             path, length, bonus = self.acceptance.tensors(tokens, parents, out.logits, mask, logq)
         adapter.commit_path(path)
         rows = min(size, draft.block_size)  # a path never exceeds the block
-        draft.context[:rows].copy_(out.features[path.clamp(min=0)][:rows].to(draft.dtype))
+        draft.context[:rows].copy_(out.features[path[:rows].clamp(min=0)].to(draft.dtype))
         draft.count.copy_(length)
         draft.n.copy_(adapter.length_t)
         draft.bonus.copy_(bonus.view(1))
@@ -405,6 +406,12 @@ class FusedGreedyStep:
 _STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def cache_bucket(max_length: int) -> int:
+    """Capacity of the static caches for ``max_length``: the next power of two, at least 256 (prompts of any length
+    up to it share one set of graphs and compiled steps)."""
+    return max(256, 1 << (max_length - 1).bit_length())
+
+
 def step_options(target_step: str, device) -> dict:
     """``static_target`` options of a loop ``target_step``: ``"static"`` (fixed shapes, eager), ``"graph"`` (CUDA
     graphs on CUDA), ``"compiled"`` (``torch.compile``d tree pass, in CUDA graphs on CUDA)."""
@@ -420,7 +427,7 @@ def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), 
     one set of graphs (and, with ``compile``, one compiled tree pass). The buffers live as long as the model
     (:func:`release_static_targets` frees them).
     """
-    capacity = max(256, 1 << (max_length - 1).bit_length())
+    capacity = cache_bucket(max_length)
     steps = _STATIC_TARGETS.setdefault(model, {})
     key = (capacity, num_nodes, tuple(feature_layer_ids), capture, compile)
     if key not in steps:
@@ -435,7 +442,7 @@ def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), 
 
 def static_draft(drafter, target, max_length: int, capture: bool | None = None) -> StaticDraft:
     """The :class:`StaticDraft` of ``drafter`` for this capacity bucket (as :func:`static_target`), kept on it."""
-    capacity = max(256, 1 << (max_length - 1).bit_length())
+    capacity = cache_bucket(max_length)
     steps = _STATIC_TARGETS.setdefault(drafter, {})
     key = ("draft", capacity, id(target), capture)
     if key not in steps:

@@ -94,14 +94,14 @@ class ReplayedAcceptance:
         path_logq = torch.where(ancestor_mask, logq.float()[None], 0.0).sum(1)  # root→node log-probability
         reach = torch.minimum(want - 1, torch.where(real, depth, 0).max())
         leaf = torch.where(real & (depth == reach), path_logq, float("-inf")).argmax().view(1)
-        return path_to_leaf(ancestor_mask, leaf), depth[leaf][0] + 1, logits[leaf][0].argmax()
+        return path_to_leaf(ancestor_mask, leaf, depth), depth[leaf][0] + 1, logits[leaf][0].argmax()
 
     def __call__(self, tree: Tree, scores: torch.Tensor) -> Acceptance:
         logq = tree.logq.clone()
         logq[0] = 0.0
         path, length, bonus = self.tensors(tree.tokens, tree.parents, scores, tree.ancestor_mask, logq)
-        *path, bonus = torch.cat([path, bonus.view(1)]).tolist()
-        return Acceptance(path[: int(length)], bonus)
+        *path, length, bonus = torch.cat([path, length.view(1), bonus.view(1)]).tolist()  # the one host read
+        return Acceptance(path[:length], bonus)
 
 
 class PeakPlanter:

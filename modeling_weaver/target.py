@@ -288,15 +288,17 @@ class TargetAdapter:
         self.tree_step = compile_static(self.forward_tree)
 
     @torch.no_grad()
-    def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, bound: int) -> TreeOutput:
+    def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, bound: int,
+                     tree_mask: torch.Tensor | None = None) -> TreeOutput:
         """The tensor work of :meth:`verify` (no checks, no host sync): what a captured step records.
 
         Args:
             tokens, parents: ``[N]`` the tree (see :class:`~modeling_weaver.tree.Tree`).
             bound: cache rows attended over (``>= length + N``).
+            tree_mask: the tree's ancestor mask when the caller has it already (else built from ``parents``).
         """
         N = tokens.shape[0]
-        tree_mask = ancestor_mask_of(parents)
+        tree_mask = ancestor_mask_of(parents) if tree_mask is None else tree_mask
         positions = (self.length_t + tree_mask.sum(dim=1) - 1)[None]  # committed length + depth
         if self.hybrid:  # multimodal RoPE: the same text positions on its 3 grids (older transformers want them)
             positions = positions[None].expand(3, -1, -1)
@@ -358,6 +360,6 @@ class TargetAdapter:
             chunk = input_ids[start : start + chunk_size]
             tree = Tree(chunk, torch.arange(-1, len(chunk) - 1, device=chunk.device), torch.zeros(len(chunk)))
             outs.append(self.verify(tree))
-            self.commit(torch.arange(len(chunk)))
+            self.commit(torch.arange(len(chunk)), num_accepted=len(chunk))  # (no count read back from the device)
         cat = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
         return TreeOutput(*(cat([getattr(o, f) for o in outs]) for f in ("logits", "hidden", "features")))

@@ -66,13 +66,11 @@ class Tree:
         Padding nodes are extra roots (parent -1, token 0, ``logq`` -inf): no node has them as ancestor, and the
         acceptance rules, which walk down from node 0, never reach them.
         """
-        extra = num_nodes - len(self)
-        if extra < 0:
+        if num_nodes < len(self):
             raise ValueError(f"a tree of {len(self)} nodes cannot be padded to {num_nodes}")
-        if extra == 0:
+        if num_nodes == len(self):
             return self
-        pad = lambda x, v: torch.cat([x, x.new_full((extra,), v)])  # noqa: E731
-        return Tree(pad(self.tokens, 0), pad(self.parents, -1), pad(self.logq, float("-inf")))
+        return Tree(*rooted(self.tokens[:1], (self.tokens[1:], self.parents[1:], self.logq[1:]), num_nodes))
 
     def children(self) -> list[list[int]]:
         """Children of every node, in node order."""
@@ -111,11 +109,23 @@ def children_of(parents: list[int]) -> list[list[int]]:
     return kids
 
 
+def rooted(root, drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_nodes: int | None = None):
+    """``tokens, parents, logq`` of a whole tree: ``root`` (an int, or a one-element tensor on the device), a
+    builder's draft nodes (parent 0 = the root), then padding roots (token 0, parent -1, ``logq`` -inf) up to
+    ``num_nodes`` — see :meth:`Tree.padded`. Device ops only when ``root`` is a tensor (captured steps)."""
+    tokens, parents, logq = drafts
+    extra = 0 if num_nodes is None else num_nodes - 1 - tokens.shape[0]
+    if extra < 0:
+        raise ValueError(f"{tokens.shape[0]} drafts and the root do not fit {num_nodes} nodes")
+    root = torch.as_tensor(root, dtype=torch.long, device=tokens.device).view(1)
+    return (torch.cat([root, tokens, tokens.new_zeros(extra)]),
+            torch.cat([parents.new_full((1,), -1), parents, parents.new_full((extra,), -1)]),
+            torch.cat([logq.new_zeros(1), logq, logq.new_full((extra,), float("-inf"))]))
+
+
 def with_root(root, drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Tree:
     """A :class:`Tree` from a builder's draft nodes (``tokens, parents, logq``; parent 0 = the root) and the root."""
-    tokens, parents, logq = drafts
-    return Tree(torch.cat([tokens.new_tensor([int(root)]), tokens]), torch.cat([parents.new_tensor([-1]), parents]),
-                torch.cat([logq.new_zeros(1), logq]))
+    return Tree(*rooted(root, drafts))
 
 
 def tree_drafts(mode: str, root, draft_hidden: torch.Tensor, draft_logits: torch.Tensor, budget: int, weaver=None,
@@ -281,7 +291,8 @@ def weaver_tree_tensors(
     f_score = torch.full((n * fan,), neg_inf, device=device)
     f_token = torch.zeros(n * fan, dtype=torch.long, device=device)
     f_logq = torch.zeros(n * fan, device=device)
-    f_parent = torch.arange(n, device=device).repeat_interleave(fan)
+    nodes, fan_slots = torch.arange(n, device=device), torch.arange(fan, device=device)  # (built once, not per round)
+    f_parent = nodes.repeat_interleave(fan)
 
     expand, count = torch.zeros(1, dtype=torch.long, device=device), 1
     while True:
@@ -294,7 +305,7 @@ def weaver_tree_tensors(
         top = cand_logp.topk(fan, dim=-1)
         real = (parents[expand] >= 0) | (expand == 0)  # padding nodes publish nothing
         publish = real & (d < max_depth)
-        slots = (expand[:, None] * fan + torch.arange(fan, device=device)).flatten()
+        slots = (expand[:, None] * fan + fan_slots).flatten()
         f_score[slots] = torch.where(publish[:, None], score[expand][:, None] + top.values, neg_inf).flatten()
         f_token[slots] = pool_ids[row].gather(-1, top.indices).flatten()
         f_logq[slots] = top.values.flatten()
@@ -311,6 +322,6 @@ def weaver_tree_tensors(
         depth[new] = torch.where(valid, depth[parent] + 1, 0)
         score[new] = best.values
         f_score.index_fill_(0, best.indices, neg_inf)  # taken
-        mask[new] = (mask[parent] & valid[:, None]) | (torch.arange(n, device=device)[None] == new[:, None])
+        mask[new] = (mask[parent] & valid[:, None]) | (nodes[None] == new[:, None])
         expand, count = new, count + take
     return tokens[1:], parents[1:], logq[1:]
