@@ -92,7 +92,7 @@ class StaticTarget:
         return self.adapter.tree_step(self.tokens, self.parents, self.adapter.max_length, ancestor_mask_of(self.parents))
 
     def _commit(self) -> None:
-        self.adapter.commit_path(self.path)
+        self.adapter.commit_step(self.path)
 
     @torch.no_grad()
     def verify(self, tree: Tree) -> TreeOutput:
@@ -303,10 +303,10 @@ class StaticProposer:
             raise ValueError("the weaver mode needs a Weaver")
         self.draft, self.mode, self.budget, self.weaver = draft, mode, budget, weaver
         self.shape_logits = shape_logits
-        # The tree build is dozens of small ops per expansion round: compiled, inductor fuses them (whole graph,
-        # the rounds unrolled; one compile per proposer).
+        # Drafting and the tree build are hundreds of small ops (the drafter's layers between its matmuls, dozens per
+        # expansion round): compiled, inductor fuses them (whole graph, the rounds unrolled; one compile per proposer).
         self.key = self.key_of(mode, budget, weaver, shape_logits, compile)  # of this proposer's graph as well
-        self._tree = compile_static(self._build_tree) if compile else self._build_tree
+        self._forward = compile_static(self._draft_and_tree) if compile else self._draft_and_tree
         self.feature_layer_ids = draft.feature_layer_ids
         self.last_hidden = torch.zeros(draft.lm_head.weight.shape[1], device=draft.device,
                                        dtype=draft.lm_head.weight.dtype)
@@ -315,15 +315,13 @@ class StaticProposer:
     def key_of(mode, budget, weaver, shape_logits, compile) -> tuple:
         return (mode, budget, id(weaver), id(shape_logits), compile)
 
-    def _forward(self):
+    def _draft_and_tree(self):
         hidden, logits = self.draft._forward()
         if self.shape_logits is not None:
             logits = self.shape_logits(logits)
-        return hidden, logits, self._tree(hidden, logits)
-
-    def _build_tree(self, hidden: torch.Tensor, logits: torch.Tensor):
-        return tree_drafts(self.mode, self.draft.bonus[0], hidden, logits, self.budget, self.weaver,
-                           self.last_hidden, self.draft.embed_tokens, self.draft.lm_head.weight)
+        drafts = tree_drafts(self.mode, self.draft.bonus[0], hidden, logits, self.budget, self.weaver,
+                             self.last_hidden, self.draft.embed_tokens, self.draft.lm_head.weight)
+        return hidden, logits, drafts
 
     @torch.no_grad()
     def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor):
@@ -367,7 +365,7 @@ class FusedGreedyStep:
             path, length, bonus = accept_greedy_tensors(tokens, parents, out.logits, mask)
         else:  # e.g. the benchmark's replayed acceptance
             path, length, bonus = self.acceptance.tensors(tokens, parents, out.logits, mask, logq)
-        adapter.commit_path(path)
+        adapter.commit_step(path)
         rows = min(size, draft.block_size)  # a path never exceeds the block
         draft.context[:rows].copy_(out.features[path[:rows].clamp(min=0)].to(draft.dtype))
         draft.count.copy_(length)

@@ -199,6 +199,32 @@ def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: in
     return tuple(m.eval() for m in (target, drafter, weaver))
 
 
+def random_prompt(target, length: int, seed: int = 0) -> torch.Tensor:
+    """``[1, length]`` random token ids on the target's device (the same for every method of a run)."""
+    vocab = target.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+    return ids.to(next(target.parameters()).device)
+
+
+def memory_check(target, drafter, weaver, trace: list[int], mode: str, budget: int, prompt_len: int, tokens: int,
+                 target_step: str, seed: int = 0) -> dict:
+    """Two ``tokens``-long replayed generations of one method (CUDA): allocated memory before and after the second
+    (the first captures and compiles; the second reuses its buffers and graphs, so any per-step growth shows) and
+    the peak over both."""
+    device = next(target.parameters()).device
+    ids = random_prompt(target, prompt_len, seed)
+    acceptance = ReplayedAcceptance(trace, device)
+    torch.cuda.reset_peak_memory_stats(device)
+    replay_generate(target, drafter, weaver, ids, mode, budget, acceptance, tokens, target_step)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    out, _ = replay_generate(target, drafter, weaver, ids, mode, budget, acceptance, tokens, target_step)
+    torch.cuda.synchronize(device)
+    return {"method": f"{mode}@{budget}", "new_tokens": out.shape[1] - ids.shape[1],
+            "allocated_gib": before / 2**30, "growth_mib": (torch.cuda.memory_allocated(device) - before) / 2**20,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
 def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prompt_len: int, max_new_tokens: int,
                      target_step: str, seed: int = 0, hf_tokens: int = 0, fused: bool = True,
                      split: bool = False, on_row=None) -> list[dict]:
@@ -207,8 +233,7 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
     unfused steps ("split": per-phase times). ``on_row(rows)`` is called after every row (save as you go)."""
     on_row = on_row or (lambda rows: None)
     device = next(target.parameters()).device
-    vocab = target.get_output_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(seed)).to(device)
+    ids = random_prompt(target, prompt_len, seed)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(fn):
@@ -325,6 +350,9 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="also run every method unfused in the same process (rows marked 'split')")
     parser.add_argument("--hf-tokens", type=int, default=32,
                         help="also time transformers' eager generate for this many tokens (0: skip)")
+    parser.add_argument("--memory-tokens", type=int, default=0,
+                        help="CUDA: afterwards, generate this many tokens twice with the first mode at the last budget "
+                             "and report memory growth over the second generation and the peak (0: skip)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--seed", type=int, default=0)
@@ -379,7 +407,15 @@ def run_replay(args) -> int:
     table, info = save(rows, final=True)
     print(table)
     print(info)
+    if args.memory_tokens and device.type == "cuda":
+        mode, budget = args.modes[0], args.budgets[-1]
+        check = memory_check(target, drafter, weaver, traces[(mode, budget)], mode, budget, args.prompt_length,
+                             args.memory_tokens, args.target_step, args.seed)
+        (out / "memory.json").write_text(json.dumps(check, indent=1))
+        print(f"memory over a second {check['new_tokens']}-token {check['method']} generation: "
+              f"{check['allocated_gib']:.2f} GiB allocated before, growth {check['growth_mib']:+.2f} MiB, "
+              f"peak {check['peak_gib']:.2f} GiB")
     return 0
 
 
-__all__ = ["ReplayedAcceptance", "load_traces", "random_models", "replay_generate", "run_replay", "synthetic_trace"]
+__all__ = ["ReplayedAcceptance", "load_traces", "memory_check", "random_models", "random_prompt", "replay_generate", "run_replay", "synthetic_trace"]

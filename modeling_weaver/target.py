@@ -239,9 +239,9 @@ class TargetAdapter:
         self._has_attention = any(isinstance(c, AttentionLayerCache) for c in self.layer_caches)
         # Gated DeltaNet layers verify at most this many nodes at once on this device (None: no limit).
         self.max_tree_nodes = weaver_kernels.max_tree_nodes(self.device) if self.hybrid else None
-        # What fixed-shape steps call for a tree pass (`compile_tree_step` swaps in a compiled one; prefill and
-        # `verify` stay eager: their sizes vary).
-        self.tree_step = self.forward_tree
+        # What fixed-shape steps call for a tree pass and a commit (`compile_tree_step` swaps in compiled ones;
+        # prefill, `verify` and `commit` stay eager: their sizes vary).
+        self.tree_step, self.commit_step = self.forward_tree, self.commit_path
         self.length = 0  # committed tokens (host mirror of ``length_t``)
         self.length_t = torch.zeros((), dtype=torch.long, device=self.device)
         self._pending_tree: Tree | None = None
@@ -282,10 +282,10 @@ class TargetAdapter:
         return self.forward_tree(tree.tokens, tree.parents, n + N if bound is None else bound)
 
     def compile_tree_step(self) -> None:
-        """Make :attr:`tree_step` a ``torch.compile``d :meth:`forward_tree` (whole graph, static shapes: one compile
-        per tree size): inductor fuses the elementwise work between the matmuls, which a captured step otherwise
-        runs as hundreds of small kernels."""
-        self.tree_step = compile_static(self.forward_tree)
+        """Make :attr:`tree_step` and :attr:`commit_step` ``torch.compile``d :meth:`forward_tree` and
+        :meth:`commit_path` (whole graphs, static shapes: one compile each per tree size): inductor fuses the
+        elementwise work between the matmuls, which a captured step otherwise runs as hundreds of small kernels."""
+        self.tree_step, self.commit_step = compile_static(self.forward_tree), compile_static(self.commit_path)
 
     @torch.no_grad()
     def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, bound: int,

@@ -227,7 +227,7 @@ def test_graph_semantics_keep_the_loop_exact(fake_graphs, name):
 
 
 def test_compiled_tree_steps_are_exact_and_compile_once_per_tree_size():
-    """target_step="compiled": the target's tree pass and the Weaver tree build run torch.compile'd (whole graphs,
+    """target_step="compiled": the target's tree pass and commit and the Weaver draft + tree build run torch.compile'd (whole graphs,
     static shapes), AR and fused Weaver steps stay token-identical, and a second prompt of another length compiles
     nothing new."""
     from test_generate import make_drafters, reference
@@ -248,8 +248,8 @@ def test_compiled_tree_steps_are_exact_and_compile_once_per_tree_size():
                                    max_new_tokens=24, target_step="compiled")
         assert torch.equal(got, expected), length
         graphs.append(counters["stats"]["unique_graphs"])
-    # tree passes of 1 and 9 nodes, the Weaver tree build; nothing more for the second prompt
-    assert graphs[0] == 3 and graphs[1] == graphs[0], graphs
+    # tree passes and commits of 1 and 9 nodes, the Weaver draft + tree build; nothing more for the second prompt
+    assert graphs[0] == 5 and graphs[1] == graphs[0], graphs
 
 
 def test_compiled_and_plain_proposers_keep_their_own_graphs(monkeypatch):

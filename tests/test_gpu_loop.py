@@ -51,7 +51,8 @@ def test_greedy_identity_on_gpu(name, mode, target_step):
 @pytest.mark.parametrize("mode", ["ddtree", "weaver"])
 def test_compiled_steps_identity_on_gpu(mode):
     """target_step="compiled" (torch.compile'd tree pass and tree build inside CUDA graphs) on the hybrid target:
-    AR and the loop token-identical to transformers; one drafter pair, so three compiles in all per mode."""
+    AR and the loop token-identical to transformers; one drafter pair, so five compiles in all per mode (tree pass and
+    commit of 1 and 13 nodes, the draft + tree build)."""
     from modeling_weaver.benchmark import autoregressive_generate
 
     target = TINY_TARGETS["qwen3_5"]().cuda()
