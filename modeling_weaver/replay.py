@@ -15,6 +15,8 @@ verify, accept, commit) and peak GPU memory; it writes ``replay.json`` and ``rep
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import math
 import time
@@ -199,6 +201,24 @@ def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: in
     return tuple(m.eval() for m in (target, drafter, weaver))
 
 
+@contextlib.contextmanager
+def gc_pauses():
+    """Durations (s) of the garbage collector's runs inside the block (a list, filled as they happen)."""
+    pauses, started = [], []
+
+    def track(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(track)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(track)
+
+
 def random_prompt(target, length: int, seed: int = 0) -> torch.Tensor:
     """``[1, length]`` random token ids on the target's device (the same for every method of a run)."""
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -239,10 +259,13 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
     def timed(fn):
         fn(warm=True)  # warm-up: kernel compilation, graph capture (same lengths: same cache buckets and graphs)
         sync()
-        start = time.perf_counter()
-        out = fn(warm=False)
-        sync()
-        return out, time.perf_counter() - start
+        with gc_pauses() as pauses:
+            start = time.perf_counter()
+            out = fn(warm=False)
+            sync()
+            seconds = time.perf_counter() - start
+        timed.gc_ms = 1e3 * sum(pauses)
+        return out, seconds
 
     def ar(tokens):
         return autoregressive_generate(target, ids, tokens, eos_token_id=[], target_step=target_step)
@@ -252,7 +275,7 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
     _, seconds = timed(lambda warm: ar(max_new_tokens))
     ar_tps = (max_new_tokens - 1) / (seconds - prefill)
     rows = [{"method": "ar", "tokens_per_s": ar_tps, "ms_per_step": 1e3 / ar_tps, "mal": 1.0, "speedup": 1.0,
-             "prefill_s": prefill}]
+             "prefill_s": prefill, "gc_ms": timed.gc_ms}]
     on_row(rows)
     if hf_tokens:
         def hf(tokens):
@@ -278,6 +301,7 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
                     "method": f"{mode}@{budget}" + ("" if fuse == fused else " split"), "mode": mode,
                     "budget": budget, "tokens_per_s": tps, "speedup": tps / ar_tps, "mal": stats.mean_accepted_length,
                     "trace_mal": sum(trace) / len(trace), "ms_per_step": 1e3 * (seconds - prefill) / steps,
+                    "gc_ms": timed.gc_ms,
                     **{f"{p}_ms": stats.phase_ms[p] / steps for p in PHASES if p in stats.phase_ms},
                 })
                 on_row(rows)
@@ -300,13 +324,14 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) 
 
 
 def replay_table(rows: list[dict]) -> str:
-    head = ["method", "MAL (trace)", "decode tok/s", "×AR", "ms/step"] + [f"{p} ms" for p in PHASES]
+    head = ["method", "MAL (trace)", "decode tok/s", "×AR", "ms/step"] + [f"{p} ms" for p in PHASES] + ["GC ms/run"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         mal = f"{r['mal']:.2f} ({r['trace_mal']:.2f})" if "trace_mal" in r else "1.00"
         phases = [f"{r[p + '_ms']:.2f}" if p + "_ms" in r else "–" for p in PHASES]
+        gc_ms = f"{r['gc_ms']:.0f}" if "gc_ms" in r else "–"
         lines.append("| " + " | ".join([r["method"], mal, f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
-                                        f"{r['ms_per_step']:.2f}"] + phases) + " |")
+                                        f"{r['ms_per_step']:.2f}"] + phases + [gc_ms]) + " |")
     return "\n".join(lines)
 
 

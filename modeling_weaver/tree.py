@@ -252,8 +252,9 @@ def weaver_tree_tensors(
     The root is expanded first; then each round turns the ``width`` best frontier entries (cumulative log-prob) into
     tree nodes and runs one batched Weaver node step on them, which publishes each node's top ``children_per_node``
     pool candidates (none for nodes at the maximum depth) to the frontier. ``ceil(budget / width)`` rounds fill the
-    budget; missing nodes (an exhausted frontier) are padding roots. Every shape is fixed by ``budget`` and ``width``
-    and nothing waits for the host, so a captured step can include the whole build.
+    budget (``width`` default: ``ceil(budget / 8)``, at most 32); missing nodes (an exhausted frontier) are padding
+    roots. Every shape is fixed by ``budget`` and ``width`` and nothing waits for the host, so a captured step can
+    include the whole build.
 
     Args:
         root: the bonus token (an int or a 0-d tensor on the device).
@@ -269,7 +270,9 @@ def weaver_tree_tensors(
     if max_depth == 0:
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return empty, empty, torch.zeros(0, device=device)
-    width = min(32, math.ceil(budget / 16)) if width is None else width
+    # Eight rounds whatever the budget: each round is a chain of small dependent kernels (≈ 0.14 ms on an H200 at
+    # Qwen3.6-27B shape), and on real SmolLM2 drafts widths 1, 4 and 8 gave the same MAL at budget 64 (BENCHMARKS.md).
+    width = min(32, math.ceil(budget / 8)) if width is None else width
     pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])
     pool_logits, pool_ids = draft_logits[:max_depth].float().topk(pool, dim=-1)  # [D, pool]: children of depth d+1
     fan = min(children_per_node, pool)

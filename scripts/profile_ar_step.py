@@ -1,31 +1,105 @@
-"""Where one AR decode step of a random-weight hub-spec target spends its GPU time (torch.profiler, kernel table).
+"""Where the decode steps of a random-weight hub-spec target spend their GPU time (torch.profiler kernel tables).
 
-    python scripts/profile_ar_step.py --shape qwen3.6-27b --tokens 8
+    python scripts/profile_ar_step.py --shape qwen3.6-27b --tokens 8 --target-step compiled --proposer weaver
+
+1. The AR step (verify of one node + commit) run ``--tokens`` times without CUDA graphs (``static``: eager
+   fixed-shape ops; ``compiled``: the torch.compile'd tree pass and commit), so the profiler sees every kernel:
+   GPU busy time per step and the kernel table.
+2. With ``--graph-gap``: the same step replayed as CUDA graphs, once back to back (GPU time alone) and once in the
+   host loop of ``autoregressive_generate`` (host work between steps included): the difference is the host gap.
+3. With ``--proposer MODE``: one DFlash draft + tree build of that mode at ``--budget`` (compiled when the target
+   step is), its kernel table.
 """
 import argparse
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from modeling_weaver.benchmark import autoregressive_generate
-from modeling_weaver.replay import random_models
+from modeling_weaver.captured import static_draft, static_target
+from modeling_weaver.replay import random_models, random_prompt
+from modeling_weaver.tree import Tree
+
+
+def kernel_table(fn, reps: int, rows: int, title: str) -> None:
+    fn()  # warm-up (compiles)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    busy = sum(e.device_time_total for e in events) / 1e3 / reps  # µs → ms
+    count = sum(e.count for e in events) / reps
+    print(f"\n## {title}: GPU busy {busy:.2f} ms per call, {count:.0f} kernels per call")
+    print(events.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3.6-27b")
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--prompt-length", type=int, default=512)
+    parser.add_argument("--target-step", choices=("static", "compiled"), default="static")
+    parser.add_argument("--graph-gap", action="store_true")
+    parser.add_argument("--proposer", choices=("chain", "ddtree", "weaver"))
+    parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--rows", type=int, default=30)
     args = parser.parse_args()
-    target, _, _ = random_models(args.shape, torch.device("cuda"), torch.bfloat16)
-    ids = torch.randint(0, 1000, (1, args.prompt_length), device="cuda")
-    autoregressive_generate(target, ids, args.tokens, eos_token_id=[], target_step="static")  # warm-up
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        autoregressive_generate(target, ids, args.tokens, eos_token_id=[], target_step="static")
+    compile = args.target_step == "compiled"
+    target, drafter, weaver = random_models(args.shape, torch.device("cuda"), torch.bfloat16)
+    ids = random_prompt(target, args.prompt_length)
+    max_length = args.prompt_length + 4 * args.tokens + 64
+
+    step = static_target(target, max_length, 1, capture=False, compile=compile)
+    step.prefill(ids[0])
+    one = Tree.from_lists([int(ids[0, -1])], [-1], device="cuda")
+
+    def ar_step():
+        step.verify(one)
+        step.commit([0])
+
+    kernel_table(ar_step, args.tokens, args.rows, f"AR step ({args.target_step}, no graphs)")
+
+    if args.graph_gap:
+        target_step = "compiled" if compile else "graph"
+        autoregressive_generate(target, ids, 8, eos_token_id=[], target_step=target_step)  # captures
+        graph = static_target(target, args.prompt_length + 4 * args.tokens + 1, 1, capture=True, compile=compile)
+        graph.prefill(ids[0])
+        graph.verify(one)  # (graph replays read the static buffers)
+        verify_graph, _, commit_graph = graph._graphs
+        reps = 4 * args.tokens
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
+        start.record()
+        for _ in range(reps):
+            verify_graph.replay()
+            commit_graph.replay()
+        end.record()
+        end.synchronize()
+        replay_ms = start.elapsed_time(end) / reps
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        autoregressive_generate(target, ids, reps + 1, eos_token_id=[], target_step=target_step)
+        torch.cuda.synchronize()
+        loop_ms = 1e3 * (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        autoregressive_generate(target, ids, 1, eos_token_id=[], target_step=target_step)
+        torch.cuda.synchronize()
+        prefill_ms = 1e3 * (time.perf_counter() - t0)
+        per_token = (loop_ms - prefill_ms) / reps
+        print(f"\n## graph replays back to back: {replay_ms:.2f} ms per AR step; in the generate loop: "
+              f"{per_token:.2f} ms per token → host gap {per_token - replay_ms:.2f} ms per step")
+
+    if args.proposer:
+        draft = static_draft(drafter, target, max_length, capture=False)
+        proposer = draft.proposer(args.proposer, args.budget, weaver if args.proposer == "weaver" else None,
+                                  compile=compile)
+        context = torch.randn(drafter.block_size, drafter.fc.in_features, device="cuda", dtype=torch.bfloat16)
+        last = torch.randn(target.config.get_text_config().hidden_size, device="cuda", dtype=torch.bfloat16)
+        kernel_table(lambda: proposer.propose(1, context, args.prompt_length, last), args.tokens, args.rows,
+                     f"{args.proposer} draft + tree at budget {args.budget} ({args.target_step}, no graphs)")
 
 
 if __name__ == "__main__":
