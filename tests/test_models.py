@@ -518,6 +518,29 @@ def test_weaver_drives_the_tree_builder(budget, width):
             assert torch.allclose(tree.logq[node], expected, atol=1e-5), node
 
 
+@pytest.mark.parametrize("budget", [7, 16, 30, 64, 128])
+def test_weaver_tree_default_width_reaches_full_depth(budget):
+    """With one dominant token per depth (planted in the draft marginals), the default expansion width still leaves
+    enough rounds for the best-first tree to hold the whole peaked path: a node of depth d needs d rounds (K = 15, the
+    real drafters' depth)."""
+    torch.manual_seed(budget)
+    K = 15
+    weaver = make_weaver(K=K)
+    embed, lm_head = torch.nn.Embedding(VOCAB, 40), torch.randn(VOCAB, 48)
+    prompt = weaver.encode_prompt(torch.randn(1, 48), torch.randn(1, K, 48))
+    draft_logits = torch.randn(K, VOCAB)
+    peaks = torch.randint(0, VOCAB, (K,))
+    draft_logits[torch.arange(K), peaks] += 100.0
+    with torch.no_grad():
+        tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget)
+        wide = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=-(-budget // 8))
+    depth = min(K, budget)
+    assert int(tree.depths.max()) == depth
+    deepest = int(tree.depths.argmax())
+    assert tree.tokens[tree.path_to(deepest)[1:]].tolist() == peaks[:depth].tolist()
+    assert budget < 9 or int(wide.depths.max()) < depth  # negative control: 8 rounds hold depth 8 at most
+
+
 @pytest.mark.parametrize("family", sorted(TARGETS))
 def test_weaver_from_target_config(family):
     target = TARGETS[family]()
