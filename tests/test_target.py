@@ -120,6 +120,21 @@ def test_prefill_matches_hf_forward():
         assert rel(out.logits, model(prompt[None]).logits[0]) < 1e-4, name
 
 
+def test_prefill_keeps_no_verify_intermediates():
+    """After a prefill no Gated DeltaNet layer holds its last chunk's verify intermediates (captured steps replay
+    without running Python, so they would otherwise stay alive through the whole generation), and the next tree
+    still verifies and commits."""
+    model = TINY_TARGETS["qwen3_5"]()
+    target = TargetAdapter(model, max_length=64)
+    target.prefill(torch.arange(5, 30), chunk_size=8)
+    gdn = [c for c in target.layer_caches if isinstance(c, GatedDeltaNetLayerCache)]
+    assert gdn and all(c.pending is None for c in gdn)
+    out = target.verify(Tree.from_lists([3, 4], [-1, 0]))
+    target.commit([0, 1])
+    ref = model(torch.cat([torch.arange(5, 30), torch.tensor([3, 4])])[None]).logits[0, -1]
+    assert rel(out.logits[1], ref) < 1e-4
+
+
 def test_multimodal_wrapper_text_model():
     """Qwen3_5ForConditionalGeneration: trees run through its language model and lm_head."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
