@@ -1,0 +1,99 @@
+"""Replay suite plus host-side timings of the fused steps and a long-generation memory check, in one process.
+
+    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096
+
+1. ``run_replay_suite`` (AR and every mode at ``--budget``, ``--target-step``, synthetic traces) → replay.md/json.
+2. Per mode: cProfile of one more generation (graphs and compiles in place) sorted by own time, then the fused graph
+   alone: how long ``replay()`` takes to return to Python, and its GPU time back to back.
+3. ``memory_check``: two ``--memory-tokens`` generations of the first mode (graph steps): growth over the second.
+"""
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from modeling_weaver.captured import _STATIC_TARGETS
+from modeling_weaver.replay import (ReplayedAcceptance, memory_check, random_models, random_prompt, replay_generate,
+                                    replay_table, run_replay_suite, synthetic_trace)
+
+
+def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:
+    """Host time of a fused graph's ``replay()`` and its GPU time per step back to back (advances the caches)."""
+    lines = []
+    for key, steps in _STATIC_TARGETS[drafter].items():
+        if key[0] != "draft":
+            continue
+        for step_key, step in steps._steps.items():
+            if step_key[0] != "fused" or step._graph is None or step.proposer.mode != mode:
+                continue
+            graph = step._graph[0]
+            torch.cuda.synchronize()
+            host = []
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                graph.replay()
+                host.append(time.perf_counter() - t0)
+            end.record()
+            end.synchronize()
+            lines.append(f"{mode} fused graph: replay() returns after {1e3 * sorted(host)[reps // 2]:.2f} ms (median), "
+                         f"GPU {start.elapsed_time(end) / reps:.2f} ms per step back to back")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3.6-27b")
+    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--modes", nargs="+", default=["weaver", "ddtree", "chain"])
+    parser.add_argument("--mal", nargs="+", type=float, default=[7.1, 5.4, 4.0], help="synthetic MAL per mode")
+    parser.add_argument("--target-step", default="compiled")
+    parser.add_argument("--memory-tokens", type=int, default=0)
+    parser.add_argument("--out", default="diag")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    target, drafter, weaver = random_models(args.shape, device, torch.bfloat16)
+    traces = {(m, args.budget): synthetic_trace(v, drafter.block_size) for m, v in zip(args.modes, args.mal)}
+    torch.cuda.reset_peak_memory_stats(device)
+
+    def save(rows):
+        (out / "replay.md").write_text(replay_table(rows) + "\n")
+        (out / "replay.json").write_text(json.dumps(rows, indent=1))
+        print(replay_table(rows).splitlines()[-1], flush=True)
+
+    run_replay_suite(target, drafter, weaver, traces, args.modes, [args.budget], 512, 512, args.target_step,
+                     on_row=save)
+    print(f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB", flush=True)
+    ids = random_prompt(target, 512)
+    for mode in args.modes:
+        acceptance = ReplayedAcceptance(traces[(mode, args.budget)], device)
+        replay_generate(target, drafter, weaver, ids, mode, args.budget, acceptance, 512, args.target_step)
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        t0 = time.perf_counter()
+        profiler.enable()
+        _, stats = replay_generate(target, drafter, weaver, ids, mode, args.budget, acceptance, 512, args.target_step)
+        torch.cuda.synchronize()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
+        print(f"\n## {mode}: {1e3 * (time.perf_counter() - t0):.0f} ms for {stats.num_steps} steps; phases "
+              f"{stats.phase_ms}\n{text.getvalue()}\n{fused_graph_timing(drafter, mode)}", flush=True)
+    if args.memory_tokens:
+        mode = args.modes[0]
+        check = memory_check(target, drafter, weaver, traces[(mode, args.budget)], mode, args.budget, 512,
+                             args.memory_tokens, "graph")
+        (out / "memory.json").write_text(json.dumps(check, indent=1))
+        print("memory check (graph steps):", check, flush=True)
+
+
+if __name__ == "__main__":
+    main()
