@@ -341,8 +341,8 @@ class FusedGreedyStep:
 
     The step reads its inputs (the accepted path's target features, its length, the committed length, the bonus
     token, the last hidden state) from device buffers that the previous step wrote, so nothing returns to the host
-    inside it; the host reads the accepted tokens once afterwards. The first step after the prefill runs the ordinary
-    way and :meth:`arm` seeds the buffers from it.
+    inside it, and the next step can be launched before the host has read this one's tokens (:meth:`run`). The
+    first step after the prefill runs the ordinary way and :meth:`arm` seeds the buffers from it.
     """
 
     def __init__(self, proposer: StaticProposer, target: StaticTarget, acceptance=None):
@@ -350,6 +350,10 @@ class FusedGreedyStep:
         self.capture = proposer.draft.capture
         self.ready = False
         self._graph: tuple | None = None
+        # Two host slots for step summaries (accepted tokens, length, bonus): one being read, one being filled.
+        pin = target.device.type == "cuda"
+        self._host = [torch.zeros(target.num_nodes + 2, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._slot = 0
 
     def arm(self, verified: TreeOutput, path: list[int], bonus: int) -> None:
         draft = self.proposer.draft
@@ -360,7 +364,7 @@ class FusedGreedyStep:
         self.proposer.last_hidden.copy_(verified.hidden[path[-1]])
         self.ready = True
 
-    def _step(self):
+    def _step(self) -> torch.Tensor:
         draft, adapter, size = self.proposer.draft, self.target.adapter, self.target.num_nodes
         # a chain has min(budget, depth) drafts: padded to the step's size
         tokens, parents, logq = rooted(draft.bonus, self.proposer._forward()[2], size)
@@ -377,7 +381,7 @@ class FusedGreedyStep:
         draft.n.copy_(adapter.length_t)
         draft.bonus.copy_(bonus.view(1))
         self.proposer.last_hidden.copy_(out.hidden[path.gather(0, (length - 1).view(1))][0])
-        return tokens, path, length, bonus
+        return torch.cat([tokens[path], length.view(1), bonus.view(1)])  # the summary the host reads
 
     def _state(self) -> list[torch.Tensor]:
         """Every tensor a step updates in place below the committed length (scratch rows excepted)."""
@@ -391,19 +395,52 @@ class FusedGreedyStep:
     def _capture(self):
         return capture_graph(self._step, warmup=1, restore=self._state())  # a warm-up step advances the state
 
-    @torch.no_grad()
-    def step(self) -> tuple[list[int], int]:
-        """Run one step; returns the accepted path's tokens (root first) and the new bonus token."""
+    def _launch(self) -> tuple[torch.Tensor, object]:
+        """Start one step; returns ``(host slot, event)``: the slot holds its summary once the event has completed
+        (no event: it holds it already)."""
         if not self.capture:
-            tokens, path, length, bonus = self._step()
-        else:
-            if self._graph is None:
-                self._graph = self._capture()
-            self._graph[0].replay()
-            tokens, path, length, bonus = self._graph[1]
-        *accepted, n, new_bonus = torch.cat([tokens[path], length.view(1), bonus.view(1)]).tolist()  # one host read
+            return self._step(), None
+        if self._graph is None:
+            self._graph = self._capture()
+        self._graph[0].replay()
+        host, self._slot = self._host[self._slot], 1 - self._slot
+        host.copy_(self._graph[1], non_blocking=True)  # ordered before the next replay overwrites the summary
+        event = None
+        if self.target.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return host, event
+
+    def _read(self, launched) -> tuple[list[int], int]:
+        host, event = launched
+        if event is not None:
+            event.synchronize()
+        *accepted, n, bonus = host.tolist()
         self.target.adapter.length += n
-        return accepted[:n], new_bonus
+        return accepted[:n], bonus
+
+    @torch.no_grad()
+    def run(self, ahead=lambda: True):
+        """Fused steps for as long as the caller iterates: yields each step's accepted tokens (root first) and new
+        bonus token.
+
+        Captured steps are pipelined: the next step is launched before this one's tokens are read (its inputs are on
+        the device already), so the GPU does not wait for the host between steps. ``ahead()`` may veto that (no room
+        for one more step in the caches, or this step surely ends the generation); a step launched ahead and never
+        read is only wasted work: the caches are reset before the next generation.
+        """
+        in_flight: list = []
+        try:
+            while True:
+                if not in_flight:
+                    in_flight.append(self._launch())
+                if self.capture and ahead():
+                    in_flight.append(self._launch())
+                yield self._read(in_flight.pop(0))
+        finally:
+            for _, event in in_flight:  # an unread step still writes the caches: let it finish
+                if event is not None:
+                    event.synchronize()
 
 
 _STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -284,13 +284,21 @@ def _decode(
         fused = runner.draft.fused_step(runner, target_cache, accept)
 
     while not out.done:
-        if fused is not None and fused.ready:
-            with timed("step"):
-                path_tokens, bonus = fused.step()
-            stats.accepted_lengths.append(len(path_tokens))
-            stats.tree_sizes.append(tree_budget + 1)
-            stats.num_new_tokens += out.emit(path_tokens[1:] + [bonus])
-            continue
+        if fused is not None and fused.ready:  # from here on, one fused step per iteration (pipelined on CUDA)
+            # launch a step ahead only if one more fits in the caches and the step in flight may not end the output
+            block = runner.draft.block_size
+            steps = fused.run(ahead=lambda: target_cache.length + block + tree_budget + 1 <= target_cache.max_length
+                              and stats.num_new_tokens + 1 < max_new_tokens)
+            try:
+                while not out.done:
+                    with timed("step"):
+                        path_tokens, bonus = next(steps)
+                    stats.accepted_lengths.append(len(path_tokens))
+                    stats.tree_sizes.append(tree_budget + 1)
+                    stats.num_new_tokens += out.emit(path_tokens[1:] + [bonus])
+            finally:
+                steps.close()
+            break
         if hasattr(runner, "propose"):  # StaticProposer: the tree comes out of the same (captured) step
             with timed("draft+tree"):
                 draft_hidden, draft_logits, tree = runner.propose(bonus, context, target_cache.length, last_hidden)

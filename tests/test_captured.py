@@ -286,6 +286,60 @@ def test_graph_semantics_fused_steps_with_deep_acceptance(fake_graphs):
             test_fused_greedy_steps_are_exact_with_deep_acceptance(name, mode)
 
 
+def test_graph_semantics_pipelined_fused_steps(fake_graphs):
+    """Captured fused steps run one step ahead of the host: at most one launched step is never read (the last), the
+    output is still exactly greedy decoding, and a veto (``ahead``) keeps launches and reads in step."""
+    from test_generate import make_drafters, reference
+
+    from modeling_weaver import speculative_generate
+    from modeling_weaver.captured import _STATIC_TARGETS
+
+    target = TINY_TARGETS["qwen3_5"]()
+    drafter, weaver = make_drafters(target, mask_token_id=None)
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(2))
+    got, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="ddtree", tree_budget=8,
+                                      max_new_tokens=40, target_step="graph", return_stats=True)
+    assert torch.equal(got, reference(target, ids, 40))
+    (draft,) = (v for k, v in _STATIC_TARGETS[drafter].items() if k[0] == "draft")
+    (fused,) = (v for k, v in draft._steps.items() if k[0] == "fused")
+    launched, read = fused._graph[0].replays, stats.num_steps - 1  # the first step is an ordinary one
+    assert read > 3 and launched - read in (0, 1), (launched, read)
+
+    leads, read_step = [], fused._read  # a second generation (same graphs): how far launches run ahead of reads
+
+    def watched(launched_step):
+        leads.append(fused._graph[0].replays - start - len(leads))
+        return read_step(launched_step)
+
+    fused._read, start = watched, fused._graph[0].replays
+    assert torch.equal(speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="ddtree", tree_budget=8,
+                                            max_new_tokens=40, target_step="graph"), got)
+    del fused._read
+    assert max(leads) == 2 and set(leads) <= {1, 2}, leads  # the step being read, and one more in flight
+
+    fused.arm(*_ordinary_step(fused))
+    before = fused._graph[0].replays
+    steps = fused.run(ahead=lambda: False)
+    outputs = [next(steps) for _ in range(3)]
+    steps.close()
+    assert fused._graph[0].replays - before == 3 and all(len(tokens) >= 1 for tokens, _ in outputs)
+
+
+def _ordinary_step(fused):
+    """Prefill a short prompt on the fused step's target and run one ordinary step: what ``arm`` takes."""
+    from modeling_weaver.accept import accept_greedy
+
+    fused.target.adapter.reset()
+    verified = fused.target.prefill(torch.arange(3, 9))
+    proposer = fused.proposer
+    _, _, tree = proposer.propose(int(verified.logits[-1].argmax()), verified.features, fused.target.length,
+                                  verified.hidden[-1])
+    out = fused.target.verify(tree)
+    accepted = accept_greedy(tree, out.logits)
+    fused.target.commit(accepted.path)
+    return out, accepted.path, accepted.bonus
+
+
 def test_graph_semantics_sampler(fake_graphs):
     from test_sampler import EOS, hf_greedy
 
