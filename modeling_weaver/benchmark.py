@@ -114,6 +114,17 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
         adapter = static_target(target, max_length, 1, **step_options(target_step, input_ids.device))
     logits = adapter.prefill(input_ids[0]).logits[-1]
     new: list[int] = []
+    if target_step != "eager" and temperature == 0:  # one fixed-shape step per token, pipelined when captured
+        new.append(int(logits.argmax()))
+        step = adapter.ar_step()
+        step.seed(new[0])
+        steps = step.run(ahead=lambda: len(new) + 1 < max_new_tokens)  # a step ahead only for a wanted token
+        try:
+            while new[-1] not in eos and len(new) < max_new_tokens:
+                new.append(next(steps))
+        finally:
+            steps.close()
+        return torch.cat([input_ids, input_ids.new_tensor([new])], dim=1)
     while True:
         if temperature > 0:
             probs = torch.softmax(logits.float() / temperature, -1).cpu()

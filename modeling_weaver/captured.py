@@ -82,6 +82,13 @@ class StaticTarget:
         self.path = torch.full((num_nodes,), -1, dtype=torch.long, device=device)
         self._graphs: tuple | None = None  # (verify graph, its output, commit graph)
         self.captures = 0
+        self._ar: FusedARStep | None = None
+
+    def ar_step(self) -> FusedARStep:
+        """This step's :class:`FusedARStep` (one-node steps only; kept: its graph reads these buffers)."""
+        if self._ar is None:
+            self._ar = FusedARStep(self)
+        return self._ar
 
     # The adapter's bookkeeping, for the loop.
     length = property(lambda self: self.adapter.length)
@@ -336,24 +343,89 @@ class StaticProposer:
         return hidden, logits, with_root(bonus, drafts)
 
 
-class FusedGreedyStep:
+def adapter_state(adapter: TargetAdapter) -> list[torch.Tensor]:
+    """The committed state a step of ``adapter`` advances in place (scratch K/V rows aside): restored around a
+    captured step's warm-up."""
+    tensors = [adapter.length_t]
+    for cache in adapter.layer_caches:
+        tensors += [cache.state, cache.window] if hasattr(cache, "state") else []
+    return tensors
+
+
+class PipelinedSteps:
+    """Steps whose inputs the previous step left on the device, one CUDA graph each, launched one ahead of the host.
+
+    A subclass gives ``_step()`` (returns a small ``[summary_size]`` long tensor: what the host reads), ``_state()``
+    (what a step advances in place) and ``_parse(list)`` (the host side of a summary). :meth:`run` yields the parsed
+    summaries; while the host reads step k, step k+1 already runs.
+    """
+
+    def __init__(self, device: torch.device, summary_size: int, capture: bool):
+        self.capture = capture
+        self._graph: tuple | None = None
+        # Two host slots for summaries: one being read, one being filled.
+        pin = device.type == "cuda"
+        self._host = [torch.zeros(summary_size, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._slot, self._cuda = 0, pin
+
+    def _launch(self) -> tuple[torch.Tensor, object]:
+        """Start one step; returns ``(host slot, event)``: the slot holds its summary once the event has completed
+        (no event: it holds it already)."""
+        if not self.capture:
+            return self._step(), None
+        if self._graph is None:  # a warm-up step advances the state: restored
+            self._graph = capture_graph(self._step, warmup=1, restore=self._state())
+        self._graph[0].replay()
+        host, self._slot = self._host[self._slot], 1 - self._slot
+        host.copy_(self._graph[1], non_blocking=True)  # ordered before the next replay overwrites the summary
+        event = None
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+        return host, event
+
+    def _read(self, launched):
+        host, event = launched
+        if event is not None:
+            event.synchronize()
+        return self._parse(host.tolist())
+
+    @torch.no_grad()
+    def run(self, ahead=lambda: True):
+        """Steps for as long as the caller iterates, yielding each one's parsed summary.
+
+        Captured steps are pipelined: the next step is launched before this one's summary is read (its inputs are on
+        the device already), so the GPU does not wait for the host between steps. ``ahead()`` may veto that (no room
+        for one more step in the caches, or this step surely ends the generation); a step launched ahead and never
+        read is only wasted work: the caches are reset before the next generation.
+        """
+        in_flight: list = []
+        try:
+            while True:
+                if not in_flight:
+                    in_flight.append(self._launch())
+                if self.capture and ahead():
+                    in_flight.append(self._launch())
+                yield self._read(in_flight.pop(0))
+        finally:
+            for _, event in in_flight:  # an unread step still writes the caches: let it finish
+                if event is not None:
+                    event.synchronize()
+
+
+class FusedGreedyStep(PipelinedSteps):
     """One whole greedy step — draft + tree, verify, accept, commit — at fixed shapes: one CUDA graph on CUDA.
 
     The step reads its inputs (the accepted path's target features, its length, the committed length, the bonus
     token, the last hidden state) from device buffers that the previous step wrote, so nothing returns to the host
-    inside it, and the next step can be launched before the host has read this one's tokens (:meth:`run`). The
+    inside it and :meth:`run` yields ``(accepted tokens, root first; new bonus token)`` per step, pipelined. The
     first step after the prefill runs the ordinary way and :meth:`arm` seeds the buffers from it.
     """
 
     def __init__(self, proposer: StaticProposer, target: StaticTarget, acceptance=None):
+        super().__init__(target.device, target.num_nodes + 2, proposer.draft.capture)
         self.proposer, self.target, self.acceptance = proposer, target, acceptance
-        self.capture = proposer.draft.capture
         self.ready = False
-        self._graph: tuple | None = None
-        # Two host slots for step summaries (accepted tokens, length, bonus): one being read, one being filled.
-        pin = target.device.type == "cuda"
-        self._host = [torch.zeros(target.num_nodes + 2, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._slot = 0
 
     def arm(self, verified: TreeOutput, path: list[int], bonus: int) -> None:
         draft = self.proposer.draft
@@ -381,66 +453,50 @@ class FusedGreedyStep:
         draft.n.copy_(adapter.length_t)
         draft.bonus.copy_(bonus.view(1))
         self.proposer.last_hidden.copy_(out.hidden[path.gather(0, (length - 1).view(1))][0])
-        return torch.cat([tokens[path], length.view(1), bonus.view(1)])  # the summary the host reads
+        return torch.cat([tokens[path], length.view(1), bonus.view(1)])
 
     def _state(self) -> list[torch.Tensor]:
-        """Every tensor a step updates in place below the committed length (scratch rows excepted)."""
-        draft, adapter = self.proposer.draft, self.target.adapter
-        tensors = [adapter.length_t, draft.context, draft.count, draft.n, draft.bonus, self.proposer.last_hidden]
+        draft = self.proposer.draft
+        tensors = [draft.context, draft.count, draft.n, draft.bonus, self.proposer.last_hidden]
         tensors += list(getattr(self.acceptance, "state", lambda: [])())  # e.g. a replayed trace's step counter
-        for cache in adapter.layer_caches:
-            tensors += [cache.state, cache.window] if hasattr(cache, "state") else []
-        return tensors
+        return adapter_state(self.target.adapter) + tensors
 
-    def _capture(self):
-        return capture_graph(self._step, warmup=1, restore=self._state())  # a warm-up step advances the state
-
-    def _launch(self) -> tuple[torch.Tensor, object]:
-        """Start one step; returns ``(host slot, event)``: the slot holds its summary once the event has completed
-        (no event: it holds it already)."""
-        if not self.capture:
-            return self._step(), None
-        if self._graph is None:
-            self._graph = self._capture()
-        self._graph[0].replay()
-        host, self._slot = self._host[self._slot], 1 - self._slot
-        host.copy_(self._graph[1], non_blocking=True)  # ordered before the next replay overwrites the summary
-        event = None
-        if self.target.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return host, event
-
-    def _read(self, launched) -> tuple[list[int], int]:
-        host, event = launched
-        if event is not None:
-            event.synchronize()
-        *accepted, n, bonus = host.tolist()
+    def _parse(self, summary: list[int]) -> tuple[list[int], int]:
+        *accepted, n, bonus = summary
         self.target.adapter.length += n
         return accepted[:n], bonus
 
-    @torch.no_grad()
-    def run(self, ahead=lambda: True):
-        """Fused steps for as long as the caller iterates: yields each step's accepted tokens (root first) and new
-        bonus token.
 
-        Captured steps are pipelined: the next step is launched before this one's tokens are read (its inputs are on
-        the device already), so the GPU does not wait for the host between steps. ``ahead()`` may veto that (no room
-        for one more step in the caches, or this step surely ends the generation); a step launched ahead and never
-        read is only wasted work: the caches are reset before the next generation.
-        """
-        in_flight: list = []
-        try:
-            while True:
-                if not in_flight:
-                    in_flight.append(self._launch())
-                if self.capture and ahead():
-                    in_flight.append(self._launch())
-                yield self._read(in_flight.pop(0))
-        finally:
-            for _, event in in_flight:  # an unread step still writes the caches: let it finish
-                if event is not None:
-                    event.synchronize()
+class FusedARStep(PipelinedSteps):
+    """Our greedy AR step at fixed shapes — verify the last token, commit it, argmax — one CUDA graph on CUDA; the
+    next step's input is this step's output, on the device. :meth:`run` yields one token per step, pipelined."""
+
+    def __init__(self, target: StaticTarget):
+        if target.num_nodes != 1:
+            raise ValueError(f"an AR step verifies one node, not {target.num_nodes}")
+        super().__init__(target.device, 1, target.capture)
+        self.target = target
+        self.mask = torch.ones(1, 1, dtype=torch.bool, device=target.device)
+        self.root = torch.full((1,), -1, dtype=torch.long, device=target.device)
+        self.first = torch.zeros(1, dtype=torch.long, device=target.device)
+
+    def seed(self, token: int) -> None:
+        """The token the first step verifies (the prefill's argmax)."""
+        self.target.tokens.fill_(int(token))
+
+    def _step(self) -> torch.Tensor:
+        adapter, token = self.target.adapter, self.target.tokens
+        out = adapter.tree_step(token, self.root, adapter.max_length, self.mask)
+        adapter.commit_step(self.first)
+        token.copy_(out.logits[0].argmax().view(1))
+        return token
+
+    def _state(self) -> list[torch.Tensor]:
+        return adapter_state(self.target.adapter) + [self.target.tokens]
+
+    def _parse(self, summary: list[int]) -> int:
+        self.target.adapter.length += 1
+        return summary[0]
 
 
 _STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -495,5 +551,6 @@ def release_static_targets(model) -> None:
     _STATIC_TARGETS.pop(model, None)
 
 
-__all__ = ["DFlashStaticCache", "FusedGreedyStep", "StaticDraft", "StaticProposer", "StaticTarget", "capture_graph",
-           "draft_head", "release_static_targets", "static_draft", "static_target", "step_options"]
+__all__ = ["DFlashStaticCache", "FusedARStep", "FusedGreedyStep", "PipelinedSteps", "StaticDraft", "StaticProposer",
+           "StaticTarget", "adapter_state", "capture_graph", "draft_head", "release_static_targets", "static_draft",
+           "static_target", "step_options"]

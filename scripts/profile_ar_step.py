@@ -5,8 +5,8 @@
 1. The AR step (verify of one node + commit) run ``--tokens`` times without CUDA graphs (``static``: eager
    fixed-shape ops; ``compiled``: the torch.compile'd tree pass and commit), so the profiler sees every kernel:
    GPU busy time per step and the kernel table.
-2. With ``--graph-gap``: the same step replayed as CUDA graphs, once back to back (GPU time alone) and once in the
-   host loop of ``autoregressive_generate`` (host work between steps included): the difference is the host gap.
+2. With ``--graph-gap``: the fused AR step's CUDA graph replayed back to back (GPU time alone), and
+   ``autoregressive_generate``'s pipelined loop (host work between steps included): the difference is the host gap.
 3. With ``--proposer MODE``: one DFlash draft + tree build of that mode at ``--budget`` (compiled when the target
    step is), its kernel table.
 """
@@ -67,15 +67,13 @@ def main():
         autoregressive_generate(target, ids, 8, eos_token_id=[], target_step=target_step)  # captures
         graph = static_target(target, args.prompt_length + 4 * args.tokens + 1, 1, capture=True, compile=compile)
         graph.prefill(ids[0])
-        graph.verify(one)  # (graph replays read the static buffers)
-        verify_graph, _, commit_graph = graph._graphs
+        ar_graph = graph.ar_step()._graph[0]  # the fused AR step: verify + commit + argmax, one graph
         reps = 4 * args.tokens
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
         for _ in range(reps):
-            verify_graph.replay()
-            commit_graph.replay()
+            ar_graph.replay()
         end.record()
         end.synchronize()
         replay_ms = start.elapsed_time(end) / reps
@@ -89,7 +87,7 @@ def main():
         torch.cuda.synchronize()
         prefill_ms = 1e3 * (time.perf_counter() - t0)
         per_token = (loop_ms - prefill_ms) / reps
-        print(f"\n## graph replays back to back: {replay_ms:.2f} ms per AR step; in the generate loop: "
+        print(f"\n## AR graph replays back to back: {replay_ms:.2f} ms per step; in the generate loop: "
               f"{per_token:.2f} ms per token → host gap {per_token - replay_ms:.2f} ms per step")
 
     if args.proposer:

@@ -220,7 +220,9 @@ def test_graph_semantics_keep_the_loop_exact(fake_graphs, name):
             assert torch.equal(got, expected), (name, mode, ids.shape)
     steps = [s for s in _STATIC_TARGETS[target].values()]
     assert {s.num_nodes for s in steps} == {1, 11}, [(s.num_nodes, s.capture, s.captures) for s in steps]
-    assert all(s.capture and s.captures == 1 for s in steps), [(s.num_nodes, s.capture, s.captures) for s in steps]
+    (ar,), (tree,) = ([s for s in steps if s.num_nodes == n] for n in (1, 11))
+    assert tree.capture and tree.captures == 1  # verify and commit graphs, once for every prompt length
+    assert ar.capture and ar.captures == 0 and ar._ar._graph[0].replays > 0  # AR: its fused step's graph only
     draft = next(v for k, v in _STATIC_TARGETS[drafter].items() if k[0] == "draft")
     fused = [v for k, v in draft._steps.items() if k[0] == "fused"]
     assert len(fused) == 3 and all(f._graph is not None and f._graph[0].replays > 0 for f in fused)
@@ -316,6 +318,14 @@ def test_graph_semantics_pipelined_fused_steps(fake_graphs):
                                             max_new_tokens=40, target_step="graph"), got)
     del fused._read
     assert max(leads) == 2 and set(leads) <= {1, 2}, leads  # the step being read, and one more in flight
+
+    # our AR path runs its own fused step, pipelined as well: it stops at an end token as transformers does
+    from modeling_weaver.benchmark import autoregressive_generate
+
+    ref = reference(target, ids, 40)[0, ids.shape[1]:].tolist()
+    eos = ref[4]
+    ar = autoregressive_generate(target, ids, 40, eos_token_id=eos, target_step="graph")[0, ids.shape[1]:].tolist()
+    assert ar == ref[: ref.index(eos) + 1]
 
     fused.arm(*_ordinary_step(fused))
     before = fused._graph[0].replays
