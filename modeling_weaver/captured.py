@@ -340,7 +340,7 @@ class StaticProposer:
         self.draft.load(bonus, context, n)
         self.last_hidden.copy_(last_hidden)
         hidden, logits, drafts = self.draft.run(self._forward, key=self.key)
-        return hidden, logits, with_root(bonus, drafts)
+        return hidden, logits, with_root(self.draft.bonus, drafts)  # (the root already on the device: no copy)
 
 
 def adapter_state(adapter: TargetAdapter) -> list[torch.Tensor]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
@@ -22,16 +22,19 @@ class Tree:
         parents: ``[N]`` parent index of each node, ``-1`` for the root; ``parents[i] < i``.
         logq: ``[N]`` log-probability of each node under its parent's proposal distribution (0 for the root).
             Traversal verification renormalises these over each node's children.
+        check_root: check that node 0 is a root (a host read: :func:`with_root` and :meth:`padded`, which put the
+            root there themselves, skip it so that building a tree never waits for the device).
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     logq: torch.Tensor
+    check_root: InitVar[bool] = True
 
-    def __post_init__(self):
+    def __post_init__(self, check_root: bool):
         if self.tokens.dim() != 1 or self.tokens.shape != self.parents.shape:
             raise ValueError("tokens and parents must be 1-D tensors of the same length")
-        if int(self.parents[0]) != -1:
+        if check_root and int(self.parents[0]) != -1:
             raise ValueError("node 0 must be the root (parent -1)")
 
     @classmethod
@@ -70,7 +73,8 @@ class Tree:
             raise ValueError(f"a tree of {len(self)} nodes cannot be padded to {num_nodes}")
         if num_nodes == len(self):
             return self
-        return Tree(*rooted(self.tokens[:1], (self.tokens[1:], self.parents[1:], self.logq[1:]), num_nodes))
+        return Tree(*rooted(self.tokens[:1], (self.tokens[1:], self.parents[1:], self.logq[1:]), num_nodes),
+                    check_root=False)
 
     def children(self) -> list[list[int]]:
         """Children of every node, in node order."""
@@ -125,7 +129,7 @@ def rooted(root, drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_no
 
 def with_root(root, drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Tree:
     """A :class:`Tree` from a builder's draft nodes (``tokens, parents, logq``; parent 0 = the root) and the root."""
-    return Tree(*rooted(root, drafts))
+    return Tree(*rooted(root, drafts), check_root=False)
 
 
 def tree_drafts(mode: str, root, draft_hidden: torch.Tensor, draft_logits: torch.Tensor, budget: int, weaver=None,

@@ -54,3 +54,19 @@ def test_ddtree_keeps_parents_first_when_a_token_is_certain():
     tokens, parents, logq = ddtree_tensors(logits, 12)
     assert all(p < i + 1 for i, p in enumerate(parents.tolist()))  # entry i is node i + 1
     assert (parents >= 0).all()
+
+
+def test_trees_from_builders_never_wait_for_the_device():
+    """Building a tree from a builder's drafts (`with_root`, `padded`) reads nothing on the host — a read would make
+    the host wait for the draft step before it can queue the verify — while a hand-built tree is still checked."""
+    import pytest
+    from test_captured import CaptureRules
+
+    from modeling_weaver.tree import Tree, with_root
+
+    logits, root = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)), torch.tensor([7])
+    with CaptureRules():  # refuses host reads of tensor values
+        tree = with_root(root, ddtree_tensors(logits, 9)).padded(16)
+    assert len(tree) == 16 and int(tree.parents[0]) == -1
+    with pytest.raises(ValueError, match="node 0 must be the root"):
+        Tree(torch.tensor([1, 2]), torch.tensor([1, -1]), torch.zeros(2))
