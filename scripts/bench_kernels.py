@@ -176,8 +176,9 @@ def bench_T(T, kind, args, fla):
                                               use_qk_l2norm_in_kernel=True, o=ob["o"], u=ob["u"], gamma=ob["gamma"],
                                               impl=impl)
 
-    def commit_fn(x, ob):
-        return lambda: gdn_tree_commit_triton(x["S"], x["k"], ob["u"], ob["gamma"], path, use_qk_l2norm_in_kernel=True)
+    def commit_fn(x, ob, stages=1):
+        return lambda: gdn_tree_commit_triton(x["S"], x["k"], ob["u"], ob["gamma"], path, use_qk_l2norm_in_kernel=True,
+                                              stages=stages)
 
     def step_fn(x, ob, impl):
         v_, c_ = verify_fn(x, ob, impl), commit_fn(x, ob)
@@ -192,6 +193,9 @@ def bench_T(T, kind, args, fla):
     res["verify"] = min((res[f"verify_{i}"] for i in args.impls), key=lambda r: r["us"])
     res["step"] = min((res[f"step_{i}"] for i in args.impls), key=lambda r: r["us"])
     res["commit"] = timed("commit", [commit_fn(x, ob) for x, ob in zip(layers, outs)], args.reps)
+    for stages in args.commit_stages:  # side by side: the commit's path loop software-pipelined
+        res[f"commit_stages{stages}"] = timed(f"commit stages={stages}",
+                                              [commit_fn(x, ob, stages) for x, ob in zip(layers, outs)], args.reps)
     res["autotuned"] = _best_configs()
 
     if args.no_baseline:
@@ -310,6 +314,8 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-ref", action="store_true")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--commit-stages", type=int, nargs="*", default=[],
+                    help="also time the commit with its path loop software-pipelined this deep (e.g. 2 3)")
     args = ap.parse_args()
     fla = None
     if not args.no_fla:

@@ -247,6 +247,21 @@ def test_gdn_chain_matches_recurrence_interpreter(ik):
     assert rel_rms(o, ro) <= 1e-5 and rel_rms(S, rS) <= 1e-5
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_gdn_commit_pipelined_loop_interpreter(ik, stages):
+    """The commit's software-pipelined path loop (``stages``) gives the recurrence's final state on a 40-node chain
+    (three 16-node chunks), as the plain loop does."""
+    T, B, H, HV, K, V = 40, 1, 2, 4, 16, 16
+    q, k, v, g, beta, S0 = gdn_inputs(B, T, H, HV, K, V, torch.float32, seed=4)
+    _, u, gm = ik.chunk.gdn_tree_verify_triton(q, k, v, g, beta, S0, ancestor_mask(chain_parents(T)),
+                                               use_qk_l2norm_in_kernel=True)
+    S = S0.clone()
+    ik.chunk.gdn_tree_commit_triton(S, k, u, gm, torch.arange(T), use_qk_l2norm_in_kernel=True, stages=stages)
+    _, rS = gdn_recurrent_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), S0.double(),
+                              use_qk_l2norm_in_kernel=True)
+    assert rel_rms(S, rS) <= 1e-5
+
+
 def test_gdn_tree_random_search_interpreter(ik):
     """Seeded random search over tree shapes, sizes, head grouping, dims, dtypes and l2norm (property test)."""
     rng = random.Random(2024)

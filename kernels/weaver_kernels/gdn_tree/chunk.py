@@ -441,7 +441,7 @@ def _gdn_tree_commit_kernel(
     state, k, u, gamma, path, L, T,
     sk_b, sk_t, sk_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, STAGES: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -467,12 +467,13 @@ def _gdn_tree_commit_kernel(
     m_s = m_k[:, None] & m_v[None, :]
     S = tl.load(s_ptr, mask=m_s, other=0.0).to(tl.float32)  # issued early: its latency hides under the path loop
 
-    # Σ_j coef_j k_j u_jᵀ over the path, 16 entries at a time (bounded registers for long chains)
+    # Σ_j coef_j k_j u_jᵀ over the path, 16 entries at a time (bounded registers for long chains); STAGES > 1 lets
+    # the compiler issue the next chunk's loads (path → γ, k, u: a dependent chain) under this chunk's product
     o_c = tl.arange(0, 16)
     k_base = k + i_b64 * sk_b + i_h * sk_h
     u_base = u + i_b64 * T * HV * V + i_hv * V
     delta = tl.full([BK, BV], 0.0, tl.float32)
-    for c in range(0, (n + 15) // 16):
+    for c in tl.range(0, (n + 15) // 16, num_stages=STAGES):
         j = c * 16 + o_c
         pj = tl.load(path + j, mask=j < n, other=-1).to(tl.int32)
         vj = pj >= 0
@@ -622,10 +623,12 @@ def gdn_tree_commit_triton(
     *,
     BV: int | None = None,
     num_warps: int = 4,
+    stages: int = 1,
 ) -> torch.Tensor:
     """Triton version of :func:`~weaver_kernels.gdn_tree.naive.gdn_tree_commit_ref`: advances ``state`` in place.
 
-    ``path`` (node indices root..leaf, on the device) may be right-padded with -1.
+    ``path`` (node indices root..leaf, on the device) may be right-padded with -1. ``stages``: software-pipelining
+    depth of the loop over 16-node chunks of the path (1: none; more is for ``scripts/bench_kernels.py`` to compare).
     """
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
@@ -644,6 +647,6 @@ def gdn_tree_commit_triton(
             state, k, u, gamma, path, L, T,
             k.stride(0), k.stride(1), k.stride(2),
             H=H, HV=HV, K=K, V=V, LP=max(16, next_pow2(L)), BK=BK, BV=BV,
-            L2NORM=bool(use_qk_l2norm_in_kernel), num_warps=num_warps, num_stages=1,
+            L2NORM=bool(use_qk_l2norm_in_kernel), STAGES=stages, num_warps=num_warps, num_stages=1,
         )
     return state
