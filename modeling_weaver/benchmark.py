@@ -100,8 +100,10 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
     Args:
         input_ids: ``[1, T]`` prompt. temperature: 0 = greedy, else plain sampling at that temperature.
         eos_token_id: one id or several; default the target's generation config.
-        target_step: ``"eager"``, ``"static"``, ``"graph"`` (the one-node step captured in a CUDA graph on CUDA) or
-            ``"compiled"``, as in :func:`~modeling_weaver.generate.speculative_generate`.
+        target_step: ``"eager"``, ``"static"``, ``"graph"`` or ``"compiled"``, as in
+            :func:`~modeling_weaver.generate.speculative_generate`. Greedy fixed-shape decoding runs one
+            :class:`~modeling_weaver.captured.FusedARStep` per token (verify, commit and argmax in one CUDA graph on
+            CUDA, launched before the host reads the previous token).
     Returns:
         ``[1, T + new]`` ids (greedy output equals ``target.generate(do_sample=False)``).
     """
