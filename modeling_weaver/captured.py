@@ -20,7 +20,6 @@ the same graphs. :func:`draft_head` gives a drafter the target's lm_head in its 
 
 from __future__ import annotations
 
-import gc
 import weakref
 
 import torch
@@ -52,10 +51,6 @@ def capture_graph(fn, pool=None, warmup: int = 2, restore=()):
     finally:  # also when capture fails and the caller goes on eagerly
         for x, y in zip(restore, saved):
             x.copy_(y)
-    # Compiling and capturing leave a large heap of long-lived objects; a full collection over it in the middle of a
-    # generation costs hundreds of ms. Collect once now and move the survivors out of the collector's sight.
-    gc.collect()
-    gc.freeze()
     return graph, out
 
 

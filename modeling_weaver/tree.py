@@ -256,8 +256,8 @@ def weaver_tree_tensors(
     The root is expanded first; then each round turns the ``width`` best frontier entries (cumulative log-prob) into
     tree nodes and runs one batched Weaver node step on them, which publishes each node's top ``children_per_node``
     pool candidates (none for nodes at the maximum depth) to the frontier. ``ceil(budget / width)`` rounds fill the
-    budget (``width`` default: ``budget // max_depth``, so that there are at least as many rounds as depths, and a
-    path can reach the maximum depth); missing nodes (an exhausted frontier) are padding
+    budget (``width`` default: the widest that still leaves at least as many rounds as depths, so that a path can
+    reach the maximum depth); missing nodes (an exhausted frontier) are padding
     roots. Every shape is fixed by ``budget`` and ``width`` and nothing waits for the host, so a captured step can
     include the whole build.
 
@@ -276,9 +276,11 @@ def weaver_tree_tensors(
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return empty, empty, torch.zeros(0, device=device)
     # A node of depth d exists only after d rounds, so fewer than max_depth rounds would cap the tree's depth
-    # (8 rounds cut a replayed MAL of 7.2 to 5.5 at Qwen3.6-27B shape); as wide as that allows: rounds are chains of
-    # small dependent kernels (≈ 0.14 ms each on an H200 at that shape).
-    width = max(1, budget // max_depth) if width is None else width
+    # (8 rounds cut a replayed MAL of 7.2 to 5.5 at Qwen3.6-27B shape); as wide as that allows (the largest width
+    # with ceil(budget / width) >= max_depth): rounds are chains of small dependent kernels (≈ 0.14 ms each on an
+    # H200 at that shape).
+    if width is None:
+        width = budget if max_depth == 1 else max(1, (budget - 1) // (max_depth - 1))
     pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])
     pool_logits, pool_ids = draft_logits[:max_depth].float().topk(pool, dim=-1)  # [D, pool]: children of depth d+1
     fan = min(children_per_node, pool)
