@@ -291,7 +291,7 @@ def _decode(
                               and stats.num_new_tokens + 1 < max_new_tokens)
             try:
                 while not out.done:
-                    with timed("step"):
+                    with timed("step"):  # (pipelined: a span holds the GPU time of the step launched ahead in it)
                         path_tokens, bonus = next(steps)
                     stats.accepted_lengths.append(len(path_tokens))
                     stats.tree_sizes.append(tree_budget + 1)
