@@ -33,7 +33,6 @@ from .generate import MODES, PHASES, TARGET_STEPS, DFlashRunner, PhaseTimer, _de
 from .tree import Tree
 
 
-
 def synthetic_trace(mal: float, max_length: int, num_steps: int = 4096, seed: int = 0) -> list[int]:
     """Accepted lengths (bonus included) ``1 + min(G, max_length - 1)``, ``G`` geometric, whose mean is ``mal``: the
     continuation probability ``q`` solves ``1 + Σ_{k=1}^{m} q^k = mal`` (``m = max_length - 1``; the cap at the block
@@ -329,6 +328,22 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) 
     return 2 * nbytes / sorted(times[3:])[reps // 2]
 
 
+def graph_replay_ms(graph, reps: int = 10) -> tuple[float, float]:
+    """``(GPU ms per replay, median host ms per replay() call)`` of a captured CUDA graph replayed ``reps`` times
+    back to back (what the graph costs with no host work between replays; replays advance whatever it updates)."""
+    torch.cuda.synchronize()
+    host = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        graph.replay()
+        host.append(1e3 * (time.perf_counter() - t0))
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps, sorted(host)[reps // 2]
+
+
 def replay_table(rows: list[dict]) -> str:
     head = ["method", "MAL (trace)", "decode tok/s", "×AR", "ms/step"] + [f"{p} ms" for p in PHASES] + ["GC ms/run"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -449,4 +464,5 @@ def run_replay(args) -> int:
     return 0
 
 
-__all__ = ["ReplayedAcceptance", "load_traces", "memory_check", "random_models", "random_prompt", "replay_generate", "run_replay", "synthetic_trace"]
+__all__ = ["ReplayedAcceptance", "graph_replay_ms", "load_traces", "memory_check", "random_models", "random_prompt",
+           "replay_generate", "run_replay", "synthetic_trace"]

@@ -257,12 +257,11 @@ def weaver_tree_tensors(
     tree nodes and runs one batched Weaver node step on them, which publishes each node's top ``children_per_node``
     pool candidates (none for nodes at the maximum depth) to the frontier. ``ceil(budget / width)`` rounds fill the
     budget (``width`` default: the widest that still leaves at least as many rounds as depths, so that a path can
-    reach the maximum depth); missing nodes (an exhausted frontier) are padding
-    roots. Every shape is fixed by ``budget`` and ``width`` and nothing waits for the host, so a captured step can
-    include the whole build.
+    reach the maximum depth); missing nodes (an exhausted frontier) are padding roots. Every shape is fixed by
+    ``budget`` and ``width`` and nothing waits for the host, so a captured step can include the whole build.
 
     Args:
-        root: the bonus token (an int or a 0-d tensor on the device).
+        root: the bonus token (an int, or a 0-d or one-element tensor on the device).
         weaver: a :class:`~modeling_weaver.modeling_weaver.WeaverModel`.
         prompt: the Weaver prompt for this step (``weaver.encode_prompt``).
         draft_logits: ``[D, V]`` DFlash marginal logits for depths ``1..D``; depth is capped at

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from modeling_weaver.captured import _STATIC_TARGETS
-from modeling_weaver.replay import (ReplayedAcceptance, memory_check, random_models, random_prompt, replay_generate,
-                                    replay_table, run_replay_suite, synthetic_trace)
+from modeling_weaver.replay import (ReplayedAcceptance, graph_replay_ms, memory_check, random_models, random_prompt,
+                                    replay_generate, replay_table, run_replay_suite, synthetic_trace)
 
 
 def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:
@@ -31,19 +31,9 @@ def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:
         for step_key, step in steps._steps.items():
             if step_key[0] != "fused" or step._graph is None or step.proposer.mode != mode:
                 continue
-            graph = step._graph[0]
-            torch.cuda.synchronize()
-            host = []
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                graph.replay()
-                host.append(time.perf_counter() - t0)
-            end.record()
-            end.synchronize()
-            lines.append(f"{mode} fused graph: replay() returns after {1e3 * sorted(host)[reps // 2]:.2f} ms (median), "
-                         f"GPU {start.elapsed_time(end) / reps:.2f} ms per step back to back")
+            gpu_ms, host_ms = graph_replay_ms(step._graph[0], reps)
+            lines.append(f"{mode} fused graph: replay() returns after {host_ms:.2f} ms (median), "
+                         f"GPU {gpu_ms:.2f} ms per step back to back")
     return "\n".join(lines)
 
 

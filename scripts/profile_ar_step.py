@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from modeling_weaver.benchmark import autoregressive_generate
 from modeling_weaver.captured import cache_bucket, static_draft, static_target
-from modeling_weaver.replay import random_models, random_prompt
+from modeling_weaver.replay import graph_replay_ms, random_models, random_prompt
 from modeling_weaver.tree import Tree
 
 
@@ -69,16 +69,8 @@ def main():
         autoregressive_generate(target, ids, new_tokens, eos_token_id=[], target_step=target_step)  # captures
         graph = static_target(target, max_length, 1, capture=True, compile=compile)
         graph.prefill(ids[0])
-        ar_graph = graph.ar_step()._graph[0]  # the fused AR step: verify + commit + argmax, one graph
         reps = 4 * args.tokens
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            ar_graph.replay()
-        end.record()
-        end.synchronize()
-        replay_ms = start.elapsed_time(end) / reps
+        replay_ms, _ = graph_replay_ms(graph.ar_step()._graph[0], reps)  # the fused AR step: verify+commit+argmax
         lengths, seconds = (new_tokens - reps, new_tokens), []  # both in the bucket: their difference is `reps` steps
         for n in lengths:
             torch.cuda.synchronize()
