@@ -195,25 +195,38 @@ class DFlashRunner:
 
 
 class _Output:
-    """Emitted tokens, stopping rules and the streamer, one token at a time."""
+    """Emitted tokens, stopping rules and the streamer, one token at a time.
 
-    def __init__(self, prompt: torch.Tensor, stopping_criteria: StoppingCriteriaList, streamer):
-        self.ids = prompt[None].clone()
-        self.prompt_len = prompt.shape[0]
+    The ids live on the host, so stopping rules and the streamer read them without waiting for the device: a device
+    tensor here would make each emitted token wait behind the step already queued ahead (a copy to, or a read from,
+    the device is ordered after it). Stopping criteria therefore see CPU ``input_ids`` (transformers' own criteria
+    move their tensors to ``input_ids.device``)."""
+
+    def __init__(self, prompt: torch.Tensor, max_new_tokens: int, stopping_criteria: StoppingCriteriaList, streamer):
+        self.device, self.prompt_len = prompt.device, prompt.shape[0]
+        self._ids = torch.empty(1, self.prompt_len + max_new_tokens, dtype=prompt.dtype)
+        self._ids[0, :self.prompt_len] = prompt.cpu()
+        self.length = self.prompt_len
         self.stopping_criteria, self.streamer = stopping_criteria, streamer
         self.done = False
 
+    @property
+    def ids(self) -> torch.Tensor:
+        """``[1, prompt + emitted]`` on the host."""
+        return self._ids[:, :self.length]
+
     def emit(self, tokens: list[int]) -> int:
-        """Append tokens until a stopping rule fires; returns how many were kept."""
+        """Append tokens until a stopping rule fires or ``max_new_tokens`` are out; returns how many were kept."""
         kept = 0
         for tok in tokens:
             if self.done:
                 break
-            self.ids = torch.cat([self.ids, self.ids.new_tensor([[tok]])], dim=1)
+            self._ids[0, self.length] = tok
+            self.length += 1
             kept += 1
-            self.done = bool(self.stopping_criteria(self.ids, None).any())
+            self.done = self.length == self._ids.shape[1] or bool(self.stopping_criteria(self.ids, None).any())
         if kept and self.streamer is not None:
-            self.streamer.put(self.ids[0, -kept:].cpu())
+            self.streamer.put(self.ids[0, -kept:].clone())
         return kept
 
 
@@ -246,7 +259,7 @@ def _decode(
     if verification is None:
         verification = "traversal" if mode == "weaver" else "target_only"
     stats = SpeculativeStats()
-    out = _Output(prompt, stopping_criteria, streamer)
+    out = _Output(prompt, max_new_tokens, stopping_criteria, streamer)
     embed_tokens = target.get_input_embeddings()
     lm_head = target.get_output_embeddings()
     max_length = prompt.shape[0] + max_new_tokens + tree_budget + 2
@@ -264,7 +277,7 @@ def _decode(
 
     def distribution(logits: torch.Tensor) -> torch.Tensor:
         # Row-wise processors ignore input_ids; the prompt stands in for every row.
-        scores = processors(out.ids.expand(logits.shape[0], -1), logits.float())
+        scores = processors(out.ids.to(logits.device).expand(logits.shape[0], -1), logits.float())
         return scores.softmax(-1) if do_sample else scores
 
     def first_token(logits: torch.Tensor) -> int:
@@ -340,7 +353,7 @@ def _decode(
         stats.phase_ms = timer.totals_ms()
     if streamer is not None:
         streamer.end()
-    return out.ids, stats
+    return out.ids.to(out.device), stats
 
 
 def speculative_generate(

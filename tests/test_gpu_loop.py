@@ -7,7 +7,7 @@ from tiny_targets import TINY_TARGETS
 from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
 from modeling_weaver import speculative_generate
-from modeling_weaver.generate import MODES, _decode
+from modeling_weaver.generate import MODES, DFlashRunner, _decode
 from modeling_weaver.target import text_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -98,3 +98,30 @@ def test_graph_steps_allocate_nothing_per_step_and_capture_once():
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 1 << 20  # per-call scratch only, no per-step growth
     assert draft.capture and len(graphs) == 2 and draft._graphs == graphs
+
+
+def test_stopping_rules_read_host_ids():
+    """The fused steps run one step ahead of the host: emitting a token must not touch the device (a read or a copy
+    would wait behind the step in flight), so stopping rules see CPU ids; the output is back on the prompt's device."""
+    from transformers.generation import StoppingCriteria
+
+    class Record(StoppingCriteria):
+        def __init__(self):
+            self.devices = set()
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.devices.add(input_ids.device.type)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    target = TINY_TARGETS["qwen3_5"]().cuda()
+    drafter, weaver = (m.cuda() for m in make_drafters(target))
+    ids = torch.randint(0, 97, (1, 12), device="cuda")
+    record = Record()
+    got, _ = _decode(
+        target, ids[0], runner=DFlashRunner(drafter, target), weaver=weaver, mode="weaver", tree_budget=12,
+        max_new_tokens=40, processors=LogitsProcessorList(), do_sample=False, verification=None,
+        stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 40), record]), streamer=None,
+        generator=None, target_step="graph",
+    )
+    assert record.devices == {"cpu"} and got.device == ids.device
+    assert torch.equal(got, reference(target, ids, 40))
