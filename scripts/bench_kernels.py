@@ -18,7 +18,7 @@ them. Bytes are the minimum traffic (each input read once, each output written o
 against the ≈4.3 TB/s copy bandwidth measured on these H200s.
 
     python scripts/bench_kernels.py [--T 16 32 64 128] [--layers 24] [--reps 60] [--impls fused split]
-        [--no-fla] [--no-ref] [--no-baseline] [--out bench.json]
+        [--no-fla] [--no-ref] [--no-baseline] [--commit-chunks 32 64] [--verify-bt 32 64] [--out bench.json]
 
 (``PYTHONPATH=kernels`` where the package is not installed, e.g. on the lent GPU machine; fla is optional.)
 Results and the exact commands of the recorded runs: BENCHMARKS.md, "Kernels".
@@ -176,9 +176,9 @@ def bench_T(T, kind, args, fla):
                                               use_qk_l2norm_in_kernel=True, o=ob["o"], u=ob["u"], gamma=ob["gamma"],
                                               impl=impl)
 
-    def commit_fn(x, ob, stages=1):
+    def commit_fn(x, ob, chunk=16):
         return lambda: gdn_tree_commit_triton(x["S"], x["k"], ob["u"], ob["gamma"], path, use_qk_l2norm_in_kernel=True,
-                                              stages=stages)
+                                              chunk=chunk)
 
     def step_fn(x, ob, impl):
         v_, c_ = verify_fn(x, ob, impl), commit_fn(x, ob)
@@ -193,9 +193,17 @@ def bench_T(T, kind, args, fla):
     res["verify"] = min((res[f"verify_{i}"] for i in args.impls), key=lambda r: r["us"])
     res["step"] = min((res[f"step_{i}"] for i in args.impls), key=lambda r: r["us"])
     res["commit"] = timed("commit", [commit_fn(x, ob) for x, ob in zip(layers, outs)], args.reps)
-    for stages in args.commit_stages:  # side by side: the commit's path loop software-pipelined
-        res[f"commit_stages{stages}"] = timed(f"commit stages={stages}",
-                                              [commit_fn(x, ob, stages) for x, ob in zip(layers, outs)], args.reps)
+    for chunk in args.commit_chunks:  # side by side: path entries per step of the commit's loop
+        res[f"commit_chunk{chunk}"] = timed(f"commit chunk={chunk}",
+                                            [commit_fn(x, ob, chunk) for x, ob in zip(layers, outs)], args.reps)
+    for bt in args.verify_bt:  # side by side: rows per serial block of the fused verify
+        fns = [lambda x=x, ob=ob, bt=bt: gdn_tree_verify_triton(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], x["S0"], mask, use_qk_l2norm_in_kernel=True, o=ob["o"],
+            u=ob["u"], gamma=ob["gamma"], impl="fused", BT=bt) for x, ob in zip(layers, outs)]
+        o, u, gm = gdn_tree_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["S0"], mask,
+                                          use_qk_l2norm_in_kernel=True, impl="fused", BT=bt)
+        res[f"verify_bt{bt}"] = dict(timed(f"verify BT={bt}", fns, args.reps),
+                                     rel_rms=dict(o=rel_rms(o, ro), u=rel_rms(u, ru), gamma=rel_rms(gm, rg)))
     res["autotuned"] = _best_configs()
 
     if args.no_baseline:
@@ -314,8 +322,10 @@ def main():
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-ref", action="store_true")
     ap.add_argument("--no-baseline", action="store_true")
-    ap.add_argument("--commit-stages", type=int, nargs="*", default=[],
-                    help="also time the commit with its path loop software-pipelined this deep (e.g. 2 3)")
+    ap.add_argument("--commit-chunks", type=int, nargs="*", default=[],
+                    help="also time the commit with this many path entries per loop step (e.g. 32 64)")
+    ap.add_argument("--verify-bt", type=int, nargs="*", default=[],
+                    help="also time the fused verify with this many rows per serial block (e.g. 32 64)")
     args = ap.parse_args()
     fla = None
     if not args.no_fla:
@@ -346,6 +356,14 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(fmt_row(r))
+    if args.commit_chunks or args.verify_bt:
+        print("\nvariants side by side (per layer, µs; default: verify BT=16, commit chunk=16):")
+        for r in results:
+            print(r["kind"], r["T"], f"verify fused {r.get('verify_fused', {}).get('us', float('nan')):.1f}",
+                  " ".join(f"BT={b} {r[f'verify_bt{b}']['us']:.1f} (o {r[f'verify_bt{b}']['rel_rms']['o']:.1e})"
+                           for b in args.verify_bt),
+                  f"| commit {r['commit']['us']:.1f}",
+                  " ".join(f"chunk={c} {r[f'commit_chunk{c}']['us']:.1f}" for c in args.commit_chunks))
     print("\naccuracy (layer 0 vs fp64 reference, rel. RMS):")
     for r in results:
         print(r["kind"], r["T"], {k: f"{e:.2e}" for k, e in r["rel_rms"].items()},

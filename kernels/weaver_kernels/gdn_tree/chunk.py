@@ -441,7 +441,7 @@ def _gdn_tree_commit_kernel(
     state, k, u, gamma, path, L, T,
     sk_b, sk_t, sk_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, STAGES: tl.constexpr,
+    LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, CH: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -467,14 +467,14 @@ def _gdn_tree_commit_kernel(
     m_s = m_k[:, None] & m_v[None, :]
     S = tl.load(s_ptr, mask=m_s, other=0.0).to(tl.float32)  # issued early: its latency hides under the path loop
 
-    # Σ_j coef_j k_j u_jᵀ over the path, 16 entries at a time (bounded registers for long chains); STAGES > 1 lets
-    # the compiler issue the next chunk's loads (path → γ, k, u: a dependent chain) under this chunk's product
-    o_c = tl.arange(0, 16)
+    # Σ_j coef_j k_j u_jᵀ over the path, CH entries at a time (bounded registers for long chains; each chunk is a
+    # chain of dependent loads, path → γ, k, u, so fewer, larger chunks cost less latency)
+    o_c = tl.arange(0, CH)
     k_base = k + i_b64 * sk_b + i_h * sk_h
     u_base = u + i_b64 * T * HV * V + i_hv * V
     delta = tl.full([BK, BV], 0.0, tl.float32)
-    for c in tl.range(0, (n + 15) // 16, num_stages=STAGES):
-        j = c * 16 + o_c
+    for c in range(0, (n + CH - 1) // CH):
+        j = c * CH + o_c
         pj = tl.load(path + j, mask=j < n, other=-1).to(tl.int32)
         vj = pj >= 0
         pj = tl.where(vj, pj, 0)
@@ -511,6 +511,7 @@ def gdn_tree_verify_triton(
     num_warps: int = 4,
     autotune: bool = False,
     BC: int | None = None,
+    BT: int = 16,
     o: torch.Tensor | None = None,
     u: torch.Tensor | None = None,
     gamma: torch.Tensor | None = None,
@@ -522,7 +523,8 @@ def gdn_tree_verify_triton(
     benchmarks; for ``"split"`` BV applies to all three kernels); by default the fused kernel launches directly with
     its measured config (``_VERIFY_CONFIGS``, no autotuner in the launch path), ``autotune=True`` sweeps
     ``_VERIFY_CANDIDATES`` with Triton's autotuner instead. ``BC`` (columns per inner
-    step, default min(T_pad, 64)) is exposed for tests. ``o``/``u``/``gamma`` may be given as preallocated
+    step, default min(T_pad, 64)) is exposed for tests. ``BT``: rows per serial block of the fused kernel (16, 32 or
+    64; fewer, larger blocks shorten the serial chain at the cost of a larger diagonal inverse). ``o``/``u``/``gamma`` may be given as preallocated
     contiguous outputs (static buffers for CUDA graphs; poisoned buffers in tests).
     """
     B, T, H, K = q.shape
@@ -548,7 +550,8 @@ def gdn_tree_verify_triton(
     if u.dtype != torch.float32 or gamma.dtype != torch.float32:
         raise ValueError("u and gamma must be float32")
     TP = max(16, next_pow2(T))
-    BT = 16
+    if BT not in (16, 32, 64) or (impl == "split" and BT != 16):
+        raise ValueError(f"BT must be 16, 32 or 64 (16 for impl='split'), got {BT}")
     common = dict(
         H=H, HV=HV, K=K, V=V, TP=TP, BK=max(16, next_pow2(K)), BT=BT, LOG2_BT=BT.bit_length() - 1, BC=min(TP, 64) if BC is None else BC,
         L2NORM=bool(use_qk_l2norm_in_kernel), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -623,12 +626,12 @@ def gdn_tree_commit_triton(
     *,
     BV: int | None = None,
     num_warps: int = 4,
-    stages: int = 1,
+    chunk: int = 16,
 ) -> torch.Tensor:
     """Triton version of :func:`~weaver_kernels.gdn_tree.naive.gdn_tree_commit_ref`: advances ``state`` in place.
 
-    ``path`` (node indices root..leaf, on the device) may be right-padded with -1. ``stages``: software-pipelining
-    depth of the loop over 16-node chunks of the path (1: none; more is for ``scripts/bench_kernels.py`` to compare).
+    ``path`` (node indices root..leaf, on the device) may be right-padded with -1. ``chunk``: path entries per
+    loop step (a power of two ≥ 16; capped at the padded path length).
     """
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
@@ -642,11 +645,14 @@ def gdn_tree_commit_triton(
     BK = max(16, next_pow2(K))
     if BV is None:
         BV = min(32, max(16, next_pow2(V)))
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
+    LP = max(16, next_pow2(L))
     with launch_ctx(_INTERPRET):
         _gdn_tree_commit_kernel[(triton.cdiv(V, BV), B * HV)](
             state, k, u, gamma, path, L, T,
             k.stride(0), k.stride(1), k.stride(2),
-            H=H, HV=HV, K=K, V=V, LP=max(16, next_pow2(L)), BK=BK, BV=BV,
-            L2NORM=bool(use_qk_l2norm_in_kernel), STAGES=stages, num_warps=num_warps, num_stages=1,
+            H=H, HV=HV, K=K, V=V, LP=LP, BK=BK, BV=BV,
+            L2NORM=bool(use_qk_l2norm_in_kernel), CH=min(chunk, LP), num_warps=num_warps, num_stages=1,
         )
     return state
