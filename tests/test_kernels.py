@@ -86,7 +86,7 @@ def ik():
 
 
 def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu", BV=None, leaf=None, BC=None,
-                   num_warps=4, impl=None, BT=16):
+                   num_warps=4, impl=None, BT=16, prefetch=False):
     """Verify (poisoned outputs) and commit against fp64 references; return the errors."""
     T = len(parents)
     q, k, v, g, beta, S0 = gdn_inputs(B, T, H, HV, K, V, dtype, device, seed, l2)
@@ -99,6 +99,8 @@ def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu"
         kw["BC"] = BC
     if BT != 16:
         kw["BT"] = BT
+    if prefetch:
+        kw["prefetch"] = True
     chunk.gdn_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=l2, o=o, u=u, gamma=gm, **kw)
     assert not o.isnan().any() and not u.isnan().any() and not gm.isnan().any(), "outputs not fully written"
     d = lambda t: t.double()  # noqa: E731
@@ -266,13 +268,15 @@ def test_gdn_commit_path_chunks_interpreter(ik, chunk):
         ik.chunk.gdn_tree_commit_triton(S, k, u, gm, torch.arange(T), chunk=24)
 
 
-@pytest.mark.parametrize("BT", [32, 64])
-def test_gdn_tree_row_blocks_interpreter(ik, BT):
-    """The fused verify with 32- or 64-row serial blocks: ancestors in earlier blocks and inside the (larger)
-    diagonal block, whose inverse now takes more squarings; commit after it as usual."""
+@pytest.mark.parametrize("BT,prefetch", [(16, True), (32, False), (64, False), (32, True)])
+def test_gdn_tree_row_blocks_interpreter(ik, BT, prefetch):
+    """The fused verify with 16/32/64-row serial blocks, inputs loaded in the block's own iteration or one ahead:
+    ancestors in earlier blocks and inside the diagonal block (whose inverse takes more squarings when larger), a last
+    partial block; commit after it as usual."""
     rng = random.Random(BT)
     for parents in (deep_path_parents(72, rng, depth=60), shuffled_topological(best_first_parents(72, rng), rng)):
-        err = check_gdn_tree(ik.chunk, parents, 1, 1, 2, 16, 16, torch.float32, True, seed=BT, BT=BT, impl="fused")
+        err = check_gdn_tree(ik.chunk, parents, 1, 1, 2, 16, 16, torch.float32, True, seed=BT, BT=BT, impl="fused",
+                             prefetch=prefetch)
         _assert_errs(err, torch.float32)
     with pytest.raises(ValueError, match="BT must be"):
         check_gdn_tree(ik.chunk, parents, 1, 1, 2, 16, 16, torch.float32, True, seed=0, BT=32, impl="split")

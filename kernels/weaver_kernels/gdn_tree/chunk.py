@@ -91,7 +91,7 @@ def _gdn_tree_verify_kernel(
     sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr,
-    BC: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    BC: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -129,22 +129,43 @@ def _gdn_tree_verify_kernel(
     m_kv = m_k[None, :]
     m_vv = m_v[None, :]
 
+    # this block's inputs (none depend on U) are loaded one iteration ahead, so their latency hides under the
+    # previous block's serial work; PREFETCH=False loads them in the iteration that uses them
+    if PREFETCH:
+        m_r = o_r < T
+        k_n = tl.load(k_base + o_r[:, None] * sk_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
+        q_n = tl.load(q_base + o_r[:, None] * sq_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
+        v_n = tl.load(v_base + o_r[:, None] * sv_t + o_v[None, :], mask=m_r[:, None] & m_vv, other=0.0)
+        b_n = tl.load(b_base + o_r * sb_t, mask=m_r, other=0.0)
+        M_n = tl.load(tmask + o_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0)
     for i in range(0, (T + BT - 1) // BT):
         r0 = i * BT
         t_r = r0 + o_r
         m_r = t_r < T
-        k_i = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
-        q_i = tl.load(q_base + t_r[:, None] * sq_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
+        if PREFETCH:
+            k_i, q_i, v_i, b_i, M_i = k_n, q_n, v_n, b_n, M_n
+            t_n = t_r + BT
+            m_nx = t_n < T
+            k_n = tl.load(k_base + t_n[:, None] * sk_t + o_k[None, :], mask=m_nx[:, None] & m_kv, other=0.0)
+            q_n = tl.load(q_base + t_n[:, None] * sq_t + o_k[None, :], mask=m_nx[:, None] & m_kv, other=0.0)
+            v_n = tl.load(v_base + t_n[:, None] * sv_t + o_v[None, :], mask=m_nx[:, None] & m_vv, other=0.0)
+            b_n = tl.load(b_base + t_n * sb_t, mask=m_nx, other=0.0)
+            M_n = tl.load(tmask + t_n[:, None] * T + o_n[None, :], mask=m_nx[:, None] & m_n[None, :], other=0)
+        else:
+            k_i = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
+            q_i = tl.load(q_base + t_r[:, None] * sq_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
+            v_i = tl.load(v_base + t_r[:, None] * sv_t + o_v[None, :], mask=m_r[:, None] & m_vv, other=0.0)
+            b_i = tl.load(b_base + t_r * sb_t, mask=m_r, other=0.0)
+            M_i = tl.load(tmask + t_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0)
         if DOT_F32:
             k_i = k_i.to(tl.float32)
             q_i = q_i.to(tl.float32)
-        v_i = tl.load(v_base + t_r[:, None] * sv_t + o_v[None, :], mask=m_r[:, None] & m_vv, other=0.0).to(tl.float32)
-        b_i = tl.load(b_base + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
+        v_i = v_i.to(tl.float32)
+        b_i = b_i.to(tl.float32)
 
         # Γ of this block's rows (path sums: ancestor-mask row · g). Every program writes the same values to
         # `gamma`; later blocks read earlier rows back from there (after the barrier at the loop end).
-        M_i = tl.load(tmask + t_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0) != 0
-        G_i = _rsum(tl.where(M_i, g_all[None, :], 0.0), axis=1)
+        G_i = _rsum(tl.where(M_i != 0, g_all[None, :], 0.0), axis=1)
         tl.store(gm_base + t_r * HV, G_i, mask=m_r)
         eG = tl.exp(G_i)
 
@@ -212,7 +233,8 @@ def _gdn_tree_verify_kernel(
 
 
 _gdn_tree_verify_autotuned = triton.autotune(
-    configs=_VERIFY_CANDIDATES if not _INTERPRET else _VERIFY_CONFIGS, key=["TP", "K", "V", "H", "HV", "L2NORM", "DOT_PREC", "DOT_F32"]
+    configs=_VERIFY_CANDIDATES if not _INTERPRET else _VERIFY_CONFIGS,
+    key=["TP", "K", "V", "H", "HV", "L2NORM", "DOT_PREC", "DOT_F32", "PREFETCH"],
 )(_gdn_tree_verify_kernel)
 
 
@@ -512,6 +534,7 @@ def gdn_tree_verify_triton(
     autotune: bool = False,
     BC: int | None = None,
     BT: int = 16,
+    prefetch: bool = False,
     o: torch.Tensor | None = None,
     u: torch.Tensor | None = None,
     gamma: torch.Tensor | None = None,
@@ -524,7 +547,8 @@ def gdn_tree_verify_triton(
     its measured config (``_VERIFY_CONFIGS``, no autotuner in the launch path), ``autotune=True`` sweeps
     ``_VERIFY_CANDIDATES`` with Triton's autotuner instead. ``BC`` (columns per inner
     step, default min(T_pad, 64)) is exposed for tests. ``BT``: rows per serial block of the fused kernel (16, 32 or
-    64; fewer, larger blocks shorten the serial chain at the cost of a larger diagonal inverse). ``o``/``u``/``gamma`` may be given as preallocated
+    64; fewer, larger blocks shorten the serial chain at the cost of a larger diagonal inverse). ``prefetch``: the
+    fused kernel loads each block's inputs one iteration ahead. ``o``/``u``/``gamma`` may be given as preallocated
     contiguous outputs (static buffers for CUDA graphs; poisoned buffers in tests).
     """
     B, T, H, K = q.shape
@@ -579,10 +603,10 @@ def gdn_tree_verify_triton(
     with launch_ctx(_INTERPRET):
         if BV is None:
             grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)  # noqa: E731
-            _gdn_tree_verify_autotuned[grid](*args, **common)
+            _gdn_tree_verify_autotuned[grid](*args, **common, PREFETCH=prefetch)
         else:
             _gdn_tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
-                *args, **common, BV=BV, num_warps=num_warps, num_stages=1
+                *args, **common, BV=BV, num_warps=num_warps, num_stages=1, PREFETCH=prefetch
             )
     return o, u, gamma
 
