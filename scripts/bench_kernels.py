@@ -19,7 +19,7 @@ against the ≈4.3 TB/s copy bandwidth measured on these H200s.
 
     python scripts/bench_kernels.py [--T 16 32 64 128] [--layers 24] [--reps 60] [--impls fused split]
         [--no-fla] [--no-ref] [--no-baseline] [--commit-chunks 32 64] [--verify-bt 32 64]
-        [--verify-prefetch] [--out bench.json]
+        [--out bench.json]
 
 (``PYTHONPATH=kernels`` where the package is not installed, e.g. on the lent GPU machine; fla is optional.)
 Results and the exact commands of the recorded runs: BENCHMARKS.md, "Kernels".
@@ -177,7 +177,7 @@ def bench_T(T, kind, args, fla):
                                               use_qk_l2norm_in_kernel=True, o=ob["o"], u=ob["u"], gamma=ob["gamma"],
                                               impl=impl)
 
-    def commit_fn(x, ob, chunk=16):
+    def commit_fn(x, ob, chunk=32):
         return lambda: gdn_tree_commit_triton(x["S"], x["k"], ob["u"], ob["gamma"], path, use_qk_l2norm_in_kernel=True,
                                               chunk=chunk)
 
@@ -198,7 +198,6 @@ def bench_T(T, kind, args, fla):
         res[f"commit_chunk{chunk}"] = timed(f"commit chunk={chunk}",
                                             [commit_fn(x, ob, chunk) for x, ob in zip(layers, outs)], args.reps)
     variants = [(f"bt{bt}", dict(BT=bt)) for bt in args.verify_bt]
-    variants += [("prefetch", dict(prefetch=True))] if args.verify_prefetch else []
     for name, kw in variants:  # side by side with the default fused verify
         fns = [lambda x=x, ob=ob, kw=kw: gdn_tree_verify_triton(
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["S0"], mask, use_qk_l2norm_in_kernel=True, o=ob["o"],
@@ -329,8 +328,6 @@ def main():
                     help="also time the commit with this many path entries per loop step (e.g. 32 64)")
     ap.add_argument("--verify-bt", type=int, nargs="*", default=[],
                     help="also time the fused verify with this many rows per serial block (e.g. 32 64)")
-    ap.add_argument("--verify-prefetch", action="store_true",
-                    help="also time the fused verify loading each block's inputs one iteration ahead")
     args = ap.parse_args()
     fla = None
     if not args.no_fla:
@@ -361,12 +358,12 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(fmt_row(r))
-    if args.commit_chunks or args.verify_bt or args.verify_prefetch:
-        print("\nvariants side by side (per layer, µs; default: verify BT=16, commit chunk=16):")
+    if args.commit_chunks or args.verify_bt:
+        print("\nvariants side by side (per layer, µs; default: verify BT=16, commit chunk=32):")
         for r in results:
             print(r["kind"], r["T"], f"verify fused {r.get('verify_fused', {}).get('us', float('nan')):.1f}",
                   " ".join(f"{n} {r[f'verify_{n}']['us']:.1f} (o {r[f'verify_{n}']['rel_rms']['o']:.1e})"
-                           for n in [f"bt{b}" for b in args.verify_bt] + ["prefetch"] * args.verify_prefetch),
+                           for n in [f"bt{b}" for b in args.verify_bt]),
                   f"| commit {r['commit']['us']:.1f}",
                   " ".join(f"chunk={c} {r[f'commit_chunk{c}']['us']:.1f}" for c in args.commit_chunks))
     print("\naccuracy (layer 0 vs fp64 reference, rel. RMS):")

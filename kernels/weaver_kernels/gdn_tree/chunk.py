@@ -91,7 +91,7 @@ def _gdn_tree_verify_kernel(
     sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr,
-    BC: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr,
+    BC: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -129,34 +129,15 @@ def _gdn_tree_verify_kernel(
     m_kv = m_k[None, :]
     m_vv = m_v[None, :]
 
-    # this block's inputs (none depend on U) are loaded one iteration ahead, so their latency hides under the
-    # previous block's serial work; PREFETCH=False loads them in the iteration that uses them
-    if PREFETCH:
-        m_r = o_r < T
-        k_n = tl.load(k_base + o_r[:, None] * sk_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
-        q_n = tl.load(q_base + o_r[:, None] * sq_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
-        v_n = tl.load(v_base + o_r[:, None] * sv_t + o_v[None, :], mask=m_r[:, None] & m_vv, other=0.0)
-        b_n = tl.load(b_base + o_r * sb_t, mask=m_r, other=0.0)
-        M_n = tl.load(tmask + o_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0)
     for i in range(0, (T + BT - 1) // BT):
         r0 = i * BT
         t_r = r0 + o_r
         m_r = t_r < T
-        if PREFETCH:
-            k_i, q_i, v_i, b_i, M_i = k_n, q_n, v_n, b_n, M_n
-            t_n = t_r + BT
-            m_nx = t_n < T
-            k_n = tl.load(k_base + t_n[:, None] * sk_t + o_k[None, :], mask=m_nx[:, None] & m_kv, other=0.0)
-            q_n = tl.load(q_base + t_n[:, None] * sq_t + o_k[None, :], mask=m_nx[:, None] & m_kv, other=0.0)
-            v_n = tl.load(v_base + t_n[:, None] * sv_t + o_v[None, :], mask=m_nx[:, None] & m_vv, other=0.0)
-            b_n = tl.load(b_base + t_n * sb_t, mask=m_nx, other=0.0)
-            M_n = tl.load(tmask + t_n[:, None] * T + o_n[None, :], mask=m_nx[:, None] & m_n[None, :], other=0)
-        else:
-            k_i = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
-            q_i = tl.load(q_base + t_r[:, None] * sq_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
-            v_i = tl.load(v_base + t_r[:, None] * sv_t + o_v[None, :], mask=m_r[:, None] & m_vv, other=0.0)
-            b_i = tl.load(b_base + t_r * sb_t, mask=m_r, other=0.0)
-            M_i = tl.load(tmask + t_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0)
+        k_i = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
+        q_i = tl.load(q_base + t_r[:, None] * sq_t + o_k[None, :], mask=m_r[:, None] & m_kv, other=0.0)
+        v_i = tl.load(v_base + t_r[:, None] * sv_t + o_v[None, :], mask=m_r[:, None] & m_vv, other=0.0)
+        b_i = tl.load(b_base + t_r * sb_t, mask=m_r, other=0.0)
+        M_i = tl.load(tmask + t_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0)
         if DOT_F32:
             k_i = k_i.to(tl.float32)
             q_i = q_i.to(tl.float32)
@@ -234,7 +215,7 @@ def _gdn_tree_verify_kernel(
 
 _gdn_tree_verify_autotuned = triton.autotune(
     configs=_VERIFY_CANDIDATES if not _INTERPRET else _VERIFY_CONFIGS,
-    key=["TP", "K", "V", "H", "HV", "L2NORM", "DOT_PREC", "DOT_F32", "PREFETCH"],
+    key=["TP", "K", "V", "H", "HV", "L2NORM", "DOT_PREC", "DOT_F32"],
 )(_gdn_tree_verify_kernel)
 
 
@@ -534,7 +515,6 @@ def gdn_tree_verify_triton(
     autotune: bool = False,
     BC: int | None = None,
     BT: int = 16,
-    prefetch: bool = False,
     o: torch.Tensor | None = None,
     u: torch.Tensor | None = None,
     gamma: torch.Tensor | None = None,
@@ -547,8 +527,7 @@ def gdn_tree_verify_triton(
     its measured config (``_VERIFY_CONFIGS``, no autotuner in the launch path), ``autotune=True`` sweeps
     ``_VERIFY_CANDIDATES`` with Triton's autotuner instead. ``BC`` (columns per inner
     step, default min(T_pad, 64)) is exposed for tests. ``BT``: rows per serial block of the fused kernel (16, 32 or
-    64; fewer, larger blocks shorten the serial chain at the cost of a larger diagonal inverse). ``prefetch``: the
-    fused kernel loads each block's inputs one iteration ahead. ``o``/``u``/``gamma`` may be given as preallocated
+    64; fewer, larger blocks shorten the serial chain at the cost of a larger diagonal inverse). ``o``/``u``/``gamma`` may be given as preallocated
     contiguous outputs (static buffers for CUDA graphs; poisoned buffers in tests).
     """
     B, T, H, K = q.shape
@@ -603,10 +582,10 @@ def gdn_tree_verify_triton(
     with launch_ctx(_INTERPRET):
         if BV is None:
             grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)  # noqa: E731
-            _gdn_tree_verify_autotuned[grid](*args, **common, PREFETCH=prefetch)
+            _gdn_tree_verify_autotuned[grid](*args, **common)
         else:
             _gdn_tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
-                *args, **common, BV=BV, num_warps=num_warps, num_stages=1, PREFETCH=prefetch
+                *args, **common, BV=BV, num_warps=num_warps, num_stages=1
             )
     return o, u, gamma
 
@@ -650,12 +629,13 @@ def gdn_tree_commit_triton(
     *,
     BV: int | None = None,
     num_warps: int = 4,
-    chunk: int = 16,
+    chunk: int = 32,
 ) -> torch.Tensor:
     """Triton version of :func:`~weaver_kernels.gdn_tree.naive.gdn_tree_commit_ref`: advances ``state`` in place.
 
     ``path`` (node indices root..leaf, on the device) may be right-padded with -1. ``chunk``: path entries per
-    loop step (a power of two ≥ 16; capped at the padded path length).
+    loop step (a power of two ≥ 16; capped at the padded path length). 32 measured fastest on the H200 for long
+    paths (64-node chain: 9.5 µs vs 10.5 at 16; 64 and 128 no better; BENCHMARKS.md, Kernels).
     """
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
