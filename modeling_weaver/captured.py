@@ -199,8 +199,8 @@ class StaticDraft:
     """:class:`~modeling_weaver.generate.DFlashRunner` at fixed shapes (CUDA graph on CUDA); same ``draft`` contract.
 
     Each call drafts one block after ``block_size`` context rows (the accepted path; padding rows go past the block,
-    where the mask never looks). A longer context — the prompt, once — goes in block-size chunks, the block riding
-    along and being overwritten by the next chunk.
+    where the mask never looks). A longer context — the prompt, once — has its leading rows written by one eager
+    drafter call first (:meth:`_lead`), then its last ``≤ block_size`` rows go with the block as usual.
 
     Args:
         drafter: a :class:`~modeling_weaver.modeling_dflash.DFlashDraftModel`; target: its target (embedding, lm_head).
@@ -242,21 +242,38 @@ class StaticDraft:
         return hidden, F.linear(hidden, *self.head)
 
     def load(self, bonus: int, context: torch.Tensor, n: int) -> None:
-        """Put the inputs of the last (or only) chunk in the static buffers, running the leading chunks of a long
-        context (block-size pieces) first."""
+        """Put the inputs of the last (or only) block-size chunk of ``context`` in the static buffers, after writing
+        the K/V of any rows before it."""
         size = self.block_size
         if n + 2 * size > self.rows:
             raise ValueError(f"position {n} is beyond this drafter cache ({self.rows - 2 * size} positions)")
         first = n - context.shape[0]
-        starts = list(range(0, context.shape[0], size))
-        for start in starts:
-            chunk = context[start : start + size]
-            self.context[: chunk.shape[0]].copy_(chunk)
-            self.count.fill_(chunk.shape[0])
-            self.n.fill_(first + start + chunk.shape[0])
-            self.bonus.fill_(int(bonus))
-            if start != starts[-1]:
-                self.run(self._forward)
+        lead = (context.shape[0] - 1) // size * size  # rows before the last (or only) chunk
+        self.bonus.fill_(int(bonus))
+        if lead > 0:
+            self._lead(context[:lead], first)
+        chunk = context[lead:]
+        self.context[: chunk.shape[0]].copy_(chunk)
+        self.count.fill_(chunk.shape[0])
+        self.n.fill_(n)
+
+    @torch.no_grad()
+    def _lead(self, context: torch.Tensor, first: int) -> None:
+        """Context K/V of positions ``first..first+C-1`` in one eager drafter call (the prompt, once per generation):
+        one read of the drafter's weights, not one per block-size chunk. The block rides along after the context, in
+        rows the next chunk overwrites; its hidden states are not needed (no lm_head)."""
+        size, n = self.block_size, first + context.shape[0]
+        rows = torch.arange(first, n + size, device=self.device)
+        graph_slots = self.cache.slots  # the captured graphs' buffer: swapped back below
+        self.cache.slots = rows
+        try:
+            self.cache.query_key_positions[0].copy_(rows[-size:])
+            visible = (torch.arange(self.rows, device=self.device) < n + size).expand(1, 1, size, -1)
+            block = self.drafter.block_embeddings(self.bonus, self.embed_tokens).to(self.dtype)
+            self.drafter(noise_embedding=block, target_hidden=context[None].to(self.dtype), position_ids=rows[None],
+                         past_key_values=self.cache, attention_mask=visible)
+        finally:
+            self.cache.slots = graph_slots
 
     def run(self, fn, key="draft"):
         """``fn()`` — replayed from a CUDA graph captured on first use (one per ``key``) when capturing."""
