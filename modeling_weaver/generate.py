@@ -298,10 +298,11 @@ def _decode(
 
     while not out.done:
         if fused is not None and fused.ready:  # from here on, one fused step per iteration (pipelined on CUDA)
-            # launch a step ahead only if one more fits in the caches and the step in flight may not end the output
+            # Launch a step ahead only if one more fits in the caches and the step in flight (≤ block new tokens)
+            # cannot reach max_new_tokens: a step launched after the last one is a whole step of wasted GPU time.
             block = runner.draft.block_size
             steps = fused.run(ahead=lambda: target_cache.length + block + tree_budget + 1 <= target_cache.max_length
-                              and stats.num_new_tokens + 1 < max_new_tokens)
+                              and stats.num_new_tokens + block < max_new_tokens)
             try:
                 while not out.done:
                     with timed("step"):  # (pipelined: a span holds the GPU time of the step launched ahead in it)
