@@ -21,6 +21,7 @@ and speed-up vs budget; needs matplotlib, extra ``[bench]``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import time
@@ -120,12 +121,10 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
         new.append(int(logits.argmax()))
         step = adapter.ar_step()
         step.seed(new[0])
-        steps = step.run(ahead=lambda: len(new) + 1 < max_new_tokens)  # a step ahead only for a wanted token
-        try:
+        # a step ahead only for a wanted token
+        with contextlib.closing(step.run(ahead=lambda: len(new) + 1 < max_new_tokens)) as steps:
             while new[-1] not in eos and len(new) < max_new_tokens:
                 new.append(next(steps))
-        finally:
-            steps.close()
         return torch.cat([input_ids, input_ids.new_tensor([new])], dim=1)
     while True:
         if temperature > 0:

@@ -301,17 +301,15 @@ def _decode(
             # Launch a step ahead only if one more fits in the caches and the step in flight (≤ block new tokens)
             # cannot reach max_new_tokens: a step launched after the last one is a whole step of wasted GPU time.
             block = runner.draft.block_size
-            steps = fused.run(ahead=lambda: target_cache.length + block + tree_budget + 1 <= target_cache.max_length
-                              and stats.num_new_tokens + block < max_new_tokens)
-            try:
+            with contextlib.closing(fused.run(
+                    ahead=lambda: target_cache.length + block + tree_budget + 1 <= target_cache.max_length
+                    and stats.num_new_tokens + block < max_new_tokens)) as steps:
                 while not out.done:
                     with timed("step"):  # (pipelined: a span holds the GPU time of the step launched ahead in it)
                         path_tokens, bonus = next(steps)
                     stats.accepted_lengths.append(len(path_tokens))
                     stats.tree_sizes.append(tree_budget + 1)
                     stats.num_new_tokens += out.emit(path_tokens[1:] + [bonus])
-            finally:
-                steps.close()
             break
         if hasattr(runner, "propose"):  # StaticProposer: the tree comes out of the same (captured) step
             with timed("draft+tree"):
