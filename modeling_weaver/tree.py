@@ -301,37 +301,39 @@ def weaver_tree_tensors(
     f_score = torch.full((n * fan,), neg_inf, device=device)
     f_token = torch.zeros(n * fan, dtype=torch.long, device=device)
     f_logq = torch.zeros(n * fan, device=device)
-    nodes, fan_slots = torch.arange(n, device=device), torch.arange(fan, device=device)  # (built once, not per round)
-    f_parent = nodes.repeat_interleave(fan)
+    nodes = torch.arange(n, device=device)
+    f_parent = nodes.repeat_interleave(fan)  # (built once, not per round)
 
-    expand, count = torch.zeros(1, dtype=torch.long, device=device), 1
+    # Each round expands the nodes made by the previous one: always the contiguous range lo..hi-1 (the root first),
+    # so reads and writes of per-node rows are slices (views and plain copies instead of gathers and scatters).
+    lo, hi = 0, 1
     while True:
-        d = depth[expand]
-        x = weaver.node_inputs(embed_tokens(tokens[expand]))
-        query = weaver.step(prompt, cache, x[None], d[None], expand[None], mask[expand][None])[0]
+        d = depth[lo:hi]
+        x = weaver.node_inputs(embed_tokens(tokens[lo:hi]))
+        query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), mask[None, lo:hi])[0]
         row = d.clamp(max=max_depth - 1)
+        ids = pool_ids[row]
         cand_logp = torch.log_softmax(
-            weaver.candidate_logits(query, pool_ids[row], pool_logits[row], lm_head_weight).float(), dim=-1)
+            weaver.candidate_logits(query, ids, pool_logits[row], lm_head_weight).float(), dim=-1)
         top = cand_logp.topk(fan, dim=-1)
-        real = (parents[expand] >= 0) | (expand == 0)  # padding nodes publish nothing
+        real = parents[lo:hi] >= 0 if lo else torch.ones_like(d, dtype=torch.bool)  # padding nodes publish nothing
         publish = real & (d < max_depth)
-        slots = (expand[:, None] * fan + fan_slots).flatten()
-        f_score[slots] = torch.where(publish[:, None], score[expand][:, None] + top.values, neg_inf).flatten()
-        f_token[slots] = pool_ids[row].gather(-1, top.indices).flatten()
-        f_logq[slots] = top.values.flatten()
-        if count >= n:
+        f_score[lo * fan : hi * fan] = torch.where(publish[:, None], score[lo:hi, None] + top.values, neg_inf).flatten()
+        f_token[lo * fan : hi * fan] = ids.gather(-1, top.indices).flatten()
+        f_logq[lo * fan : hi * fan] = top.values.flatten()
+        if hi >= n:
             break
-        take = min(width, n - count)
+        take = min(width, n - hi)
         best = f_score.topk(take)
-        new = torch.arange(count, count + take, device=device)
         valid = best.values > neg_inf
         parent = f_parent[best.indices]
-        tokens[new] = torch.where(valid, f_token[best.indices], 0)
-        parents[new] = torch.where(valid, parent, -1)
-        logq[new] = torch.where(valid, f_logq[best.indices], neg_inf)
-        depth[new] = torch.where(valid, depth[parent] + 1, 0)
-        score[new] = best.values
+        lo, hi = hi, hi + take
+        tokens[lo:hi] = torch.where(valid, f_token[best.indices], 0)
+        parents[lo:hi] = torch.where(valid, parent, -1)
+        logq[lo:hi] = torch.where(valid, f_logq[best.indices], neg_inf)
+        depth[lo:hi] = torch.where(valid, depth[parent] + 1, 0)
+        score[lo:hi] = best.values
         f_score.index_fill_(0, best.indices, neg_inf)  # taken
+        new = nodes[lo:hi]  # (an index write here: inductor's CPU code generator fails on the slice form)
         mask[new] = (mask[parent] & valid[:, None]) | (nodes[None] == new[:, None])
-        expand, count = new, count + take
     return tokens[1:], parents[1:], logq[1:]

@@ -375,15 +375,16 @@ def ancestor_mask(parents, size):
     return mask
 
 
-def run_tree(weaver, prompt, x, groups, size=8):
-    """Expand the tree's nodes in the given groups (each one `step` call); returns ``[N, d_model]`` queries."""
+def run_tree(weaver, prompt, x, groups, size=8, as_slices=False):
+    """Expand the tree's nodes in the given groups (each one `step` call); returns ``[N, d_model]`` queries.
+    ``as_slices``: pass each (contiguous) group's slots as a ``slice`` instead of an index tensor."""
     cache = weaver.new_node_cache(size)
     mask = ancestor_mask(PARENTS, size)
     out = torch.empty(len(PARENTS), weaver.config.d_model)
     for group in groups:
         idx = torch.tensor(group)
-        out[idx] = weaver.step(prompt, cache, x[idx][None], torch.tensor(DEPTHS)[idx][None], idx[None],
-                               mask[idx][None])[0]
+        slots = slice(group[0], group[-1] + 1) if as_slices else idx[None]
+        out[idx] = weaver.step(prompt, cache, x[idx][None], torch.tensor(DEPTHS)[idx][None], slots, mask[idx][None])[0]
     return out
 
 
@@ -403,8 +404,10 @@ def test_weaver_batched_step_equals_one_by_one(weaver_setup):
         single = run_tree(weaver, prompt, x, [[i] for i in range(6)])
         rounds = run_tree(weaver, prompt, x, [[0], [1, 2], [3, 4], [5]])
         at_once = run_tree(weaver, prompt, x, [list(range(6))])  # ancestors inside the same call
+        sliced = run_tree(weaver, prompt, x, [[0], [1, 2], [3, 4], [5]], as_slices=True)
     torch.testing.assert_close(rounds, single, **TOL)
     torch.testing.assert_close(at_once, single, **TOL)
+    assert torch.equal(sliced, rounds)  # consecutive slots as a slice: the same cache writes, as copies
 
 
 def test_weaver_batch_rows_are_independent(weaver_setup):

@@ -183,7 +183,7 @@ class WeaverModel(WeaverPreTrainedModel):
         cache: WeaverNodeCache,
         x: torch.Tensor,
         depths: torch.Tensor,
-        slots: torch.Tensor,
+        slots: torch.Tensor | slice,
         mask: torch.Tensor,
     ) -> torch.Tensor:
         """Run ``M`` tree nodes through the blocks together.
@@ -197,22 +197,27 @@ class WeaverModel(WeaverPreTrainedModel):
             cache: from :meth:`new_node_cache`; written in place.
             x: ``[B, M, d_rank]`` node inputs (:meth:`node_inputs`).
             depths: ``[B, M]`` node depths (root 0); RoPE position ``depth + 1``.
-            slots: ``[B, M]`` node-cache slot of each node.
+            slots: ``[B, M]`` node-cache slot of each node, or a ``slice`` of ``M`` consecutive slots shared by
+                the batch (written with a plain copy instead of a scatter).
             mask: ``[B, M, max_nodes]`` bool, True where the node may attend (its ancestors and itself).
         Returns:
             ``[B, M, d_model]`` lm-head queries ``lm_head_query_in(out_norm(h))``.
         """
         bsz, m = depths.shape
         positions = depths + 1
-        rows = torch.arange(bsz, device=x.device)[:, None].expand(bsz, m)
         prompt_visible = torch.ones(bsz, m, prompt.length, dtype=torch.bool, device=x.device)
         full_mask = torch.cat([prompt_visible, mask.to(torch.bool)], dim=-1)[:, None]  # [B, 1, M, P + max_nodes]
         for i, block in enumerate(self.blocks):
             q, k, v = block.qkv(x, positions)
             node_k, node_v = cache.keys[i], cache.values[i]
-            # Advanced indices around a slice put [B, M] first: the target is [B, M, heads, head_dim].
-            node_k[rows, :, slots] = k.transpose(1, 2).to(node_k.dtype)
-            node_v[rows, :, slots] = v.transpose(1, 2).to(node_v.dtype)
+            if isinstance(slots, slice):
+                node_k[:, :, slots] = k.to(node_k.dtype)
+                node_v[:, :, slots] = v.to(node_v.dtype)
+            else:
+                rows = torch.arange(bsz, device=x.device)[:, None].expand(bsz, m)
+                # Advanced indices around a slice put [B, M] first: the target is [B, M, heads, head_dim].
+                node_k[rows, :, slots] = k.transpose(1, 2).to(node_k.dtype)
+                node_v[rows, :, slots] = v.transpose(1, 2).to(node_v.dtype)
             keys = torch.cat([prompt.keys[i].expand(bsz, -1, -1, -1).to(q.dtype), node_k.to(q.dtype)], dim=2)
             values = torch.cat([prompt.values[i].expand(bsz, -1, -1, -1).to(q.dtype), node_v.to(q.dtype)], dim=2)
             x = block.finish(x, q, keys, values, full_mask)
