@@ -224,7 +224,7 @@ class _Output:
             self._ids[0, self.length] = tok
             self.length += 1
             kept += 1
-            self.done = self.length == self._ids.shape[1] or bool(self.stopping_criteria(self.ids, None).any())
+            self.done = bool(self.stopping_criteria(self.ids, None).any()) or self.length == self._ids.shape[1]
         if kept and self.streamer is not None:
             self.streamer.put(self.ids[0, -kept:].clone())
         return kept
@@ -276,8 +276,9 @@ def _decode(
                          f"GDN tree kernel verifies at most {target_cache.max_tree_nodes} nodes (budget + root)")
 
     def distribution(logits: torch.Tensor) -> torch.Tensor:
-        # Row-wise processors ignore input_ids; the prompt stands in for every row.
-        scores = processors(out.ids.to(logits.device).expand(logits.shape[0], -1), logits.float())
+        scores = logits.float()
+        if processors:  # row-wise processors ignore input_ids: the ids so far stand in for every row
+            scores = processors(out.ids.to(logits.device).expand(logits.shape[0], -1), scores)
         return scores.softmax(-1) if do_sample else scores
 
     def first_token(logits: torch.Tensor) -> int:
@@ -352,7 +353,7 @@ def _decode(
         stats.phase_ms = timer.totals_ms()
     if streamer is not None:
         streamer.end()
-    return out.ids.to(out.device), stats
+    return out.ids.to(out.device, copy=True), stats  # (a copy: not a view of the host buffer)
 
 
 def speculative_generate(
