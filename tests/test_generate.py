@@ -209,6 +209,32 @@ def test_streamer_receives_prompt_then_every_token():
     assert sum(rec.chunks, []) == out[0].tolist()
 
 
+def test_stopping_criteria_see_every_emitted_token_on_the_host():
+    """Stopping criteria are called once per emitted token — the last one included — with the ids so far on the
+    CPU; the output stops at max_new_tokens and is not a view of the loop's buffer."""
+    from transformers.generation import StoppingCriteria
+
+    class Lengths(StoppingCriteria):
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.seen.append((input_ids.shape[1], input_ids.device.type))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    ids = prompts()[0]
+    lengths = Lengths()
+    got, _ = _decode(
+        target, ids[0], runner=DFlashRunner(drafter, target), weaver=weaver, mode="ddtree", tree_budget=8,
+        max_new_tokens=11, processors=LogitsProcessorList(), do_sample=False, verification=None,
+        stopping_criteria=StoppingCriteriaList([lengths]), streamer=None, generator=None,
+    )
+    assert lengths.seen == [(ids.shape[1] + k, "cpu") for k in range(1, 12)]
+    assert torch.equal(got, reference(target, ids, 11)) and got.untyped_storage().nbytes() == got.nbytes
+
+
 def test_streamer_through_transformers_generate():
     """transformers keeps ``streamer=`` for itself with a callable custom_generate; ``tree_streamer=`` gets it all."""
     target = TINY_TARGETS["llama"]()
