@@ -19,6 +19,7 @@ against the ≈4.3 TB/s copy bandwidth measured on these H200s.
 
     python scripts/bench_kernels.py [--T 16 32 64 128] [--layers 24] [--reps 60] [--impls fused split]
         [--no-fla] [--no-ref] [--no-baseline] [--commit-chunks 32 64] [--verify-bt 32 64]
+        [--commit-precision tf32x3] [--verify-inverse-precision tf32x3]
         [--out bench.json]
 
 (``PYTHONPATH=kernels`` where the package is not installed, e.g. on the lent GPU machine; fla is optional.)
@@ -167,6 +168,7 @@ def bench_T(T, kind, args, fla):
     Sr = d(x["S0"]).clone()
     gdn_tree_commit_ref(Sr, d(x["k"]), ru, rg, path, use_qk_l2norm_in_kernel=True)
     res["rel_rms"] = dict(o=rel_rms(o, ro), u=rel_rms(u, ru), gamma=rel_rms(gm, rg), state=rel_rms(S, Sr))
+    u0, gm0 = u, gm  # layer 0's verify outputs, for the commit variants' accuracy
 
     # ours: static outputs per layer so the graph holds no allocations from the timed region
     outs = [dict(o=torch.empty_like(x["v"]), u=torch.empty(x["v"].shape, device="cuda"),
@@ -177,9 +179,9 @@ def bench_T(T, kind, args, fla):
                                               use_qk_l2norm_in_kernel=True, o=ob["o"], u=ob["u"], gamma=ob["gamma"],
                                               impl=impl)
 
-    def commit_fn(x, ob, chunk=32):
+    def commit_fn(x, ob, **kw):
         return lambda: gdn_tree_commit_triton(x["S"], x["k"], ob["u"], ob["gamma"], path, use_qk_l2norm_in_kernel=True,
-                                              chunk=chunk)
+                                              **kw)
 
     def step_fn(x, ob, impl):
         v_, c_ = verify_fn(x, ob, impl), commit_fn(x, ob)
@@ -194,10 +196,16 @@ def bench_T(T, kind, args, fla):
     res["verify"] = min((res[f"verify_{i}"] for i in args.impls), key=lambda r: r["us"])
     res["step"] = min((res[f"step_{i}"] for i in args.impls), key=lambda r: r["us"])
     res["commit"] = timed("commit", [commit_fn(x, ob) for x, ob in zip(layers, outs)], args.reps)
-    for chunk in args.commit_chunks:  # side by side: path entries per step of the commit's loop
-        res[f"commit_chunk{chunk}"] = timed(f"commit chunk={chunk}",
-                                            [commit_fn(x, ob, chunk) for x, ob in zip(layers, outs)], args.reps)
+    commits = [(f"chunk{c}", dict(chunk=c)) for c in args.commit_chunks]
+    commits += [(f"prec_{p}", dict(precision=p)) for p in args.commit_precision]
+    for name, kw in commits:  # side by side with the default commit
+        res[f"commit_{name}"] = timed(f"commit {name}", [commit_fn(x, ob, **kw) for x, ob in zip(layers, outs)],
+                                      args.reps)
+        S = x["S0"].clone()
+        gdn_tree_commit_triton(S, x["k"], u0, gm0, path, use_qk_l2norm_in_kernel=True, **kw)
+        res[f"commit_{name}"]["rel_rms_state"] = rel_rms(S, Sr)
     variants = [(f"bt{bt}", dict(BT=bt)) for bt in args.verify_bt]
+    variants += [(f"inv_{p}", dict(inverse_precision=p)) for p in args.verify_inverse_precision]
     for name, kw in variants:  # side by side with the default fused verify
         fns = [lambda x=x, ob=ob, kw=kw: gdn_tree_verify_triton(
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["S0"], mask, use_qk_l2norm_in_kernel=True, o=ob["o"],
@@ -326,6 +334,10 @@ def main():
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--commit-chunks", type=int, nargs="*", default=[],
                     help="also time the commit with this many path entries per loop step (e.g. 32 64)")
+    ap.add_argument("--commit-precision", nargs="*", default=[], choices=("tf32x3", "tf32"),
+                    help="also time the commit with its path product at this dot precision")
+    ap.add_argument("--verify-inverse-precision", nargs="*", default=[], choices=("tf32x3", "tf32"),
+                    help="also time the fused verify with its diagonal inverse and solve at this dot precision")
     ap.add_argument("--verify-bt", type=int, nargs="*", default=[],
                     help="also time the fused verify with this many rows per serial block (e.g. 32 64)")
     args = ap.parse_args()
@@ -358,14 +370,17 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(fmt_row(r))
-    if args.commit_chunks or args.verify_bt:
+    if args.commit_chunks or args.verify_bt or args.commit_precision or args.verify_inverse_precision:
         print("\nvariants side by side (per layer, µs; default: verify BT=16, commit chunk=32):")
         for r in results:
             print(r["kind"], r["T"], f"verify fused {r.get('verify_fused', {}).get('us', float('nan')):.1f}",
                   " ".join(f"{n} {r[f'verify_{n}']['us']:.1f} (o {r[f'verify_{n}']['rel_rms']['o']:.1e})"
-                           for n in [f"bt{b}" for b in args.verify_bt]),
+                           for n in [f"bt{b}" for b in args.verify_bt]
+                           + [f"inv_{p}" for p in args.verify_inverse_precision]),
                   f"| commit {r['commit']['us']:.1f}",
-                  " ".join(f"chunk={c} {r[f'commit_chunk{c}']['us']:.1f}" for c in args.commit_chunks))
+                  " ".join(f"{n} {r[f'commit_{n}']['us']:.1f} (state {r[f'commit_{n}']['rel_rms_state']:.1e})"
+                           for n in [f"chunk{c}" for c in args.commit_chunks]
+                           + [f"prec_{p}" for p in args.commit_precision]))
     print("\naccuracy (layer 0 vs fp64 reference, rel. RMS):")
     for r in results:
         print(r["kind"], r["T"], {k: f"{e:.2e}" for k, e in r["rel_rms"].items()},

@@ -86,7 +86,7 @@ def ik():
 
 
 def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu", BV=None, leaf=None, BC=None,
-                   num_warps=4, impl=None, BT=16):
+                   num_warps=4, impl=None, BT=16, precision="ieee"):
     """Verify (poisoned outputs) and commit against fp64 references; return the errors."""
     T = len(parents)
     q, k, v, g, beta, S0 = gdn_inputs(B, T, H, HV, K, V, dtype, device, seed, l2)
@@ -99,6 +99,8 @@ def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu"
         kw["BC"] = BC
     if BT != 16:
         kw["BT"] = BT
+    if precision != "ieee":
+        kw["inverse_precision"] = precision
     chunk.gdn_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=l2, o=o, u=u, gamma=gm, **kw)
     assert not o.isnan().any() and not u.isnan().any() and not gm.isnan().any(), "outputs not fully written"
     d = lambda t: t.double()  # noqa: E731
@@ -111,7 +113,7 @@ def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu"
         leaf = max(range(T), key=lambda i: (dep[i], i))
     path = _padded_path(parents, leaf, 3, device)
     S = S0.clone()
-    chunk.gdn_tree_commit_triton(S, k, u, gm, path, use_qk_l2norm_in_kernel=l2)
+    chunk.gdn_tree_commit_triton(S, k, u, gm, path, use_qk_l2norm_in_kernel=l2, precision=precision)
     pp = path[path >= 0]
     # ground truth: the token-by-token recurrence along the accepted path (its outputs = the tree's rows there)
     go, gS = gdn_recurrent_ref(d(q[:, pp]), d(k[:, pp]), d(v[:, pp]), d(g[:, pp]), d(beta[:, pp]), d(S0),
@@ -264,6 +266,21 @@ def test_gdn_commit_path_chunks_interpreter(ik, chunk):
     assert rel_rms(S, rS) <= 1e-5
     with pytest.raises(ValueError, match="power of two"):
         ik.chunk.gdn_tree_commit_triton(S, k, u, gm, torch.arange(T), chunk=24)
+
+
+def test_gdn_tree_dot_precision_option_interpreter(ik):
+    """``inverse_precision`` / ``precision`` reach the kernels (the interpreter computes every dot in fp32, so this
+    checks the plumbing; the GPU test checks tf32x3's accuracy); an unknown precision is refused."""
+    rng = random.Random(6)
+    err = check_gdn_tree(ik.chunk, best_first_parents(30, rng), 1, 1, 2, 16, 16, torch.float32, True, seed=6,
+                         impl="fused", precision="tf32x3")
+    _assert_errs(err, torch.float32)
+    q, k, v, g, beta, S0 = gdn_inputs(1, 4, 1, 2, 16, 16, torch.float32, seed=6)
+    with pytest.raises(ValueError, match="precision"):
+        ik.chunk.gdn_tree_verify_triton(q, k, v, g, beta, S0, ancestor_mask(chain_parents(4)), inverse_precision="fp16")
+    with pytest.raises(ValueError, match="precision"):
+        ik.chunk.gdn_tree_commit_triton(S0.clone(), k, torch.zeros(1, 4, 2, 16), torch.zeros(1, 4, 2),
+                                        torch.arange(4), precision="bf16")
 
 
 @pytest.mark.parametrize("BT", [32, 64])
@@ -538,6 +555,20 @@ def test_gdn_tree_real_shape_gpu(T, kind, dtype, impl):
                          device="cuda", BV=None if dtype == torch.bfloat16 else 32, impl=impl)
     print(f"\n[gpu] gdn {impl} {kind} T={T} {dtype}: " + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
     _assert_errs(err, dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gdn_tree_tf32x3_gpu(dtype):
+    """The diagonal inverse, solve and commit dots on tensor cores (tf32x3) keep the fp64-reference tolerances."""
+    from weaver_kernels.gdn_tree import chunk
+
+    for T, kind in ((64, "chain"), (128, "best_first"), (37, "shuffled")):
+        err = check_gdn_tree(chunk, _tree(kind, T, random.Random(T)), 1, REAL["H"], REAL["HV"], REAL["K"], REAL["V"],
+                             dtype, True, seed=T, device="cuda", impl="fused", precision="tf32x3")
+        print(f"\n[gpu] gdn tf32x3 {kind} T={T} {dtype}: " + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
+        _assert_errs(err, dtype)
 
 
 @pytest.mark.gpu

@@ -31,7 +31,8 @@ Commit (one launch, one read + one write of S): for the accepted leaf ℓ,
 a fixed-size buffer works under CUDA graphs.
 
 Precision: accumulation is fp32. Products of 16-bit inputs are exact; dots with an fp32 operand (S0, U) use tf32
-when q/k/v are 16-bit and IEEE fp32 when they are fp32; the diagonal inverse and the commit are always IEEE fp32.
+when q/k/v are 16-bit and IEEE fp32 when they are fp32; the diagonal inverse and the commit are IEEE fp32 by default
+(``inverse_precision`` / ``precision`` = ``"tf32x3"`` run them on tensor cores at about fp32 accuracy).
 With ``use_qk_l2norm_in_kernel`` the norms are applied as fp32 row/column scalings of the raw dots (no
 re-rounding of normalised vectors).
 """
@@ -91,7 +92,7 @@ def _gdn_tree_verify_kernel(
     sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr,
-    BC: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    BC: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, INV_PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -201,9 +202,9 @@ def _gdn_tree_verify_kernel(
         X = -A_d
         P = eye + X
         for _ in tl.static_range(LOG2_BT - 1):
-            X = tl.dot(X, X, input_precision="ieee")
-            P = P + tl.dot(P, X, input_precision="ieee")
-        U_i = tl.dot(P, rhs, input_precision="ieee")
+            X = tl.dot(X, X, input_precision=INV_PREC)
+            P = P + tl.dot(P, X, input_precision=INV_PREC)
+        U_i = tl.dot(P, rhs, input_precision=INV_PREC)
         tl.store(u_base + t_r[:, None] * (HV * V) + o_v[None, :], U_i, mask=m_r[:, None] & m_vv)
 
         o_acc += tl.dot(qk_d * D_d, U_i, input_precision=DOT_PREC)
@@ -215,7 +216,7 @@ def _gdn_tree_verify_kernel(
 
 _gdn_tree_verify_autotuned = triton.autotune(
     configs=_VERIFY_CANDIDATES if not _INTERPRET else _VERIFY_CONFIGS,
-    key=["TP", "K", "V", "H", "HV", "L2NORM", "DOT_PREC", "DOT_F32"],
+    key=["TP", "K", "V", "H", "HV", "L2NORM", "DOT_PREC", "DOT_F32", "INV_PREC"],
 )(_gdn_tree_verify_kernel)
 
 
@@ -445,6 +446,7 @@ def _gdn_tree_commit_kernel(
     sk_b, sk_t, sk_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, CH: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -488,10 +490,15 @@ def _gdn_tree_commit_kernel(
         if L2NORM:
             cj = cj * tl.rsqrt(_rsum(kj * kj, axis=1) + 1e-6)
         uj = tl.load(u_base + pj[:, None] * (HV * V) + o_v[None, :], mask=vj[:, None] & m_v[None, :], other=0.0)
-        delta += tl.dot(tl.trans(kj * cj[:, None]), uj, input_precision="ieee")  # [BK, BV]
+        delta += tl.dot(tl.trans(kj * cj[:, None]), uj, input_precision=PREC)  # [BK, BV]
 
     S = tl.exp(G_leaf) * S + delta
     tl.store(s_ptr, S.to(state.dtype.element_ty), mask=m_s)
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in ("ieee", "tf32x3", "tf32"):
+        raise ValueError(f"precision must be 'ieee', 'tf32x3' or 'tf32', got {precision!r}")
 
 
 def _last_contig(x: torch.Tensor) -> torch.Tensor:
@@ -515,6 +522,7 @@ def gdn_tree_verify_triton(
     autotune: bool = False,
     BC: int | None = None,
     BT: int = 16,
+    inverse_precision: str = "ieee",
     o: torch.Tensor | None = None,
     u: torch.Tensor | None = None,
     gamma: torch.Tensor | None = None,
@@ -527,7 +535,9 @@ def gdn_tree_verify_triton(
     its measured config (``_VERIFY_CONFIGS``, no autotuner in the launch path), ``autotune=True`` sweeps
     ``_VERIFY_CANDIDATES`` with Triton's autotuner instead. ``BC`` (columns per inner
     step, default min(T_pad, 64)) is exposed for tests. ``BT``: rows per serial block of the fused kernel (16, 32 or
-    64; fewer, larger blocks shorten the serial chain at the cost of a larger diagonal inverse). ``o``/``u``/``gamma`` may be given as preallocated
+    64; fewer, larger blocks shorten the serial chain at the cost of a larger diagonal inverse). ``inverse_precision``: of
+    the fused kernel's diagonal inverse and solve dots (``"ieee"``: fp32 FMAs; ``"tf32x3"``: fp32-accurate on tensor
+    cores; ``"tf32"``). ``o``/``u``/``gamma`` may be given as preallocated
     contiguous outputs (static buffers for CUDA graphs; poisoned buffers in tests).
     """
     B, T, H, K = q.shape
@@ -555,6 +565,7 @@ def gdn_tree_verify_triton(
     TP = max(16, next_pow2(T))
     if BT not in (16, 32, 64) or (impl == "split" and BT != 16):
         raise ValueError(f"BT must be 16, 32 or 64 (16 for impl='split'), got {BT}")
+    _check_precision(inverse_precision)
     common = dict(
         H=H, HV=HV, K=K, V=V, TP=TP, BK=max(16, next_pow2(K)), BT=BT, LOG2_BT=BT.bit_length() - 1, BC=min(TP, 64) if BC is None else BC,
         L2NORM=bool(use_qk_l2norm_in_kernel), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -582,10 +593,10 @@ def gdn_tree_verify_triton(
     with launch_ctx(_INTERPRET):
         if BV is None:
             grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)  # noqa: E731
-            _gdn_tree_verify_autotuned[grid](*args, **common)
+            _gdn_tree_verify_autotuned[grid](*args, **common, INV_PREC=inverse_precision)
         else:
             _gdn_tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
-                *args, **common, BV=BV, num_warps=num_warps, num_stages=1
+                *args, **common, BV=BV, num_warps=num_warps, num_stages=1, INV_PREC=inverse_precision
             )
     return o, u, gamma
 
@@ -630,12 +641,14 @@ def gdn_tree_commit_triton(
     BV: int | None = None,
     num_warps: int = 4,
     chunk: int = 32,
+    precision: str = "ieee",
 ) -> torch.Tensor:
     """Triton version of :func:`~weaver_kernels.gdn_tree.naive.gdn_tree_commit_ref`: advances ``state`` in place.
 
     ``path`` (node indices root..leaf, on the device) may be right-padded with -1. ``chunk``: path entries per
     loop step (a power of two ≥ 16; capped at the padded path length). 32 measured fastest on the H200 for long
     paths (64-node chain: 9.5 µs vs 10.5 at 16; 64 and 128 no better; BENCHMARKS.md, Kernels).
+    ``precision``: of the path product's dot (``"ieee"``, ``"tf32x3"`` or ``"tf32"``, as for the verify's inverse).
     """
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
@@ -651,12 +664,14 @@ def gdn_tree_commit_triton(
         BV = min(32, max(16, next_pow2(V)))
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
+    _check_precision(precision)
     LP = max(16, next_pow2(L))
     with launch_ctx(_INTERPRET):
         _gdn_tree_commit_kernel[(triton.cdiv(V, BV), B * HV)](
             state, k, u, gamma, path, L, T,
             k.stride(0), k.stride(1), k.stride(2),
             H=H, HV=HV, K=K, V=V, LP=LP, BK=BK, BV=BV,
-            L2NORM=bool(use_qk_l2norm_in_kernel), CH=min(chunk, LP), num_warps=num_warps, num_stages=1,
+            L2NORM=bool(use_qk_l2norm_in_kernel), CH=min(chunk, LP), PREC=precision, num_warps=num_warps,
+            num_stages=1,
         )
     return state
