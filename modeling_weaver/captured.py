@@ -375,10 +375,12 @@ class PipelinedSteps:
     def __init__(self, device: torch.device, summary_size: int, capture: bool):
         self.capture = capture
         self._graph: tuple | None = None
-        # Two host slots for summaries: one being read, one being filled.
-        pin = device.type == "cuda"
-        self._host = [torch.zeros(summary_size, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        self._slot, self._cuda = 0, pin
+        # Two host slots for summaries, one being read, one being filled, each with the event that says it is full
+        # (a slot is launched again only after it was read).
+        cuda = device.type == "cuda"
+        self._host = [torch.zeros(summary_size, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._slot = 0
 
     def _launch(self) -> tuple[torch.Tensor, object]:
         """Start one step; returns ``(host slot, event)``: the slot holds its summary once the event has completed
@@ -388,11 +390,10 @@ class PipelinedSteps:
         if self._graph is None:  # a warm-up step advances the state: restored
             self._graph = capture_graph(self._step, warmup=1, restore=self._state())
         self._graph[0].replay()
-        host, self._slot = self._host[self._slot], 1 - self._slot
+        host, event = self._host[self._slot], self._events[self._slot]
+        self._slot = 1 - self._slot
         host.copy_(self._graph[1], non_blocking=True)  # ordered before the next replay overwrites the summary
-        event = None
-        if self._cuda:
-            event = torch.cuda.Event()
+        if event is not None:
             event.record()
         return host, event
 

@@ -1,6 +1,6 @@
 """Would merging the target's projections that share an input speed up a decode step? Measured before building it.
 
-    python scripts/bench_projections.py --shape qwen3.6-27b --rows 1 65
+    PYTHONPATH=kernels python scripts/bench_projections.py --shape qwen3.6-27b --rows 1 65
 
 Each decoder layer of a Qwen3.5/3.6 hybrid runs several GEMMs on the same input: a Gated DeltaNet layer
 ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (the last two tiny: hidden → value heads), an attention
@@ -9,8 +9,8 @@ weights once per step (memory-bound), so one GEMM over the concatenated weight r
 launches. This script times, for every layer of the target shape (random bf16 weights, shapes from the config on the
 meta device), the shared-input GEMMs run separately and as one GEMM on the concatenated weight, at ``--rows`` tree
 sizes (1 = an AR step, 65 = a budget-64 tree), each variant one CUDA graph over all layers (weights well past the L2),
-median of ``--reps`` replays after warm-up. The separate variant multiplies row blocks of the same storage that the
-merged one reads whole, so only the launch structure differs.
+median of ``--reps`` replays after warm-up (``bench_kernels.graph_time_us``). The separate variant multiplies row
+blocks of the same storage that the merged one reads whole, so only the launch structure differs.
 
 Prints, per rows: ms per step for each variant, the bytes read and their rate, and the difference (what merging
 would take off each step). The output and down projections are left out (nothing to merge them with).
@@ -18,7 +18,6 @@ would take off each step). The output and down projections are left out (nothing
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -38,36 +37,13 @@ def shared_input_groups(model) -> list[list[torch.Size]]:
     return groups
 
 
-def time_graph(fn, reps: int) -> float:
-    """Median ms of one replay of a CUDA graph of ``fn``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3.6-27b")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 65])
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args()
+    from bench_kernels import graph_time_us  # this folder (the weaver_kernels package on the path, as there)
     from transformers import AutoModelForCausalLM
 
     from modeling_weaver.export import HUB_SPECS
@@ -96,7 +72,7 @@ def main():
             for w in merged:
                 F.linear(x, w)
 
-        t_sep, t_one = (time_graph(f, args.reps) for f in (separate, together))
+        t_sep, t_one = (graph_time_us([f], args.reps) / 1e3 for f in (separate, together))  # ms
         print(f"rows {rows}: separate {t_sep:.3f} ms ({nbytes / t_sep / 1e9:.2f} TB/s), merged {t_one:.3f} ms "
               f"({nbytes / t_one / 1e9:.2f} TB/s) → {t_sep - t_one:+.3f} ms per step")
 
