@@ -252,8 +252,8 @@ def test_make_data_then_train_dflash_then_train_weaver_tiny(tmp_path, capsys, mo
     got = speculative_generate(model, ids, drafter=load_dflash(tmp_path / "repo" / "dflash"),
                                weaver=load_weaver(tmp_path / "repo" / "weaver"), tree_budget=8, max_new_tokens=12,
                                eos_token_id=[])
-    assert torch.equal(got, model.generate(ids, do_sample=False, max_new_tokens=12, min_new_tokens=0,
-                                           eos_token_id=None, pad_token_id=0))
+    assert torch.equal(got, model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                           max_new_tokens=12, min_new_tokens=0, eos_token_id=None, pad_token_id=0))
 
 
 def test_train_failure_is_one_line(tmp_path, capsys):

@@ -41,8 +41,9 @@ def prompts(n=3, seed=0):
 
 
 def reference(target, ids, max_new_tokens, eos_token_id=None):
-    return target.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                           pad_token_id=0, min_new_tokens=0)
+    # an explicit mask: without one, transformers masks out every prompt token equal to pad_token_id
+    return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                           eos_token_id=eos_token_id, pad_token_id=0, min_new_tokens=0)
 
 
 class OracleRunner:

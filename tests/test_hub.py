@@ -39,7 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def reference(target, ids, n):
-    return target.generate(ids, do_sample=False, max_new_tokens=n, min_new_tokens=0, pad_token_id=0)
+    # an explicit mask: without one, transformers masks out every prompt token equal to pad_token_id
+    return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                           min_new_tokens=0, pad_token_id=0)
 
 
 def prompts(seed=0):
@@ -149,8 +151,9 @@ def test_transformers_chain_dflash_path_runs_our_drafter(zlab_dir):
     assistant.forward = recording
     ids = prompts()[1]
     expected = reference(target, ids, 30)
-    got = target.generate(ids, assistant_model=assistant, speculation_type="dflash", do_sample=False,
-                          max_new_tokens=30, min_new_tokens=0, pad_token_id=0)
+    got = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=assistant,
+                          speculation_type="dflash", do_sample=False, max_new_tokens=30, min_new_tokens=0,
+                          pad_token_id=0)
     assert torch.equal(got, expected)
     assert len(calls) >= 3
     embed = target.get_input_embeddings()
