@@ -95,12 +95,13 @@ def _eos_list(target) -> list[int]:
 @torch.no_grad()
 def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
                             eos_token_id=None, generator: torch.Generator | None = None,
-                            target_step: str = "eager") -> torch.Tensor:
+                            target_step: str = "eager", streamer=None) -> torch.Tensor:
     """Our AR baseline: one token per target step through :class:`TargetAdapter` (same caches as the tree loop).
 
     Args:
         input_ids: ``[1, T]`` prompt. temperature: 0 = greedy, else plain sampling at that temperature.
         eos_token_id: one id or several; default the target's generation config.
+        streamer: a transformers streamer (``put``/``end``): the prompt, then each token as it reaches the host.
         target_step: ``"eager"``, ``"static"``, ``"graph"`` or ``"compiled"``, as in
             :func:`~modeling_weaver.generate.speculative_generate`. Greedy fixed-shape decoding runs one
             :class:`~modeling_weaver.captured.FusedARStep` per token (verify, commit and argmax in one CUDA graph on
@@ -115,28 +116,37 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
         adapter = TargetAdapter(target, max_length=max_length)
     else:
         adapter = static_target(target, max_length, 1, **step_options(target_step, input_ids.device))
-    logits = adapter.prefill(input_ids[0]).logits[-1]
     new: list[int] = []
+
+    def emit(tok: int) -> None:
+        new.append(tok)
+        if streamer is not None:
+            streamer.put(torch.tensor([tok]))
+
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    logits = adapter.prefill(input_ids[0]).logits[-1]
     if target_step != "eager" and temperature == 0:  # one fixed-shape step per token, pipelined when captured
-        new.append(int(logits.argmax()))
+        emit(int(logits.argmax()))
         step = adapter.ar_step()
         step.seed(new[0])
         # a step ahead only for a wanted token
         with contextlib.closing(step.run(ahead=lambda: len(new) + 1 < max_new_tokens)) as steps:
             while new[-1] not in eos and len(new) < max_new_tokens:
-                new.append(next(steps))
-        return torch.cat([input_ids, input_ids.new_tensor([new])], dim=1)
-    while True:
-        if temperature > 0:
-            probs = torch.softmax(logits.float() / temperature, -1).cpu()
-            tok = int(torch.multinomial(probs, 1, generator=generator))
-        else:
-            tok = int(logits.argmax())
-        new.append(tok)
-        if tok in eos or len(new) >= max_new_tokens:
-            break
-        logits = adapter.verify(Tree.from_lists([tok], [-1], device=input_ids.device)).logits[0]
-        adapter.commit([0])
+                emit(next(steps))
+    else:
+        while True:
+            if temperature > 0:
+                probs = torch.softmax(logits.float() / temperature, -1).cpu()
+                emit(int(torch.multinomial(probs, 1, generator=generator)))
+            else:
+                emit(int(logits.argmax()))
+            if new[-1] in eos or len(new) >= max_new_tokens:
+                break
+            logits = adapter.verify(Tree.from_lists([new[-1]], [-1], device=input_ids.device)).logits[0]
+            adapter.commit([0])
+    if streamer is not None:
+        streamer.end()
     return torch.cat([input_ids, input_ids.new_tensor([new])], dim=1)
 
 

@@ -78,6 +78,7 @@ class StaticTarget:
         self._graphs: tuple | None = None  # (verify graph, its output, commit graph)
         self.captures = 0
         self._ar: FusedARStep | None = None
+        self.weights = weights_key(adapter.model)  # (after the adapter laid out its merged projections)
 
     def ar_step(self) -> FusedARStep:
         """This step's :class:`FusedARStep` (one-node steps only; kept: its graph reads these buffers)."""
@@ -515,6 +516,12 @@ class FusedARStep(PipelinedSteps):
 _STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def weights_key(model) -> tuple:
+    """Where ``model``'s parameters live: a cached step reads them through pointers (graphs, merged projections),
+    so weights moved or re-allocated since (``.to()``, ``load_state_dict(assign=True)``) need new steps."""
+    return tuple(p.data_ptr() for p in model.parameters())
+
+
 def cache_bucket(max_length: int) -> int:
     """Capacity of the static caches for ``max_length``: the next power of two, at least 256 (prompts of any length
     up to it share one set of graphs and compiled steps)."""
@@ -539,6 +546,8 @@ def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), 
     capacity = cache_bucket(max_length)
     steps = _STATIC_TARGETS.setdefault(model, {})
     key = (capacity, num_nodes, tuple(feature_layer_ids), capture, compile)
+    if key in steps and steps[key].weights != weights_key(model):
+        del steps[key]
     if key not in steps:
         adapter = TargetAdapter(model, capacity, feature_layer_ids)
         if compile:

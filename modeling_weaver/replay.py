@@ -144,9 +144,10 @@ _PLANTER = PeakPlanter()  # one instance: captured proposers are kept per plante
 
 def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str, tree_budget: int,
                     acceptance: ReplayedAcceptance, max_new_tokens: int, target_step: str = "graph",
-                    fused: bool = True):
+                    fused: bool = True, streamer=None):
     """One generation with replayed acceptance (restarted from the trace's first step); returns ``(ids,
     SpeculativeStats with phase_ms)``. Keep one ``acceptance`` per method: captured steps are kept per object.
+    ``streamer`` receives the new tokens (not the prompt) as they reach the host.
 
     ``fused=False`` keeps acceptance on the host, so static/graph steps stay split into draft+tree, verify and commit
     (a per-phase breakdown) instead of one fused step per iteration."""
@@ -163,7 +164,7 @@ def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str,
         target, input_ids[0], runner=runner, weaver=weaver, mode=mode,
         tree_budget=tree_budget,
         max_new_tokens=max_new_tokens, processors=LogitsProcessorList(), do_sample=False, verification=None,
-        stopping_criteria=stopping, streamer=None, generator=None, target_step=target_step,
+        stopping_criteria=stopping, streamer=streamer, generator=None, target_step=target_step,
         timer=PhaseTimer(input_ids.device), accept=acceptance if fused else acceptance.__call__,
     )
 
@@ -218,6 +219,22 @@ def gc_pauses():
         gc.callbacks.remove(track)
 
 
+class FirstTokenClock:
+    """A streamer that notes when the first new token reaches the host, i.e. when the prefill (and the first token)
+    is done, in the very run whose decode rate it separates out. ``prompt_puts``: puts before it (a prompt)."""
+
+    def __init__(self, prompt_puts: int = 0):
+        self.prompt_puts, self.puts, self.first_token = prompt_puts, 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == self.prompt_puts + 1:
+            self.first_token = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
 def random_prompt(target, length: int, seed: int = 0) -> torch.Tensor:
     """``[1, length]`` random token ids on the target's device (the same for every method of a run)."""
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -255,40 +272,39 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
     ids = random_prompt(target, prompt_len, seed)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def timed(fn):
-        fn(warm=True)  # warm-up: kernel compilation, graph capture (same lengths: same cache buckets and graphs)
+    def timed(fn, prompt_puts: int = 0):
+        """``fn(warm, streamer)`` after a warm-up call; ``(its output, decode seconds, prefill seconds)``, both from
+        one run: decode = from the first new token on the host to the end (the same prefill precedes every method,
+        and subtracting one measured in another run would add its noise to the decode rate)."""
+        fn(warm=True, streamer=None)  # warm-up: compilation, graph capture (same lengths: same buckets and graphs)
         sync()
         # compiling and capturing leave a large heap: collect it once, and keep the collector off it while timing
         gc.collect()
         gc.freeze()
+        clock = FirstTokenClock(prompt_puts)
         try:
             with gc_pauses() as pauses:
                 start = time.perf_counter()
-                out = fn(warm=False)
+                out = fn(warm=False, streamer=clock)
                 sync()
-                seconds = time.perf_counter() - start
+                end = time.perf_counter()
         finally:
             gc.unfreeze()
         timed.gc_ms = 1e3 * sum(pauses)
-        return out, seconds
+        return out, end - clock.first_token, clock.first_token - start
 
-    def ar(tokens):
-        return autoregressive_generate(target, ids, tokens, eos_token_id=[], target_step=target_step)
-
-    # Decode rates leave the prompt out: the same chunked prefill (+ first token) precedes every method.
-    _, prefill = timed(lambda warm: ar(1))
-    _, seconds = timed(lambda warm: ar(max_new_tokens))
-    ar_tps = (max_new_tokens - 1) / (seconds - prefill)
+    _, seconds, prefill = timed(lambda warm, streamer: autoregressive_generate(
+        target, ids, max_new_tokens, eos_token_id=[], target_step=target_step, streamer=streamer), prompt_puts=1)
+    ar_tps = (max_new_tokens - 1) / seconds
     rows = [{"method": "ar", "tokens_per_s": ar_tps, "ms_per_step": 1e3 / ar_tps, "mal": 1.0, "speedup": 1.0,
              "prefill_s": prefill, "gc_ms": timed.gc_ms}]
     on_row(rows)
     if hf_tokens:
-        def hf(tokens):
-            return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens,
-                                   min_new_tokens=tokens)
-        _, hf_prefill = timed(lambda warm: hf(1))
-        _, seconds = timed(lambda warm: hf(2 if warm else hf_tokens))
-        hf_tps = (hf_tokens - 1) / (seconds - hf_prefill)
+        def hf(warm, streamer):
+            return target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, streamer=streamer,
+                                   max_new_tokens=2 if warm else hf_tokens, min_new_tokens=2 if warm else hf_tokens)
+        _, seconds, _ = timed(hf, prompt_puts=1)
+        hf_tps = (hf_tokens - 1) / seconds
         rows.append({"method": "hf eager", "tokens_per_s": hf_tps, "ms_per_step": 1e3 / hf_tps, "mal": 1.0,
                      "speedup": hf_tps / ar_tps})
         on_row(rows)
@@ -297,15 +313,15 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
             trace = traces[(mode, budget)]
             acceptance = ReplayedAcceptance(trace, device)
             for fuse in (fused, False) if split else (fused,):
-                (out, stats), seconds = timed(lambda warm, mode=mode, budget=budget, acc=acceptance, fuse=fuse:
-                                              replay_generate(target, drafter, weaver, ids, mode, budget, acc,
-                                                              max_new_tokens, target_step, fuse))
+                (out, stats), seconds, _ = timed(
+                    lambda warm, streamer, mode=mode, budget=budget, acc=acceptance, fuse=fuse: replay_generate(
+                        target, drafter, weaver, ids, mode, budget, acc, max_new_tokens, target_step, fuse, streamer))
                 steps = stats.num_steps
-                tps = (out.shape[1] - ids.shape[1] - 1) / (seconds - prefill)
+                tps = (out.shape[1] - ids.shape[1] - 1) / seconds
                 rows.append({
                     "method": f"{mode}@{budget}" + ("" if fuse == fused else " split"), "mode": mode,
                     "budget": budget, "tokens_per_s": tps, "speedup": tps / ar_tps, "mal": stats.mean_accepted_length,
-                    "trace_mal": sum(trace) / len(trace), "ms_per_step": 1e3 * (seconds - prefill) / steps,
+                    "trace_mal": sum(trace) / len(trace), "ms_per_step": 1e3 * seconds / steps,
                     "gc_ms": timed.gc_ms,
                     **{f"{p}_ms": stats.phase_ms[p] / steps for p in PHASES if p in stats.phase_ms},
                 })

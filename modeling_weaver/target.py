@@ -82,6 +82,87 @@ def compile_static(fn):
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
+def _row_blocks_of_one(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose consecutive row blocks ``tensors`` already are (views of one storage), else None."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def merge_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One tensor whose consecutive row blocks are ``params`` (same values): made once, by moving each parameter's
+    data into a view of it (the Parameter objects stay; no second copy is kept); later calls find the views."""
+    merged = _row_blocks_of_one(params)
+    if merged is None:
+        merged = torch.cat([p.detach() for p in params])
+        start = 0
+        for p in params:
+            p.data = merged[start : start + p.shape[0]]
+            start += p.shape[0]
+    return merged
+
+
+class SharedInputLinears:
+    """Linear modules that read the same input, run as one GEMM over their concatenated weights.
+
+    At batch 1 a decode step is a string of GEMMs that each read their weights once; a Qwen3.5/3.6 layer runs 9 of
+    them on 3 inputs (GDN ``in_proj_qkv/z/b/a``, attention ``q/k/v``, MLP ``gate/up``). One launch per input reads the
+    same bytes closer to the bandwidth limit (measured at Qwen3.6-27B shape, ``scripts/bench_projections.py``: 1.1 ms
+    off a 17 ms AR step). The modules' weights become row blocks of one tensor (:func:`merge_rows`: same values, same
+    Parameter objects, saved and loaded as before). Modules that cannot share one GEMM (not plain ``nn.Linear``,
+    hooks, mixed dtypes, devices or input sizes, biases on some only) run one by one.
+    """
+
+    def __init__(self, *linears: torch.nn.Module):
+        self.linears = linears
+        self.sizes = [m.out_features for m in linears]
+        self.weight = self.bias = None
+        if self._mergeable(linears):
+            self.weight = merge_rows([m.weight for m in linears])
+            if linears[0].bias is not None:
+                self.bias = merge_rows([m.bias for m in linears])
+
+    @staticmethod
+    def _mergeable(linears) -> bool:
+        if len(linears) < 2 or any(type(m) is not torch.nn.Linear or m._forward_hooks or m._forward_pre_hooks
+                                   for m in linears):
+            return False
+        w0, has_bias = linears[0].weight, linears[0].bias is not None
+        return w0.device.type != "meta" and all(
+            m.weight.dtype == w0.dtype and m.weight.device == w0.device and m.in_features == linears[0].in_features
+            and (m.bias is not None) == has_bias and (not has_bias or m.bias.dtype == linears[0].bias.dtype)
+            for m in linears)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each module's output (views of one GEMM's output when merged)."""
+        if self.weight is None:
+            return [m(x) for m in self.linears]
+        return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+
+
+GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP")  # down(act(gate(x)) * up(x))
+
+
+def mlp_forward(mlp: torch.nn.Module):
+    """``mlp`` as a callable with gate and up in one GEMM (:class:`SharedInputLinears`) when it is one of the gated
+    MLPs of :data:`GATED_MLPS`; any other MLP is called as it is."""
+    if type(mlp).__name__ not in GATED_MLPS or mlp._forward_hooks or mlp._forward_pre_hooks:
+        return mlp
+    gate_up = SharedInputLinears(mlp.gate_proj, mlp.up_proj)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up(x)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
+
+    return forward
+
+
 @dataclass
 class TreeOutput:
     """What one target pass over a tree gives the loop.
@@ -114,6 +195,7 @@ class AttentionLayerCache:
         # Qwen3.5 packs a per-head output gate next to each query head.
         self.gated = attn.q_proj.out_features == 2 * self.num_heads * self.head_dim
         self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.qkv = SharedInputLinears(attn.q_proj, attn.k_proj, attn.v_proj)
         self.qk_norm = (fused_norm(attn.q_norm, dtype), fused_norm(attn.k_norm, dtype)) if hasattr(attn, "q_norm") \
             else None
         shape = (1, self.num_kv_heads, max_length, self.head_dim)
@@ -128,12 +210,13 @@ class AttentionLayerCache:
             slots: ``[N]`` cache rows receiving the tree's K/V (``n + arange(N)``).
         """
         attn, N = self.attn, h.shape[1]
-        q = attn.q_proj(h).view(1, N, self.num_heads, -1)
+        q, k, v = self.qkv(h)
+        q = q.view(1, N, self.num_heads, -1)
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(1, N, -1)
-        k = attn.k_proj(h).view(1, N, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(1, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        k = k.view(1, N, self.num_kv_heads, self.head_dim)
+        v = v.view(1, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm is not None:
             q, k = self.qk_norm[0](q), self.qk_norm[1](k)
         q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
@@ -164,16 +247,17 @@ class GatedDeltaNetLayerCache:
     def __init__(self, gdn: torch.nn.Module, device, dtype):
         self.gdn = gdn
         self.norm = fused_norm(gdn.norm, dtype)
+        self.in_proj = SharedInputLinears(gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a)
         self.state = torch.zeros(1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, device=device, dtype=torch.float32)
         self.window = torch.zeros(1, gdn.conv_dim, gdn.conv_kernel_size - 1, device=device, dtype=dtype)
         self.pending: tuple[torch.Tensor, ...] | None = None
 
     def forward_tree(self, h: torch.Tensor, tree_mask: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         gdn, N = self.gdn, h.shape[1]
-        mixed = gdn.in_proj_qkv(h)  # [1, N, conv_dim]
-        z = gdn.in_proj_z(h).reshape(1, N, -1, gdn.head_v_dim)
-        beta = gdn.in_proj_b(h).sigmoid()
-        g = -gdn.A_log.float().exp() * F.softplus(gdn.in_proj_a(h).float() + gdn.dt_bias)
+        mixed, z, b, a = self.in_proj(h)  # mixed: [1, N, conv_dim]
+        z = z.reshape(1, N, -1, gdn.head_v_dim)
+        beta = b.sigmoid()
+        g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)
         conv = weaver_kernels.conv_tree(
             mixed, self.window, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, parents, activation=gdn.activation
         )
@@ -199,7 +283,9 @@ class TargetAdapter:
     """A transformers causal LM seen as a tree verifier with committed caches (batch 1).
 
     Args:
-        model: the target (``*ForCausalLM`` or ``Qwen3_5ForConditionalGeneration``); never modified.
+        model: the target (``*ForCausalLM`` or ``Qwen3_5ForConditionalGeneration``). Its values are never modified;
+            the weights of linears that read one input are laid out as row blocks of one tensor
+            (:class:`SharedInputLinears`).
         max_length: committed cache capacity in tokens (prompt + generated + one tree).
         feature_layer_ids: target layers whose outputs the drafter reads (DFlash ``target_layer_ids``).
     """
@@ -235,6 +321,7 @@ class TargetAdapter:
                 self.layer_caches.append(
                     AttentionLayerCache(layer.self_attn, config, max_length, self.device, self.dtype)
                 )
+        self.mlps = [mlp_forward(layer.mlp) for layer in decoder.layers]
         self.layer_norms = [(fused_norm(layer.input_layernorm, self.dtype),
                              fused_norm(layer.post_attention_layernorm, self.dtype)) for layer in decoder.layers]
         self.final_norm = fused_norm(decoder.norm, self.dtype)
@@ -309,14 +396,13 @@ class TargetAdapter:
         attn_mask = self.attention_mask(tree_mask, bound) if self._has_attention else None
         slots = self.length_t + torch.arange(N, device=self.device)
         features = {}
-        for i, (layer, cache, (norm1, norm2)) in enumerate(zip(self.decoder.layers, self.layer_caches,
-                                                                   self.layer_norms)):
+        for i, (mlp, cache, (norm1, norm2)) in enumerate(zip(self.mlps, self.layer_caches, self.layer_norms)):
             h = norm1(x)
             if isinstance(cache, GatedDeltaNetLayerCache):
                 x = x + cache.forward_tree(h, tree_mask, parents)
             else:
                 x = x + cache.forward_tree(h, rope, attn_mask, slots)
-            x = x + layer.mlp(norm2(x))
+            x = x + mlp(norm2(x))
             if i in self.feature_layer_ids:
                 features[i] = x
         hidden = self.final_norm(x)

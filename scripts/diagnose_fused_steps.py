@@ -6,9 +6,13 @@
 2. Per mode: cProfile of one more generation (graphs and compiles in place) sorted by own time, then the fused graph
    alone: how long ``replay()`` takes to return to Python, and its GPU time back to back.
 3. ``memory_check``: two ``--memory-tokens`` generations of the first mode (graph steps): growth over the second.
+4. ``--timeline``: host timestamps of one AR and one generation per mode at the loop's seams (prefill, the first
+   step's draft/verify/commit, every pipelined step's launch and read), no syncs added: where wall time goes that no
+   GPU span holds.
 """
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -17,7 +21,9 @@ from pathlib import Path
 
 import torch
 
-from modeling_weaver.captured import _STATIC_TARGETS
+from modeling_weaver.benchmark import autoregressive_generate
+from modeling_weaver.captured import (_STATIC_TARGETS, FusedGreedyStep, PipelinedSteps, StaticDraft, StaticProposer,
+                                      StaticTarget)
 from modeling_weaver.replay import (ReplayedAcceptance, graph_replay_ms, memory_check, random_models, random_prompt,
                                     replay_generate, replay_table, run_replay_suite, synthetic_trace)
 
@@ -37,6 +43,56 @@ def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:
     return "\n".join(lines)
 
 
+SEAMS = ((StaticTarget, "prefill"), (StaticDraft, "_lead"), (StaticProposer, "propose"), (StaticTarget, "verify"),
+         (StaticTarget, "commit"), (FusedGreedyStep, "arm"), (PipelinedSteps, "_launch"), (PipelinedSteps, "_read"))
+
+
+def host_timeline(fn) -> str:
+    """``fn()`` (after one untimed call: captures, compiles) with host timestamps (ms from its start) on entering and
+    leaving each seam; a summary."""
+    fn()
+    torch.cuda.synchronize()
+    marks, t0 = [], time.perf_counter()
+    originals = [(cls, name, cls.__dict__[name]) for cls, name in SEAMS]
+
+    def stamped(name, method):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                marks.append((name, 1e3 * (start - t0), 1e3 * (time.perf_counter() - t0)))
+        return call
+
+    for cls, name, method in originals:
+        setattr(cls, name, stamped(name, method))
+    gc.collect()
+    gc.freeze()
+    try:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        total = 1e3 * (time.perf_counter() - t0)
+    finally:
+        gc.unfreeze()
+        for cls, name, method in originals:
+            setattr(cls, name, method)
+    reads = [end for name, _, end in marks if name == "_read"]
+    gaps = [b - a for a, b in zip(reads, reads[1:])]
+    lines = [" ".join(f"{n} {a:.1f}-{b:.1f}" for n, a, b in marks if n not in ("_launch", "_read"))]
+    if reads:
+        gaps_sorted = sorted(gaps) or [0.0]
+        lines.append(f"{len(reads)} step reads: first at {reads[0]:.1f} ms, last at {reads[-1]:.1f}; between reads "
+                     f"median {gaps_sorted[len(gaps_sorted) // 2]:.2f} ms, min {gaps_sorted[0]:.2f}, max "
+                     f"{gaps_sorted[-1]:.2f}, sum {sum(gaps):.1f}; first gaps {[round(g, 2) for g in gaps[:4]]}, "
+                     f"last {[round(g, 2) for g in gaps[-4:]]}")
+        launches = [(a, b) for n, a, b in marks if n == "_launch"]
+        lines.append(f"{len(launches)} launches, host time in them {sum(b - a for a, b in launches):.1f} ms; "
+                     f"first launch at {launches[0][0]:.1f} ms")
+    lines.append(f"end (synchronised) at {total:.1f} ms")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3.6-27b")
@@ -46,6 +102,8 @@ def main():
     parser.add_argument("--target-step", default="compiled")
     parser.add_argument("--memory-tokens", type=int, default=0)
     parser.add_argument("--out", default="diag")
+    parser.add_argument("--timeline", action="store_true", help="host timeline per method (step 4)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the cProfile and graph timings (step 2)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -63,7 +121,14 @@ def main():
                      on_row=save)
     print(f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB", flush=True)
     ids = random_prompt(target, 512)
-    for mode in args.modes:
+    if args.timeline:
+        print("\n## timeline: ar\n" + host_timeline(lambda: autoregressive_generate(
+            target, ids, 512, eos_token_id=[], target_step=args.target_step)), flush=True)
+        for mode in args.modes:
+            acceptance = ReplayedAcceptance(traces[(mode, args.budget)], device)
+            print(f"\n## timeline: {mode}\n" + host_timeline(lambda: replay_generate(
+                target, drafter, weaver, ids, mode, args.budget, acceptance, 512, args.target_step)), flush=True)
+    for mode in [] if args.no_profile else args.modes:
         acceptance = ReplayedAcceptance(traces[(mode, args.budget)], device)
         replay_generate(target, drafter, weaver, ids, mode, args.budget, acceptance, 512, args.target_step)
         torch.cuda.synchronize()

@@ -1,11 +1,14 @@
 """Acceptance replay (issue 5): the loop at a real shape with accepted lengths from a trace; CPU smoke at tiny shape."""
 
 import json
+import time
 
 import pytest
 import torch
 
+from modeling_weaver.benchmark import autoregressive_generate
 from modeling_weaver.replay import (
+    FirstTokenClock,
     ReplayedAcceptance,
     load_traces,
     random_models,
@@ -47,10 +50,12 @@ def test_replay_suite_runs_every_phase_at_tiny_shape():
     target, drafter, weaver = random_models("tiny", torch.device("cpu"), torch.float32)
     traces = {(m, 8): synthetic_trace(mal, drafter.block_size, seed=0) for m, mal in
               (("chain", 3.0), ("ddtree", 3.5), ("weaver", 4.0))}
+    started = time.perf_counter()
     rows = run_replay_suite(target, drafter, weaver, traces, ["chain", "ddtree", "weaver"], [8], prompt_len=12,
                             max_new_tokens=40, target_step="static", hf_tokens=6)
     assert [r["method"] for r in rows] == ["ar", "hf eager", "chain@8", "ddtree@8", "weaver@8"]
     assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["prefill_s"] > 0 and rows[0]["ms_per_step"] * 39 < 1e3 * (time.perf_counter() - started)
     for row in rows[2:]:
         assert row["mal"] > 1.5  # planted peaks give the trees enough depth for the traced lengths
         assert all(row[f"{p}_ms"] > 0 for p in ("draft+tree", "verify", "accept", "commit"))  # static steps
@@ -78,3 +83,33 @@ def test_traces_come_from_bench_results(tmp_path):
     path.write_text(json.dumps({"rows": rows[:1]}))
     with pytest.raises(ValueError, match="no greedy tree rows"):
         load_traces(path)
+
+
+@pytest.mark.parametrize("target_step", ["eager", "static"])
+def test_decode_time_starts_at_the_first_new_token(target_step):
+    """The replay's decode rates count from the first new token on the host, in the same run: the streamers see the
+    prompt (AR) and then each token as it is emitted."""
+    target, drafter, weaver = random_models("tiny", torch.device("cpu"), torch.float32)
+    ids = torch.randint(0, 50, (1, 9), generator=torch.Generator().manual_seed(0))
+
+    class Record(FirstTokenClock):
+        def __init__(self, prompt_puts):
+            super().__init__(prompt_puts)
+            self.values, self.ended = [], False
+
+        def put(self, value):
+            super().put(value)
+            self.values.append(value.flatten().tolist())
+
+        def end(self):
+            self.ended = True
+
+    clock = Record(prompt_puts=1)
+    start = time.perf_counter()
+    out = autoregressive_generate(target, ids, 10, eos_token_id=[], target_step=target_step, streamer=clock)
+    assert clock.values[0] == ids[0].tolist() and sum(clock.values[1:], []) == out[0, 9:].tolist() and clock.ended
+    assert start < clock.first_token < time.perf_counter()
+    clock = Record(prompt_puts=0)
+    out, _ = replay_generate(target, drafter, weaver, ids, "weaver", 8, ReplayedAcceptance([3, 1, 5]), 20,
+                             target_step, streamer=clock)
+    assert sum(clock.values, []) == out[0, 9:].tolist() and clock.first_token is not None

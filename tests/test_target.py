@@ -245,3 +245,84 @@ def test_unknown_norm_keeps_the_module():
     assert fused_norm(liar, torch.float32) is liar
     norm = TINY_TARGETS["llama"]().model.norm  # fp32 weight with bf16 activations would promote: keep the module
     assert fused_norm(norm, torch.bfloat16) is norm
+
+
+def _shared_groups(model):
+    for layer in model.model.layers:
+        yield [layer.mlp.gate_proj, layer.mlp.up_proj]
+        if hasattr(layer, "linear_attn"):
+            g = layer.linear_attn
+            yield [g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a]
+        else:
+            yield [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+
+
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_shared_input_projections_become_one_tensor_with_the_same_values(name, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = TINY_TARGETS[name]()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    params = {k: id(p) for k, p in model.named_parameters()}
+    TargetAdapter(model, max_length=64)
+    for group in _shared_groups(model):  # row blocks of one storage, in order
+        ptr, size = group[0].weight.data_ptr(), group[0].weight.element_size()
+        assert len({m.weight.untyped_storage().data_ptr() for m in group}) == 1
+        assert [m.weight.data_ptr() for m in group] == [
+            ptr + size * sum(n.weight.numel() for n in group[:i]) for i in range(len(group))]
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert params == {k: id(p) for k, p in model.named_parameters()}  # same Parameter objects
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    TargetAdapter(model, max_length=64)  # already merged: nothing moves
+    assert ptrs == [p.data_ptr() for p in model.parameters()]
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    assert set(reloaded) >= set(before) and all(torch.equal(before[k], reloaded[k]) for k in before)
+
+
+def test_shared_input_linears_equal_the_modules_and_refuse_what_cannot_merge():
+    from modeling_weaver.target import SharedInputLinears
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 16)
+    for bias in (False, True):
+        linears = [torch.nn.Linear(16, n, bias=bias) for n in (7, 2, 9)]
+        expected = [m(x) for m in linears]
+        merged = SharedInputLinears(*linears)
+        assert merged.weight is not None and (merged.bias is not None) == bias
+        for got, want in zip(merged(x), expected):
+            torch.testing.assert_close(got, want)
+    mixed = [torch.nn.Linear(16, 4, bias=True), torch.nn.Linear(16, 4, bias=False)]
+    hooked = [torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)]
+    calls = []
+    hooked[1].register_forward_hook(lambda *a: calls.append(1))
+    for linears in (mixed, hooked, [torch.nn.Linear(16, 4), torch.nn.Linear(8, 4)]):
+        ptrs = [m.weight.data_ptr() for m in linears]
+        shared = SharedInputLinears(*linears)
+        assert shared.weight is None and ptrs == [m.weight.data_ptr() for m in linears]
+        if linears[0].in_features == linears[1].in_features:
+            outs = shared(x)
+            assert all(torch.equal(o, m(x)) for o, m in zip(outs, linears))
+    assert calls  # the hook ran: the module was called
+
+
+def test_static_target_follows_reallocated_weights():
+    """A cached fixed-shape step reads the weights through pointers (merged projections, graphs): weights loaded
+    with ``assign=True`` afterwards (new tensors) must be the ones verified, not the old ones."""
+    from test_generate import reference
+
+    from modeling_weaver.benchmark import autoregressive_generate
+
+    model = TINY_TARGETS["qwen3_5"]()
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(autoregressive_generate(model, ids, 12, eos_token_id=[], target_step="static"),
+                       reference(model, ids, 12))
+    # new tensors for the merged projections (large, so that they decide the output)
+    gen = torch.Generator().manual_seed(5)
+    other = {k: torch.randn(v.shape, generator=gen) if k.endswith("proj.weight") else v
+             for k, v in model.state_dict().items()}
+    model.load_state_dict(other, assign=True)
+    expected = reference(model, ids, 12)
+    assert not torch.equal(expected, reference(TINY_TARGETS["qwen3_5"](), ids, 12))  # (the weights matter)
+    assert torch.equal(autoregressive_generate(model, ids, 12, eos_token_id=[], target_step="static"), expected)
