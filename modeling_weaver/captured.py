@@ -300,6 +300,11 @@ class StaticDraft:
 
         ``acceptance``: an object with a device ``tensors(tokens, parents, logits, ancestor_mask, logq)`` method
         returning ``(path, length, bonus)`` instead of greedy acceptance."""
+        # steps built on a target step since replaced (its weights moved) would keep it alive, and its id reusable
+        live = list(_STATIC_TARGETS.get(target.adapter.model, {}).values())
+        for k in [k for k, v in self._steps.items()
+                  if isinstance(v, FusedGreedyStep) and not any(v.target is t for t in live)]:
+            del self._steps[k]
         key = ("fused", id(proposer), id(target), id(acceptance))
         if key not in self._steps:
             self._steps[key] = FusedGreedyStep(proposer, target, acceptance)
@@ -516,10 +521,18 @@ class FusedARStep(PipelinedSteps):
 _STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def weights_key(model) -> tuple:
-    """Where ``model``'s parameters live: a cached step reads them through pointers (graphs, merged projections),
-    so weights moved or re-allocated since (``.to()``, ``load_state_dict(assign=True)``) need new steps."""
-    return tuple(p.data_ptr() for p in model.parameters())
+def weights_key(*models) -> tuple:
+    """Which tensors hold the models' parameters, and where: a cached step reads them through pointers (graphs,
+    merged projections, a cast lm_head), so weights moved or re-allocated since (``.to()``,
+    ``load_state_dict(assign=True)``) need new steps."""
+    def where(p):
+        try:
+            ptr = p.data_ptr()
+        except RuntimeError:  # (tensor subclasses without storage)
+            ptr = None
+        return id(p), ptr, p.dtype, tuple(p.shape)
+
+    return tuple(where(p) for model in models for p in model.parameters())
 
 
 def cache_bucket(max_length: int) -> int:
@@ -547,7 +560,7 @@ def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), 
     steps = _STATIC_TARGETS.setdefault(model, {})
     key = (capacity, num_nodes, tuple(feature_layer_ids), capture, compile)
     if key in steps and steps[key].weights != weights_key(model):
-        del steps[key]
+        steps.clear()  # every cached step of this model reads the old tensors (and keeps them alive)
     if key not in steps:
         adapter = TargetAdapter(model, capacity, feature_layer_ids)
         if compile:
@@ -563,8 +576,13 @@ def static_draft(drafter, target, max_length: int, capture: bool | None = None) 
     capacity = cache_bucket(max_length)
     steps = _STATIC_TARGETS.setdefault(drafter, {})
     key = ("draft", capacity, id(target), capture)
+    # what its graphs read: the drafter, the target's embedding and lm_head
+    weights = weights_key(drafter, target.get_input_embeddings(), target.get_output_embeddings())
+    if key in steps and steps[key].weights != weights:
+        steps.clear()  # (the fused steps built on it go too: they hold the target's steps of then)
     if key not in steps:
         steps[key] = StaticDraft(drafter, target, capacity, capture=capture)
+        steps[key].weights = weights
     return steps[key]
 
 

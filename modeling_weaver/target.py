@@ -83,29 +83,43 @@ def compile_static(fn):
 
 
 def _row_blocks_of_one(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The tensor whose consecutive row blocks ``tensors`` already are (views of one storage), else None."""
+    """The contiguous tensor whose consecutive row blocks ``tensors`` already are (views of one storage), else None."""
     first = tensors[0]
-    offset = first.storage_offset()
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
     for t in tensors:
-        if (not t.is_contiguous() or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                or t.storage_offset() != offset):
+        if (t.numel() == 0 or t.dtype != first.dtype or t.shape[1:] != first.shape[1:] or not t.is_contiguous()
+                or t.untyped_storage().data_ptr() != storage or t.storage_offset() != offset):
             return None
         offset += t.numel()
-    rows = sum(t.shape[0] for t in tensors)
-    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    if offset * first.element_size() > first.untyped_storage().nbytes():
+        return None
+    return first.detach().new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
 
 
-def merge_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """One tensor whose consecutive row blocks are ``params`` (same values): made once, by moving each parameter's
-    data into a view of it (the Parameter objects stay; no second copy is kept); later calls find the views."""
+def merge_rows(params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, bool]:
+    """One tensor whose consecutive row blocks are ``params`` (same values), and whether it had to be made: made once,
+    by moving each parameter's data into a view of it (the Parameter objects stay; no second copy is kept); later
+    calls find the views."""
     merged = _row_blocks_of_one(params)
-    if merged is None:
+    if merged is not None:
+        return merged, False
+    # (a normal tensor even under inference_mode: the parameters must stay usable for training)
+    with torch.inference_mode(False), torch.no_grad():
         merged = torch.cat([p.detach() for p in params])
         start = 0
         for p in params:
             p.data = merged[start : start + p.shape[0]]
             start += p.shape[0]
-    return merged
+    return merged, True
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether calling ``module`` does more than its class's forward (hooks, global hooks, a patched forward)."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+                or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
 
 class SharedInputLinears:
@@ -116,27 +130,34 @@ class SharedInputLinears:
     same bytes closer to the bandwidth limit (measured at Qwen3.6-27B shape, ``scripts/bench_projections.py``: 1.1 ms
     off a 17 ms AR step). The modules' weights become row blocks of one tensor (:func:`merge_rows`: same values, same
     Parameter objects, saved and loaded as before). Modules that cannot share one GEMM (not plain ``nn.Linear``,
-    hooks, mixed dtypes, devices or input sizes, biases on some only) run one by one.
+    hooks or a patched forward, tensor-subclass weights such as quantized or DTensor ones, mixed dtypes, devices or
+    input sizes, biases on some only) run one by one. The choice is made here, once: an adapter built before a hook
+    was added keeps bypassing it.
     """
 
     def __init__(self, *linears: torch.nn.Module):
         self.linears = linears
         self.sizes = [m.out_features for m in linears]
         self.weight = self.bias = None
+        self.moved = False  # whether merging copied weights (their old blocks are then free in the allocator)
         if self._mergeable(linears):
-            self.weight = merge_rows([m.weight for m in linears])
+            self.weight, self.moved = merge_rows([m.weight for m in linears])
             if linears[0].bias is not None:
-                self.bias = merge_rows([m.bias for m in linears])
+                self.bias, moved = merge_rows([m.bias for m in linears])
+                self.moved |= moved
 
     @staticmethod
     def _mergeable(linears) -> bool:
-        if len(linears) < 2 or any(type(m) is not torch.nn.Linear or m._forward_hooks or m._forward_pre_hooks
-                                   for m in linears):
+        def plain(t):
+            return type(t.data) is torch.Tensor and t.layout == torch.strided and t.numel() > 0
+
+        if len(linears) < 2 or any(type(m) is not torch.nn.Linear or _hooked(m) for m in linears):
             return False
         w0, has_bias = linears[0].weight, linears[0].bias is not None
         return w0.device.type != "meta" and all(
-            m.weight.dtype == w0.dtype and m.weight.device == w0.device and m.in_features == linears[0].in_features
-            and (m.bias is not None) == has_bias and (not has_bias or m.bias.dtype == linears[0].bias.dtype)
+            plain(m.weight) and m.weight.dtype == w0.dtype and m.weight.device == w0.device
+            and m.in_features == linears[0].in_features and (m.bias is not None) == has_bias
+            and (not has_bias or (plain(m.bias) and m.bias.dtype == linears[0].bias.dtype))
             for m in linears)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -152,7 +173,7 @@ GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP")  # down(act(gate
 def mlp_forward(mlp: torch.nn.Module):
     """``mlp`` as a callable with gate and up in one GEMM (:class:`SharedInputLinears`) when it is one of the gated
     MLPs of :data:`GATED_MLPS`; any other MLP is called as it is."""
-    if type(mlp).__name__ not in GATED_MLPS or mlp._forward_hooks or mlp._forward_pre_hooks:
+    if type(mlp).__name__ not in GATED_MLPS or _hooked(mlp):
         return mlp
     gate_up = SharedInputLinears(mlp.gate_proj, mlp.up_proj)
 
@@ -160,6 +181,7 @@ def mlp_forward(mlp: torch.nn.Module):
         gate, up = gate_up(x)
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
+    forward.shared = gate_up
     return forward
 
 
@@ -322,6 +344,12 @@ class TargetAdapter:
                     AttentionLayerCache(layer.self_attn, config, max_length, self.device, self.dtype)
                 )
         self.mlps = [mlp_forward(layer.mlp) for layer in decoder.layers]
+        shared = [getattr(c, "qkv", None) or getattr(c, "in_proj", None) for c in self.layer_caches]
+        shared += [getattr(m, "shared", None) for m in self.mlps]
+        if self.device.type == "cuda" and any(s is not None and s.moved for s in shared):
+            # the weights' old blocks are too small for the allocator to reuse: give them back (else a 27B target
+            # keeps ≈ 31 GB reserved that nothing uses)
+            torch.cuda.empty_cache()
         self.layer_norms = [(fused_norm(layer.input_layernorm, self.dtype),
                              fused_norm(layer.post_attention_layernorm, self.dtype)) for layer in decoder.layers]
         self.final_norm = fused_norm(decoder.norm, self.dtype)

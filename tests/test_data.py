@@ -193,8 +193,9 @@ def test_make_training_data_tiny(tmp_path, sampler):
     if any(greedy):
         i = greedy.index(True)
         ids, plen = ds[i]
-        ref = model.generate(ids[None, :plen], max_new_tokens=len(ids) - plen, do_sample=False,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        prompt = ids[None, :plen]
+        ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=len(ids) - plen,
+                             do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         assert ref[0, plen:].tolist() == ids[plen:].tolist()
 
 

@@ -50,12 +50,10 @@ def test_replay_suite_runs_every_phase_at_tiny_shape():
     target, drafter, weaver = random_models("tiny", torch.device("cpu"), torch.float32)
     traces = {(m, 8): synthetic_trace(mal, drafter.block_size, seed=0) for m, mal in
               (("chain", 3.0), ("ddtree", 3.5), ("weaver", 4.0))}
-    started = time.perf_counter()
     rows = run_replay_suite(target, drafter, weaver, traces, ["chain", "ddtree", "weaver"], [8], prompt_len=12,
                             max_new_tokens=40, target_step="static", hf_tokens=6)
     assert [r["method"] for r in rows] == ["ar", "hf eager", "chain@8", "ddtree@8", "weaver@8"]
     assert all(r["tokens_per_s"] > 0 for r in rows)
-    assert rows[0]["prefill_s"] > 0 and rows[0]["ms_per_step"] * 39 < 1e3 * (time.perf_counter() - started)
     for row in rows[2:]:
         assert row["mal"] > 1.5  # planted peaks give the trees enough depth for the traced lengths
         assert all(row[f"{p}_ms"] > 0 for p in ("draft+tree", "verify", "accept", "commit"))  # static steps
@@ -83,6 +81,26 @@ def test_traces_come_from_bench_results(tmp_path):
     path.write_text(json.dumps({"rows": rows[:1]}))
     with pytest.raises(ValueError, match="no greedy tree rows"):
         load_traces(path)
+
+
+def test_replay_suite_leaves_the_prefill_out_of_every_decode_rate(monkeypatch):
+    """A slow prefill (0.6 s more per call) shows in the AR row's prefill time and in no method's decode time."""
+    from modeling_weaver.target import TargetAdapter
+
+    prefill = TargetAdapter.prefill
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.6)
+        return prefill(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetAdapter, "prefill", slow)
+    target, drafter, weaver = random_models("tiny", torch.device("cpu"), torch.float32)
+    traces = {("weaver", 8): synthetic_trace(4.0, drafter.block_size, seed=0)}
+    rows = run_replay_suite(target, drafter, weaver, traces, ["weaver"], [8], prompt_len=12, max_new_tokens=24,
+                            target_step="static")
+    assert rows[0]["prefill_s"] >= 0.6
+    for row in rows:  # decode seconds: tokens after the first over the rate
+        assert 0 < 23 / row["tokens_per_s"] < 0.6, row
 
 
 @pytest.mark.parametrize("target_step", ["eager", "static"])

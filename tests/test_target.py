@@ -305,6 +305,36 @@ def test_shared_input_linears_equal_the_modules_and_refuse_what_cannot_merge():
             outs = shared(x)
             assert all(torch.equal(o, m(x)) for o, m in zip(outs, linears))
     assert calls  # the hook ran: the module was called
+    patched = [torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)]
+    patched[0].forward = lambda x: x  # (as accelerate's hooks do)
+    assert SharedInputLinears(*patched).weight is None
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    sub = [torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)]
+    with torch.no_grad():
+        sub[0].weight = torch.nn.Parameter(TwoTensor(sub[0].weight.clone(), sub[0].weight.clone()))
+    assert SharedInputLinears(*sub).weight is None  # tensor-subclass weights (quantized, DTensor) stay as they are
+
+
+def test_row_blocks_are_only_found_where_they_are():
+    from modeling_weaver.target import _row_blocks_of_one, merge_rows
+
+    base = torch.arange(40.0)
+    assert _row_blocks_of_one([base[:8].view(2, 4), base[8:24].view(4, 4)]) is not None
+    assert torch.equal(_row_blocks_of_one([base[:8].view(2, 4), base[8:24].view(4, 4)]), base[:24].view(6, 4))
+    assert _row_blocks_of_one([base[:8].view(2, 4), base[8:16].view(4, 2)]) is None  # other row width
+    assert _row_blocks_of_one([base[:8].view(2, 4), base[12:20].view(2, 4)]) is None  # a gap
+    assert _row_blocks_of_one([base[:8].view(2, 4), torch.arange(8.0).view(2, 4)]) is None  # another storage
+    assert _row_blocks_of_one([base[:8].view(2, 4), base[8:8].view(0, 4)]) is None  # empty
+    odd = base.as_strided((1, 4), (8, 1))  # one row, any row stride: still contiguous
+    merged = _row_blocks_of_one([odd, base[4:8].view(1, 4)])
+    assert merged is not None and merged.is_contiguous() and torch.equal(merged, base[:8].view(2, 4))
+    # merged under inference_mode, the parameters still train
+    params = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(2, 4))]
+    with torch.inference_mode():
+        merge_rows(params)
+    (params[0].sum() + params[1].sum()).backward()
+    assert params[0].grad is not None and not params[0].is_inference()
 
 
 def test_static_target_follows_reallocated_weights():
@@ -322,7 +352,44 @@ def test_static_target_follows_reallocated_weights():
     gen = torch.Generator().manual_seed(5)
     other = {k: torch.randn(v.shape, generator=gen) if k.endswith("proj.weight") else v
              for k, v in model.state_dict().items()}
+    from modeling_weaver.captured import _STATIC_TARGETS
+
+    old_steps = list(_STATIC_TARGETS[model].values())
     model.load_state_dict(other, assign=True)
     expected = reference(model, ids, 12)
     assert not torch.equal(expected, reference(TINY_TARGETS["qwen3_5"](), ids, 12))  # (the weights matter)
     assert torch.equal(autoregressive_generate(model, ids, 12, eos_token_id=[], target_step="static"), expected)
+    assert not any(s is t for s in old_steps for t in _STATIC_TARGETS[model].values())  # none of the old kept
+
+
+def test_static_draft_follows_reallocated_weights():
+    """The drafter's cached steps read the target's embedding and lm_head and the drafter's own weights: replaced
+    ones give a new StaticDraft (and drop the fused steps built on the target's replaced steps)."""
+    from test_generate import make_drafters
+
+    from modeling_weaver.captured import _STATIC_TARGETS, static_draft, static_target
+    from modeling_weaver.generate import speculative_generate
+
+    model = TINY_TARGETS["qwen3_5"]()
+    drafter, weaver = make_drafters(model)
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(drafter=drafter, weaver=weaver, mode="weaver", tree_budget=6, max_new_tokens=10, target_step="static")
+    speculative_generate(model, ids, **kwargs)
+    draft = static_draft(drafter, model, 9 + 10 + 6 + 2, capture=False)
+    assert static_draft(drafter, model, 9 + 10 + 6 + 2, capture=False) is draft  # unchanged weights: the same steps
+    assert any(k[0] == "fused" for k in draft._steps)
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(torch.randn_like(head.weight))
+    new = static_draft(drafter, model, 9 + 10 + 6 + 2, capture=False)
+    assert new is not draft and new.head[0] is head.weight
+    # a target step replaced (its weights moved) is not kept alive by a fused step built on it
+    def held():  # the target steps the drafter's fused steps hold
+        return [v.target for d in _STATIC_TARGETS[drafter].values() for v in d._steps.values() if hasattr(v, "target")]
+
+    speculative_generate(model, ids, **kwargs)
+    old_target = static_target(model, 9 + 10 + 6 + 2, 7, list(drafter.config.target_layer_ids), capture=False)
+    assert any(t is old_target for t in held())
+    gdn = model.model.layers[0].linear_attn
+    gdn.in_proj_z.weight = torch.nn.Parameter(gdn.in_proj_z.weight.detach().clone())
+    speculative_generate(model, ids, **kwargs)
+    assert held() and not any(t is old_target for t in held())
