@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .accept import accept_greedy_tensors
-from .target import TargetAdapter, TreeOutput, compile_static
+from .target import TargetAdapter, TreeOutput, compile_static, weights_key
 from .tree import Tree, ancestor_mask_of, rooted, tree_drafts, with_root
 
 
@@ -78,7 +78,6 @@ class StaticTarget:
         self._graphs: tuple | None = None  # (verify graph, its output, commit graph)
         self.captures = 0
         self._ar: FusedARStep | None = None
-        self.weights = weights_key(adapter.model)  # (after the adapter laid out its merged projections)
 
     def ar_step(self) -> FusedARStep:
         """This step's :class:`FusedARStep` (one-node steps only; kept: its graph reads these buffers)."""
@@ -521,18 +520,16 @@ class FusedARStep(PipelinedSteps):
 _STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def weights_key(*models) -> tuple:
-    """Which tensors hold the models' parameters, and where: a cached step reads them through pointers (graphs,
-    merged projections, a cast lm_head), so weights moved or re-allocated since (``.to()``,
-    ``load_state_dict(assign=True)``) need new steps."""
-    def where(p):
-        try:
-            ptr = p.data_ptr()
-        except RuntimeError:  # (tensor subclasses without storage)
-            ptr = None
-        return id(p), ptr, p.dtype, tuple(p.shape)
-
-    return tuple(where(p) for model in models for p in model.parameters())
+def _kept(steps: dict, key, weights, build):
+    """``steps[key]``, made by ``build()`` if missing; when the tensors ``weights()`` names changed since it was made,
+    every step in ``steps`` is dropped first: they all read the old tensors (and keep them alive)."""
+    if key in steps and steps[key].weights != weights():
+        steps.clear()
+    if key not in steps:
+        step = build()
+        step.weights = weights()  # (after building: a target's adapter may have moved weights into merged tensors)
+        steps[key] = step
+    return steps[key]
 
 
 def cache_bucket(max_length: int) -> int:
@@ -559,14 +556,14 @@ def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), 
     capacity = cache_bucket(max_length)
     steps = _STATIC_TARGETS.setdefault(model, {})
     key = (capacity, num_nodes, tuple(feature_layer_ids), capture, compile)
-    if key in steps and steps[key].weights != weights_key(model):
-        steps.clear()  # every cached step of this model reads the old tensors (and keeps them alive)
-    if key not in steps:
+
+    def build() -> StaticTarget:
         adapter = TargetAdapter(model, capacity, feature_layer_ids)
         if compile:
             adapter.compile_tree_step()
-        steps[key] = StaticTarget(adapter, num_nodes, capture=capture)
-    step = steps[key]
+        return StaticTarget(adapter, num_nodes, capture=capture)
+
+    step = _kept(steps, key, lambda: weights_key(model), build)
     step.adapter.reset()
     return step
 
@@ -576,14 +573,11 @@ def static_draft(drafter, target, max_length: int, capture: bool | None = None) 
     capacity = cache_bucket(max_length)
     steps = _STATIC_TARGETS.setdefault(drafter, {})
     key = ("draft", capacity, id(target), capture)
-    # what its graphs read: the drafter, the target's embedding and lm_head
-    weights = weights_key(drafter, target.get_input_embeddings(), target.get_output_embeddings())
-    if key in steps and steps[key].weights != weights:
-        steps.clear()  # (the fused steps built on it go too: they hold the target's steps of then)
-    if key not in steps:
-        steps[key] = StaticDraft(drafter, target, capacity, capture=capture)
-        steps[key].weights = weights
-    return steps[key]
+    # what its graphs read: the drafter, the target's embedding and lm_head (the fused steps built on it go with it)
+    def weights() -> tuple:
+        return weights_key(drafter, target.get_input_embeddings(), target.get_output_embeddings())
+
+    return _kept(steps, key, weights, lambda: StaticDraft(drafter, target, capacity, capture=capture))
 
 
 def release_static_targets(model) -> None:

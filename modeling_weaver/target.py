@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as nn_module
 
 import weaver_kernels
 
@@ -82,6 +83,20 @@ def compile_static(fn):
     return torch.compile(fn, dynamic=False, fullgraph=True)
 
 
+def weights_key(*models) -> tuple:
+    """Which tensors hold the models' parameters, and where: a cached step reads them through pointers (graphs,
+    merged projections, a cast lm_head), so weights moved or re-allocated since (``.to()``,
+    ``load_state_dict(assign=True)``) need new steps."""
+    def where(p):
+        try:
+            ptr = p.data_ptr()
+        except RuntimeError:  # (tensor subclasses without storage)
+            ptr = None
+        return id(p), ptr, p.dtype, tuple(p.shape)
+
+    return tuple(where(p) for model in models for p in model.parameters())
+
+
 def _row_blocks_of_one(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The contiguous tensor whose consecutive row blocks ``tensors`` already are (views of one storage), else None."""
     first = tensors[0]
@@ -97,13 +112,12 @@ def _row_blocks_of_one(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.detach().new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
 
 
-def merge_rows(params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, bool]:
-    """One tensor whose consecutive row blocks are ``params`` (same values), and whether it had to be made: made once,
-    by moving each parameter's data into a view of it (the Parameter objects stay; no second copy is kept); later
-    calls find the views."""
+def merge_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """One tensor whose consecutive row blocks are ``params`` (same values): made once, by moving each parameter's
+    data into a view of it (the Parameter objects stay; no second copy is kept); later calls find the views."""
     merged = _row_blocks_of_one(params)
     if merged is not None:
-        return merged, False
+        return merged
     # (a normal tensor even under inference_mode: the parameters must stay usable for training)
     with torch.inference_mode(False), torch.no_grad():
         merged = torch.cat([p.detach() for p in params])
@@ -111,13 +125,11 @@ def merge_rows(params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, bool]:
         for p in params:
             p.data = merged[start : start + p.shape[0]]
             start += p.shape[0]
-    return merged, True
+    return merged
 
 
 def _hooked(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` does more than its class's forward (hooks, global hooks, a patched forward)."""
-    from torch.nn.modules import module as nn_module
-
     return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
                 or nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
 
@@ -139,12 +151,10 @@ class SharedInputLinears:
         self.linears = linears
         self.sizes = [m.out_features for m in linears]
         self.weight = self.bias = None
-        self.moved = False  # whether merging copied weights (their old blocks are then free in the allocator)
         if self._mergeable(linears):
-            self.weight, self.moved = merge_rows([m.weight for m in linears])
+            self.weight = merge_rows([m.weight for m in linears])
             if linears[0].bias is not None:
-                self.bias, moved = merge_rows([m.bias for m in linears])
-                self.moved |= moved
+                self.bias = merge_rows([m.bias for m in linears])
 
     @staticmethod
     def _mergeable(linears) -> bool:
@@ -160,11 +170,11 @@ class SharedInputLinears:
             and (not has_bias or (plain(m.bias) and m.bias.dtype == linears[0].bias.dtype))
             for m in linears)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each module's output (views of one GEMM's output when merged)."""
         if self.weight is None:
-            return [m(x) for m in self.linears]
-        return list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+            return tuple(m(x) for m in self.linears)
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
 GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP")  # down(act(gate(x)) * up(x))
@@ -181,7 +191,6 @@ def mlp_forward(mlp: torch.nn.Module):
         gate, up = gate_up(x)
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
-    forward.shared = gate_up
     return forward
 
 
@@ -335,6 +344,7 @@ class TargetAdapter:
             raise ValueError(f"feature layer ids {bad} are outside the target's {num_layers} layers")
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        before = weights_key(model)  # (the merges below may move weights)
         self.layer_caches = []
         for layer in decoder.layers:
             if hasattr(layer, "linear_attn"):
@@ -344,9 +354,7 @@ class TargetAdapter:
                     AttentionLayerCache(layer.self_attn, config, max_length, self.device, self.dtype)
                 )
         self.mlps = [mlp_forward(layer.mlp) for layer in decoder.layers]
-        shared = [getattr(c, "qkv", None) or getattr(c, "in_proj", None) for c in self.layer_caches]
-        shared += [getattr(m, "shared", None) for m in self.mlps]
-        if self.device.type == "cuda" and any(s is not None and s.moved for s in shared):
+        if self.device.type == "cuda" and before != weights_key(model):
             # the weights' old blocks are too small for the allocator to reuse: give them back (else a 27B target
             # keeps ≈ 31 GB reserved that nothing uses)
             torch.cuda.empty_cache()
