@@ -233,12 +233,14 @@ class AttentionLayerCache:
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
 
-    def forward_tree(self, h: torch.Tensor, rope, mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def forward_tree(self, h: torch.Tensor, rope, tree_mask: torch.Tensor, length: torch.Tensor, slots: torch.Tensor,
+                     bound: int) -> torch.Tensor:
         """``h [1, N, H]`` → attention output ``[1, N, H]``.
 
         Args:
-            mask: ``[N, bound]`` bool over the first ``bound`` cache rows (True = attend).
-            slots: ``[N]`` cache rows receiving the tree's K/V (``n + arange(N)``).
+            tree_mask: ``[N, N]`` bool ancestor-or-self mask of the tree.
+            length: 0-d committed length; slots: ``[N]`` cache rows receiving the tree's K/V (``length + arange(N)``).
+            bound: cache rows attended over (the rows past ``length + N`` are masked).
         """
         attn, N = self.attn, h.shape[1]
         q, k, v = self.qkv(h)
@@ -253,12 +255,7 @@ class AttentionLayerCache:
         q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
         self.keys.index_copy_(2, slots, k.to(self.keys.dtype))
         self.values.index_copy_(2, slots, v.to(self.values.dtype))
-        bound = mask.shape[-1]
-        out = F.scaled_dot_product_attention(
-            q, self.keys[:, :, :bound], self.values[:, :, :bound], attn_mask=mask, scale=attn.scaling,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        out = out.transpose(1, 2).reshape(1, N, -1)
+        out = weaver_kernels.tree_attention(q, self.keys, self.values, tree_mask, length, bound, attn.scaling)
         if self.gated:
             out = out * torch.sigmoid(gate)
         return attn.o_proj(out)
@@ -361,7 +358,6 @@ class TargetAdapter:
         self.layer_norms = [(fused_norm(layer.input_layernorm, self.dtype),
                              fused_norm(layer.post_attention_layernorm, self.dtype)) for layer in decoder.layers]
         self.final_norm = fused_norm(decoder.norm, self.dtype)
-        self._has_attention = any(isinstance(c, AttentionLayerCache) for c in self.layer_caches)
         # Gated DeltaNet layers verify at most this many nodes at once on this device (None: no limit).
         self.max_tree_nodes = weaver_kernels.max_tree_nodes(self.device) if self.hybrid else None
         # What fixed-shape steps call for a tree pass and a commit (`compile_tree_step` swaps in compiled ones;
@@ -381,13 +377,6 @@ class TargetAdapter:
                 cache.window.zero_()
                 cache.pending = None
         self._pending_tree = None
-
-    def attention_mask(self, tree_mask: torch.Tensor, bound: int) -> torch.Tensor:
-        """``[N, bound]`` bool: every committed row, plus the tree's own rows (after them) where ancestor-or-self."""
-        N = tree_mask.shape[0]
-        rel = torch.arange(bound, device=tree_mask.device) - self.length_t  # row offset from the tree's first slot
-        in_tree = (rel >= 0) & (rel < N)
-        return (rel < 0)[None] | (tree_mask[:, rel.clamp(0, N - 1)] & in_tree[None])
 
     @torch.no_grad()
     def verify(self, tree: Tree, bound: int | None = None) -> TreeOutput:
@@ -429,7 +418,6 @@ class TargetAdapter:
             positions = positions[None].expand(3, -1, -1)
         x = self.embed_tokens(tokens[None])
         rope = self.decoder.rotary_emb(x, positions)
-        attn_mask = self.attention_mask(tree_mask, bound) if self._has_attention else None
         slots = self.length_t + torch.arange(N, device=self.device)
         features = {}
         for i, (mlp, cache, (norm1, norm2)) in enumerate(zip(self.mlps, self.layer_caches, self.layer_norms)):
@@ -437,7 +425,7 @@ class TargetAdapter:
             if isinstance(cache, GatedDeltaNetLayerCache):
                 x = x + cache.forward_tree(h, tree_mask, parents)
             else:
-                x = x + cache.forward_tree(h, rope, attn_mask, slots)
+                x = x + cache.forward_tree(h, rope, tree_mask, self.length_t, slots, bound)
             x = x + mlp(norm2(x))
             if i in self.feature_layer_ids:
                 features[i] = x

@@ -9,6 +9,8 @@
    ``autoregressive_generate``'s pipelined loop (host work between steps included): the difference is the host gap.
 3. With ``--proposer MODE``: one DFlash draft + tree build of that mode at ``--budget`` (compiled when the target
    step is), its kernel table.
+4. With ``--tree-nodes N``: the verify of an N-node tree (a chain: the GEMMs cost the same for any shape) and the
+   commit of a 4-node path, without graphs: what a speculative step's target pass spends beyond the AR step.
 """
 import argparse
 import time
@@ -45,13 +47,14 @@ def main():
     parser.add_argument("--graph-gap", action="store_true")
     parser.add_argument("--proposer", choices=("chain", "ddtree", "weaver"))
     parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--tree-nodes", type=int)
     parser.add_argument("--rows", type=int, default=30)
     args = parser.parse_args()
     compile = args.target_step == "compiled"
     target, drafter, weaver = random_models(args.shape, torch.device("cuda"), torch.bfloat16)
     ids = random_prompt(target, args.prompt_length)
     # One cache bucket (a power of two) for every call below, so that no timed call allocates, compiles or captures.
-    max_length = cache_bucket(args.prompt_length + 4 * args.tokens + 64)
+    max_length = cache_bucket(args.prompt_length + 4 * args.tokens + max(64, (args.tree_nodes or 0) + 4 * (args.tokens + 1)))
     new_tokens = max_length - args.prompt_length - 1  # autoregressive_generate's capacity: prompt + new + 1
 
     step = static_target(target, max_length, 1, capture=False, compile=compile)
@@ -63,6 +66,19 @@ def main():
         step.commit([0])
 
     kernel_table(ar_step, args.tokens, args.rows, f"AR step ({args.target_step}, no graphs)")
+
+    if args.tree_nodes:
+        tree_step = static_target(target, max_length, args.tree_nodes, capture=False, compile=compile)
+        tree_step.prefill(ids[0])
+        n = args.tree_nodes
+        chain = Tree.from_lists(ids[0, -n:].tolist(), list(range(-1, n - 1)), device="cuda")
+
+        def verify_step():
+            tree_step.verify(chain)
+            tree_step.commit([0, 1, 2, 3])
+
+        kernel_table(verify_step, args.tokens, args.rows, f"{n}-node verify + 4-node commit ({args.target_step}, "
+                     "no graphs)")
 
     if args.graph_gap:
         target_step = "compiled" if compile else "graph"

@@ -82,6 +82,7 @@ def ik():
         conv=load_interpreted("weaver_kernels.conv_tree.conv"),
         base=load_interpreted("weaver_kernels.gdn_tree.baseline"),
         norm=load_interpreted("weaver_kernels.rms_norm.fused"),
+        attn=load_interpreted("weaver_kernels.tree_attention.split"),
     )
 
 
@@ -201,6 +202,79 @@ TREE_CASES = [
     ("best_first", 129, 1, 1, 2, 16, 16, torch.float32, True),  # budget 128 + root: past 128 nodes (9 row blocks)
 ]
 
+
+
+# ---------------------------------------------------------------------------------------------- tree attention
+def check_tree_attention(split, parents, H, HKV, D, L, length, bound, dtype, device="cpu", plan=None, seed=0):
+    """The split-KV kernel (poisoned output) against the fp64 reference; relative RMS error."""
+    N = len(parents)
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, n, D, generator=gen).to(device, dtype) for h, n in ((H, N), (HKV, L), (HKV, L)))
+    tree_mask = ancestor_mask(parents, device)
+    length = torch.tensor(length, device=device)
+    out = torch.full((1, N, H * D), float("nan"), dtype=dtype, device=device)
+    got = split.tree_attention_triton(q, k, v, tree_mask, length, bound, D ** -0.5, plan=plan, out=out)
+    assert got is out and not out.isnan().any()
+    ref = wk.tree_attention_ref(q.double(), k.double(), v.double(), tree_mask, length, bound, D ** -0.5)
+    return rel_rms(got, ref)
+
+
+# Under the interpreter bf16 stores truncate (see the module docstring) on top of the probabilities' bf16 rounding
+# before the second dot (flash attention's, done on the GPU too): 1e-2 there; fp32 must match to 1e-5.
+ATTN_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("kind", ["chain", "star", "deep", "shuffled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tree_attention_interpreter(ik, kind, dtype):
+    """Grouped heads, a committed prefix, rows past the tree up to the bound, the default plan."""
+    parents = _tree(kind, 11, random.Random(3))
+    err = check_tree_attention(ik.attn, parents, H=6, HKV=2, D=32, L=96, length=37, bound=80, dtype=dtype)
+    assert err <= ATTN_TOL[dtype], err
+
+
+@pytest.mark.parametrize("length", [0, 5, 60])
+def test_tree_attention_many_splits_interpreter(ik, length):
+    """Small splits: some hold only committed rows, some only tree rows that a node may not see (no visible key in
+    that split: its partial result must drop out), some lie wholly past length + N (skipped)."""
+    parents = best_first_parents(20, random.Random(length))
+    err = check_tree_attention(ik.attn, parents, H=4, HKV=1, D=16, L=128, length=length, bound=128,
+                               dtype=torch.float32, plan=(16, 16, 16))
+    assert err <= ATTN_TOL[torch.float32], err
+
+
+def test_tree_attention_single_node_interpreter(ik):
+    """One node (the AR step): it sees every committed row and itself."""
+    err = check_tree_attention(ik.attn, [-1], H=8, HKV=2, D=64, L=64, length=41, bound=64, dtype=torch.float32)
+    assert err <= ATTN_TOL[torch.float32], err
+
+
+def test_tree_attention_random_search_interpreter(ik):
+    """Seeded search over shapes: heads and groups, head dims that are not powers of two, lengths, bounds, plans."""
+    rng = random.Random(7)
+    for trial in range(6):
+        HKV, G = rng.choice([1, 2, 3]), rng.choice([1, 2, 4])
+        N, D = rng.randint(1, 24), rng.choice([16, 24, 40])
+        length = rng.randint(0, 40)
+        bound = rng.randint(length + N, length + N + 20)
+        plan = rng.choice([None, (16, 16, 16), (32, 16, 32)])
+        parents = _tree(rng.choice(["random", "shuffled", "chain"]), N, rng) if N > 1 else [-1]
+        err = check_tree_attention(ik.attn, parents, H=HKV * G, HKV=HKV, D=D, L=bound + rng.randint(0, 9),
+                                   length=length, bound=bound, dtype=torch.float32, plan=plan, seed=trial)
+        assert err <= ATTN_TOL[torch.float32], (trial, HKV, G, N, D, length, bound, plan, err)
+
+
+def test_tree_attention_reference_is_masked_attention():
+    """The reference against attention written out: committed rows and ancestors-or-self only, nothing past."""
+    parents = [-1, 0, 0, 1, 3]
+    N, H, D, L, n = 5, 2, 8, 16, 6
+    q, k, v = torch.randn(1, H, N, D), torch.randn(1, H, L, D), torch.randn(1, H, L, D)
+    tm = ancestor_mask(parents, "cpu")
+    got = wk.tree_attention_ref(q, k, v, tm, torch.tensor(n), 14, 0.3)
+    for i in range(N):
+        visible = list(range(n)) + [n + j for j in path_to(parents, i)]
+        w = torch.softmax((q[0, :, i, None] @ k[0, :, visible].transpose(-1, -2))[:, 0] * 0.3, -1)
+        torch.testing.assert_close(got[0, i].view(H, D), torch.einsum("ht,htd->hd", w, v[0, :, visible]))
 
 @pytest.mark.parametrize("impl", ["fused", "split"])
 @pytest.mark.parametrize("case", TREE_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-B{c[2]}-H{c[3]}x{c[4]}-K{c[5]}V{c[6]}-{str(c[7])[6:]}-l2{int(c[8])}")
@@ -433,6 +507,10 @@ def test_custom_ops_opcheck():
     x = torch.randn(3, 5, 40)
     torch.library.opcheck(torch.ops.weaver.rms_norm.default, (x, torch.randn(40), None, 1e-6, wk.RMS_ONE_PLUS))
     torch.library.opcheck(torch.ops.weaver.rms_norm.default, (x, torch.randn(40), x.flip(0), 1e-6, wk.RMS_GATED))
+    tm = ancestor_mask([-1, 0, 0, 2], "cpu")
+    kv = torch.randn(1, 2, 12, 8)
+    torch.library.opcheck(torch.ops.weaver.tree_attention.default,
+                          (torch.randn(1, 4, 4, 8), kv, kv.flip(2), tm, torch.tensor(3), 9, 0.35))
 
 
 def test_public_ops_match_references_cpu():
@@ -538,6 +616,23 @@ def test_chain_matches_fla_fused_recurrent_interpreter():
 # ------------------------------------------------------------------------------------------------------- GPU
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 REAL = dict(H=16, HV=48, K=128, V=128)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("N", [1, 17, 65, 129])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_tree_attention_real_shape_gpu(N, dtype):
+    """Qwen3.6-27B attention (24 query / 4 kv heads, head_dim 256) over a 2048-row cache half in use, default plan
+    and a many-split one; fp64-reference tolerances (bf16 5e-3, fp32 1e-5)."""
+    from weaver_kernels.tree_attention import split
+
+    parents = best_first_parents(N, random.Random(N)) if N > 1 else [-1]
+    for plan in (None, (64, 32, 64)):
+        err = check_tree_attention(split, parents, H=24, HKV=4, D=256, L=2048, length=1000, bound=2048,
+                                   dtype=dtype, device="cuda", plan=plan, seed=N)
+        print(f"\n[gpu] tree attention N={N} {dtype} plan={plan}: {err:.2e}")
+        assert err <= TOL[dtype], err
 
 
 @pytest.mark.gpu

@@ -8,19 +8,24 @@ Four ops are the seams the target adapters call; each is a ``torch.library`` cus
 - :func:`conv_tree` — depthwise causal conv1d (+ SiLU) where each node reads its ancestors.
 - :func:`conv_tree_commit` — slide the committed conv window along the accepted path (in place).
 
-and :func:`rms_norm` (transformers' RMSNorm forms in one launch: the decode step runs ~200 of them).
+and :func:`tree_attention` (a tree's queries over a static KV cache, split over the cache rows: a captured step's
+cost follows the used length, not the cache size) and :func:`rms_norm` (transformers' RMSNorm forms in one launch:
+the decode step runs ~200 of them).
 
-Kernels: :mod:`.gdn_tree.chunk` (verify + commit), :mod:`.conv_tree.conv`, :mod:`.rms_norm.fused`, and the
+Kernels: :mod:`.gdn_tree.chunk` (verify + commit), :mod:`.conv_tree.conv`, :mod:`.tree_attention.split`,
+:mod:`.rms_norm.fused`, and the
 mainline recurrent baseline :mod:`.gdn_tree.baseline` (benchmarks only). References: ``*.naive``.
 """
 
 from .conv_tree.naive import conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
-from .ops import conv_tree, conv_tree_commit, gdn_tree_commit, gdn_tree_verify, max_tree_nodes, rms_norm
+from .ops import (conv_tree, conv_tree_commit, gdn_tree_commit, gdn_tree_verify, max_tree_nodes, rms_norm,
+                  tree_attention)
 from .rms_norm.naive import GATED as RMS_GATED
 from .rms_norm.naive import ONE_PLUS as RMS_ONE_PLUS
 from .rms_norm.naive import WEIGHT as RMS_WEIGHT
 from .rms_norm.naive import rms_norm_ref
+from .tree_attention.naive import tree_attention_mask, tree_attention_ref
 
 __all__ = [
     "gdn_tree_verify",
@@ -29,6 +34,9 @@ __all__ = [
     "conv_tree_commit",
     "max_tree_nodes",
     "rms_norm",
+    "tree_attention",
+    "tree_attention_ref",
+    "tree_attention_mask",
     "rms_norm_ref",
     "RMS_WEIGHT",
     "RMS_ONE_PLUS",

@@ -16,6 +16,7 @@ from torch import Tensor
 from .conv_tree.naive import conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_tree_commit_ref, gdn_tree_verify_ref
 from .rms_norm.naive import GATED, rms_norm_ref
+from .tree_attention.naive import tree_attention_ref
 
 
 def max_tree_nodes(device) -> int | None:
@@ -108,6 +109,24 @@ def _(window, x, path):
     return None
 
 
+# ----------------------------------------------------------------------------------------------- tree attention
+@torch.library.custom_op("weaver::tree_attention", mutates_args=())
+def _tree_attention_op(
+    q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, length: Tensor, bound: int, scale: float
+) -> Tensor:
+    if q.is_cuda:
+        from .tree_attention.split import tree_attention_triton
+
+        return tree_attention_triton(q, keys, values, tree_mask, length, bound, scale)
+    return _contig(tree_attention_ref(q, keys, values, tree_mask, length, bound, scale))
+
+
+@_tree_attention_op.register_fake
+def _(q, keys, values, tree_mask, length, bound, scale):
+    _, H, N, D = q.shape
+    return q.new_empty((1, N, H * D))
+
+
 # ------------------------------------------------------------------------------------------------------ RMSNorm
 @torch.library.custom_op("weaver::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Tensor, gate: Tensor | None, eps: float, kind: int) -> Tensor:
@@ -171,6 +190,14 @@ def conv_tree_commit(window: Tensor, x: Tensor, path: Tensor) -> Tensor:
     """Slide the committed window in place along ``path`` (may be right-padded with -1); returns it."""
     torch.ops.weaver.conv_tree_commit(window, x, path)
     return window
+
+
+def tree_attention(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, length: Tensor, bound: int,
+                   scale: float) -> Tensor:
+    """Attention of a tree's queries ``q [1, H, N, D]`` over a KV cache ``[1, HKV, L, D]`` whose rows ``< length``
+    are committed and rows ``length .. length+N-1`` hold the tree (see ``tree_attention.naive``); ``[1, N, H * D]``.
+    CUDA: a split-KV Triton kernel whose cost follows ``length``, not ``bound``; elsewhere masked SDPA."""
+    return torch.ops.weaver.tree_attention(q, keys, values, tree_mask, length, int(bound), float(scale))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, kind: int, gate: Tensor | None = None) -> Tensor:

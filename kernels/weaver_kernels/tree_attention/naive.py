@@ -1,0 +1,41 @@
+"""Plain torch reference for tree attention over a static KV cache.
+
+A verified tree's K/V sit in the cache rows ``length .. length+N-1`` right after the committed rows. Query node i
+attends to every committed row and to the tree rows of its ancestors-or-self; rows past ``length + N`` (up to the
+``bound`` a captured step attends over) are masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def tree_attention_mask(tree_mask: Tensor, length: Tensor, bound: int) -> Tensor:
+    """``[N, bound]`` bool: every committed row, plus the tree's own rows (after them) where ancestor-or-self."""
+    N = tree_mask.shape[0]
+    rel = torch.arange(bound, device=tree_mask.device) - length  # row offset from the tree's first slot
+    in_tree = (rel >= 0) & (rel < N)
+    return (rel < 0)[None] | (tree_mask[:, rel.clamp(0, N - 1)] & in_tree[None])
+
+
+def tree_attention_ref(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, length: Tensor, bound: int,
+                       scale: float) -> Tensor:
+    """Attention of the tree's queries over the cache.
+
+    Args:
+        q: ``[1, H, N, D]`` queries (RoPE applied).
+        keys, values: ``[1, HKV, L, D]`` cache, ``H`` a multiple of ``HKV`` (query head h reads kv head h // (H/HKV));
+            the tree's own K/V already written at rows ``length .. length+N-1``.
+        tree_mask: ``[N, N]`` bool ancestor-or-self mask.
+        length: 0-d long tensor, committed rows.
+        bound: rows attended over (``length + N ≤ bound ≤ L``).
+    Returns:
+        ``[1, N, H * D]`` in q's dtype (heads side by side, the o_proj input).
+    """
+    H, N = q.shape[1], q.shape[2]
+    mask = tree_attention_mask(tree_mask, length, bound)
+    out = F.scaled_dot_product_attention(q, keys[:, :, :bound], values[:, :, :bound], attn_mask=mask, scale=scale,
+                                         enable_gqa=H != keys.shape[1])
+    return out.transpose(1, 2).reshape(1, N, -1)
