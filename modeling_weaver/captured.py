@@ -494,9 +494,6 @@ class FusedARStep(PipelinedSteps):
             raise ValueError(f"an AR step verifies one node, not {target.num_nodes}")
         super().__init__(target.device, 1, target.capture)
         self.target = target
-        self.mask = torch.ones(1, 1, dtype=torch.bool, device=target.device)
-        self.root = torch.full((1,), -1, dtype=torch.long, device=target.device)
-        self.first = torch.zeros(1, dtype=torch.long, device=target.device)
 
     def seed(self, token: int) -> None:
         """The token the first step verifies (the prefill's argmax)."""
@@ -504,8 +501,7 @@ class FusedARStep(PipelinedSteps):
 
     def _step(self) -> torch.Tensor:
         adapter, token = self.target.adapter, self.target.tokens
-        out = adapter.tree_step(token, self.root, adapter.max_length, self.mask)
-        adapter.commit_step(self.first)
+        out = adapter.token_step(token, adapter.max_length)  # verify + commit of the one-node tree, in one pass
         token.copy_(out.logits[0].argmax().view(1))
         return token
 

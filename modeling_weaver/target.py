@@ -275,30 +275,58 @@ class GatedDeltaNetLayerCache:
     def __init__(self, gdn: torch.nn.Module, device, dtype):
         self.gdn = gdn
         self.norm = fused_norm(gdn.norm, dtype)
+        # the one-token kernel applies the gated norm itself when it is one the op reproduces (as fused_norm found)
+        self.norm_in_kernel = self.norm is not gdn.norm and type(gdn.norm).__name__.endswith("RMSNormGated")
         self.in_proj = SharedInputLinears(gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a)
         self.state = torch.zeros(1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, device=device, dtype=torch.float32)
         self.window = torch.zeros(1, gdn.conv_dim, gdn.conv_kernel_size - 1, device=device, dtype=dtype)
         self.pending: tuple[torch.Tensor, ...] | None = None
 
-    def forward_tree(self, h: torch.Tensor, tree_mask: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-        gdn, N = self.gdn, h.shape[1]
-        mixed, z, b, a = self.in_proj(h)  # mixed: [1, N, conv_dim]
-        z = z.reshape(1, N, -1, gdn.head_v_dim)
-        beta = b.sigmoid()
+    def _inputs(self, h: torch.Tensor):
+        """``h [1, N, H]`` → conv input ``[1, N, conv_dim]``, gate z ``[1, N, HV, V]``, beta and g ``[1, N, HV]``."""
+        gdn = self.gdn
+        mixed, z, b, a = self.in_proj(h)
+        z = z.reshape(1, h.shape[1], -1, gdn.head_v_dim)
         g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)
+        return mixed, z, b.sigmoid(), g
+
+    def _heads(self, conv: torch.Tensor):
+        gdn, N = self.gdn, conv.shape[1]
+        q, k, v = conv.split([gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
+        return (q.reshape(1, N, -1, gdn.head_k_dim), k.reshape(1, N, -1, gdn.head_k_dim),
+                v.reshape(1, N, -1, gdn.head_v_dim))
+
+    def _output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        V = self.gdn.head_v_dim
+        return self.gdn.out_proj(self.norm(o.reshape(-1, V), z.reshape(-1, V)).reshape(1, o.shape[1], -1))
+
+    def forward_tree(self, h: torch.Tensor, tree_mask: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        gdn = self.gdn
+        mixed, z, beta, g = self._inputs(h)
         conv = weaver_kernels.conv_tree(
             mixed, self.window, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, parents, activation=gdn.activation
         )
-        q, k, v = conv.split([gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
-        q = q.reshape(1, N, -1, gdn.head_k_dim)
-        k = k.reshape(1, N, -1, gdn.head_k_dim)
-        v = v.reshape(1, N, -1, gdn.head_v_dim)
+        q, k, v = self._heads(conv)
         o, u, gamma = weaver_kernels.gdn_tree_verify(
             q, k, v, g, beta, self.state, tree_mask, use_qk_l2norm_in_kernel=True
         )
         self.pending = (mixed, k, u, gamma)
-        o = self.norm(o.reshape(-1, gdn.head_v_dim), z.reshape(-1, gdn.head_v_dim))
-        return gdn.out_proj(o.reshape(1, N, -1))
+        return self._output(o, z)
+
+    def forward_token(self, h: torch.Tensor) -> torch.Tensor:
+        """One committed token ``h [1, 1, H]`` (the AR step): window and state advance in place, no pending
+        intermediates (one launch each for conv and delta rule instead of tree pass + commit)."""
+        gdn = self.gdn
+        mixed, z, beta, g = self._inputs(h)
+        conv = weaver_kernels.conv_decode(mixed, self.window, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias,
+                                          activation=gdn.activation)
+        q, k, v = self._heads(conv)
+        if self.norm_in_kernel:
+            eps = getattr(gdn.norm, "variance_epsilon", getattr(gdn.norm, "eps", None))
+            o = weaver_kernels.gdn_decode(q, k, v, g, beta, self.state, norm_weight=gdn.norm.weight, gate=z, eps=eps,
+                                          use_qk_l2norm_in_kernel=True)
+            return gdn.out_proj(o.reshape(1, 1, -1))
+        return self._output(weaver_kernels.gdn_decode(q, k, v, g, beta, self.state, use_qk_l2norm_in_kernel=True), z)
 
     def commit(self, path: torch.Tensor):
         mixed, k, u, gamma = self.pending
@@ -363,6 +391,9 @@ class TargetAdapter:
         # What fixed-shape steps call for a tree pass and a commit (`compile_tree_step` swaps in compiled ones;
         # prefill, `verify` and `commit` stay eager: their sizes vary).
         self.tree_step, self.commit_step = self.forward_tree, self.commit_path
+        self.token_step = self.forward_token
+        self._root = torch.full((1,), -1, dtype=torch.long, device=self.device)
+        self._one = torch.ones(1, 1, dtype=torch.bool, device=self.device)
         self.length = 0  # committed tokens (host mirror of ``length_t``)
         self.length_t = torch.zeros((), dtype=torch.long, device=self.device)
         self._pending_tree: Tree | None = None
@@ -396,22 +427,28 @@ class TargetAdapter:
         return self.forward_tree(tree.tokens, tree.parents, n + N if bound is None else bound)
 
     def compile_tree_step(self) -> None:
-        """Make :attr:`tree_step` and :attr:`commit_step` ``torch.compile``d :meth:`forward_tree` and
-        :meth:`commit_path` (whole graphs, static shapes: one compile each per tree size): inductor fuses the
-        elementwise work between the matmuls, which a captured step otherwise runs as hundreds of small kernels."""
+        """Make :attr:`tree_step`, :attr:`commit_step` and :attr:`token_step` ``torch.compile``d
+        :meth:`forward_tree`, :meth:`commit_path` and :meth:`forward_token` (whole graphs, static shapes: one compile
+        each per tree size): inductor fuses the elementwise work between the matmuls, which a captured step
+        otherwise runs as hundreds of small kernels."""
         self.tree_step, self.commit_step = compile_static(self.forward_tree), compile_static(self.commit_path)
+        self.token_step = compile_static(self.forward_token)
 
     @torch.no_grad()
     def forward_tree(self, tokens: torch.Tensor, parents: torch.Tensor, bound: int,
-                     tree_mask: torch.Tensor | None = None) -> TreeOutput:
+                     tree_mask: torch.Tensor | None = None, advance: bool = False) -> TreeOutput:
         """The tensor work of :meth:`verify` (no checks, no host sync): what a captured step records.
 
         Args:
             tokens, parents: ``[N]`` the tree (see :class:`~modeling_weaver.tree.Tree`).
             bound: cache rows attended over (``>= length + N``).
             tree_mask: the tree's ancestor mask when the caller has it already (else built from ``parents``).
+            advance: a one-node tree committed at once (:meth:`forward_token`): GDN layers advance their state and
+                window in place; the K/V already sit in their committed row. ``length_t`` is left to the caller.
         """
         N = tokens.shape[0]
+        if advance and N != 1:
+            raise ValueError(f"advance takes a one-node tree, not {N} nodes")
         tree_mask = ancestor_mask_of(parents) if tree_mask is None else tree_mask
         positions = (self.length_t + tree_mask.sum(dim=1) - 1)[None]  # committed length + depth
         if self.hybrid:  # multimodal RoPE: the same text positions on its 3 grids (older transformers want them)
@@ -423,7 +460,7 @@ class TargetAdapter:
         for i, (mlp, cache, (norm1, norm2)) in enumerate(zip(self.mlps, self.layer_caches, self.layer_norms)):
             h = norm1(x)
             if isinstance(cache, GatedDeltaNetLayerCache):
-                x = x + cache.forward_tree(h, tree_mask, parents)
+                x = x + (cache.forward_token(h) if advance else cache.forward_tree(h, tree_mask, parents))
             else:
                 x = x + cache.forward_tree(h, rope, tree_mask, self.length_t, slots, bound)
             x = x + mlp(norm2(x))
@@ -435,6 +472,13 @@ class TargetAdapter:
             features[len(self.layer_caches) - 1] = hidden
         feats = torch.cat([features[i] for i in self.feature_layer_ids], -1)[0] if features else None
         return TreeOutput(logits=self.lm_head(hidden)[0], hidden=hidden[0], features=feats)
+
+    def forward_token(self, token: torch.Tensor, bound: int) -> TreeOutput:
+        """One AR step, ``token [1]`` verified and committed at once (no host sync): the tree pass and commit of a
+        one-node tree in one, with one-token GDN kernels. Outputs as :meth:`forward_tree`'s."""
+        out = self.forward_tree(token, self._root, bound, self._one, advance=True)
+        self.length_t += 1
+        return out
 
     def commit(self, path, num_accepted: int | None = None) -> None:
         """Append the accepted nodes ``path`` (root..leaf of the last verified tree) to the committed caches.

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import weaver_kernels as wk
-from weaver_kernels.conv_tree.naive import conv_tree_commit_ref, conv_tree_ref
+from weaver_kernels.conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
 from weaver_kernels.gdn_tree.naive import gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
 from weaver_kernels.testing import (
     ancestor_mask,
@@ -83,6 +83,7 @@ def ik():
         base=load_interpreted("weaver_kernels.gdn_tree.baseline"),
         norm=load_interpreted("weaver_kernels.rms_norm.fused"),
         attn=load_interpreted("weaver_kernels.tree_attention.split"),
+        decode=load_interpreted("weaver_kernels.gdn_tree.fused_recurrent"),
     )
 
 
@@ -466,6 +467,73 @@ def test_conv_tree_random_search_interpreter(ik):
         assert err["out"] <= TOL[dtype] and err["commit"] == 0.0, (trial, kind, T, err)
 
 
+# ------------------------------------------------------------------------------------------------ one-token decode
+def check_gdn_decode(fr, B, H, HV, K, V, dtype, norm, seed=0, device="cpu", BV=None):
+    """The one-token kernel (state in place; poisoned output) against the fp64 reference: errors of o and state."""
+    q, k, v, g, beta, S0 = gdn_inputs(B, 1, H, HV, K, V, dtype, device, seed, True)
+    gen = torch.Generator().manual_seed(seed + 1)
+    weight, gate = torch.randn(V, generator=gen), torch.randn(B, 1, HV, V, generator=gen)
+    weight, gate = (weight.to(device, dtype), gate.to(device, dtype)) if norm else (None, None)
+    S = S0.clone()
+    o = fr.gdn_decode_triton(q, k, v, g, beta, S, weight, gate, None, 1e-6, True, BV=BV)
+    assert not o.isnan().any()
+    dbl = lambda t: None if t is None else t.double()  # noqa: E731
+    ref_S = S0.double()
+    # the reference rounds o to the input dtype before the norm, as the kernel does
+    ro = wk.gdn_decode_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), ref_S, None, None, None,
+                           1e-6, True)
+    if norm:
+        ro = wk.rms_norm_ref(ro.to(dtype).double(), weight.double(), gate.double(), 1e-6, wk.RMS_GATED)
+    return {"o": rel_rms(o, ro), "state": rel_rms(S, ref_S)}
+
+
+# bf16 under the interpreter: truncating stores at each of the norm's rounding points (module docstring)
+DECODE_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "gated-norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 2, 4, 16, 32), (2, 1, 3, 24, 40), (1, 2, 2, 32, 16)])
+def test_gdn_decode_interpreter(ik, shape, dtype, norm):
+    """Grouped heads, K ≠ V, head sizes that are not powers of two, a batch of two; state in fp32 ≤ 1e-5."""
+    err = check_gdn_decode(ik.decode, *shape, dtype, norm, seed=sum(shape))
+    assert err["o"] <= DECODE_TOL[dtype] and err["state"] <= 1e-5, err
+
+
+def test_gdn_decode_value_blocks_interpreter(ik):
+    """Several programs per value head (BV < V) write disjoint columns of the state."""
+    err = check_gdn_decode(ik.decode, 1, 2, 4, 16, 64, torch.float32, False, BV=16)
+    assert err["o"] <= 1e-5 and err["state"] <= 1e-5, err
+    with pytest.raises(ValueError, match="BV"):
+        check_gdn_decode(ik.decode, 1, 2, 4, 16, 64, torch.float32, True, BV=16)
+
+
+def test_gdn_decode_equals_a_one_node_tree():
+    """The decode reference is verify + commit of a one-node tree (fp64)."""
+    q, k, v, g, beta, S0 = (t.double() for t in gdn_inputs(1, 1, 2, 4, 8, 8, torch.float64, "cpu", 3, True))
+    o, u, gamma = gdn_tree_verify_ref(q, k, v, g, beta, S0, torch.ones(1, 1, dtype=torch.bool),
+                                      use_qk_l2norm_in_kernel=True)
+    S_tree = gdn_tree_commit_ref(S0.clone(), k, u, gamma, torch.tensor([0]), use_qk_l2norm_in_kernel=True)
+    S = S0.clone()
+    torch.testing.assert_close(wk.gdn_decode_ref(q, k, v, g, beta, S, use_qk_l2norm_in_kernel=True), o)
+    torch.testing.assert_close(S, S_tree)
+
+
+@pytest.mark.parametrize("C,W,dtype", [(40, 4, torch.float32), (300, 4, torch.bfloat16), (17, 3, torch.float32)])
+def test_conv_decode_interpreter(ik, C, W, dtype):
+    """One token: output as the reference's, the window slid exactly (in place), with and without bias."""
+    gen = torch.Generator().manual_seed(C)
+    x, window = torch.randn(2, 1, C, generator=gen).to(dtype), torch.randn(2, C, W - 1, generator=gen).to(dtype)
+    weight, bias = torch.randn(C, W, generator=gen).to(dtype), torch.randn(C, generator=gen).to(dtype)
+    for b in (bias, None):
+        w_kernel, w_ref = window.clone(), window.clone()
+        got = ik.conv.conv_decode_triton(x, w_kernel, weight, b, "silu")
+        ref = conv_decode_ref(x.double(), w_ref.double(), weight.double(), None if b is None else b.double())
+        assert rel_rms(got, ref) <= DECODE_TOL[dtype]
+        conv_tree_commit_ref(w_ref, x, torch.tensor([0]))
+        assert torch.equal(w_kernel, w_ref)
+
+
 def test_conv_chain_matches_causal_conv1d():
     """Reference cross-check: on a chain the tree conv is F.conv1d over [window, x] (+ SiLU)."""
     B, T, C, W = 2, 9, 12, 4
@@ -507,6 +575,14 @@ def test_custom_ops_opcheck():
     x = torch.randn(3, 5, 40)
     torch.library.opcheck(torch.ops.weaver.rms_norm.default, (x, torch.randn(40), None, 1e-6, wk.RMS_ONE_PLUS))
     torch.library.opcheck(torch.ops.weaver.rms_norm.default, (x, torch.randn(40), x.flip(0), 1e-6, wk.RMS_GATED))
+    q, k, v, g, beta, S0 = gdn_inputs(1, 1, 2, 4, 8, 8, torch.float32, "cpu", 0, True)
+    z = torch.randn(1, 1, 4, 8)
+    torch.library.opcheck(torch.ops.weaver.gdn_decode.default,
+                          (q, k, v, g, beta, S0.clone(), torch.randn(8), z, 0.3, 1e-6, True))
+    torch.library.opcheck(torch.ops.weaver.gdn_decode.default, (q, k, v, g, beta, S0.clone(), None, None, 0.3, 1e-6,
+                                                               False))
+    torch.library.opcheck(torch.ops.weaver.conv_decode.default,
+                          (a.x[:, :1].contiguous(), a.window.clone(), a.weight, a.bias, "silu"))
     tm = ancestor_mask([-1, 0, 0, 2], "cpu")
     kv = torch.randn(1, 2, 12, 8)
     torch.library.opcheck(torch.ops.weaver.tree_attention.default,
@@ -616,6 +692,30 @@ def test_chain_matches_fla_fused_recurrent_interpreter():
 # ------------------------------------------------------------------------------------------------------- GPU
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 REAL = dict(H=16, HV=48, K=128, V=128)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "gated-norm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gdn_decode_real_shape_gpu(dtype, norm):
+    """Qwen3.6-27B GDN shape (H=16, HV=48, K=V=128): fp64-reference tolerances, state ≤ 1e-5; conv at C=10240."""
+    from weaver_kernels.conv_tree import conv
+    from weaver_kernels.gdn_tree import fused_recurrent
+
+    err = check_gdn_decode(fused_recurrent, 1, REAL["H"], REAL["HV"], REAL["K"], REAL["V"], dtype, norm, seed=5,
+                           device="cuda")
+    print(f"\n[gpu] gdn decode {dtype} norm={norm}: " + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
+    assert err["o"] <= TOL[dtype] and err["state"] <= 1e-5, err
+    C = 2 * REAL["H"] * REAL["K"] + REAL["HV"] * REAL["V"]
+    x, window = torch.randn(1, 1, C, device="cuda", dtype=dtype), torch.randn(1, C, 3, device="cuda", dtype=dtype)
+    weight, bias = torch.randn(C, 4, device="cuda", dtype=dtype), torch.randn(C, device="cuda", dtype=dtype)
+    w_kernel, w_ref = window.clone(), window.clone()
+    got = conv.conv_decode_triton(x, w_kernel, weight, bias, "silu")
+    ref = conv_decode_ref(x.double(), w_ref.double(), weight.double(), bias.double())
+    assert rel_rms(got, ref) <= TOL[dtype]
+    conv_tree_commit_ref(w_ref, x, torch.tensor([0], device="cuda"))
+    assert torch.equal(w_kernel, w_ref)
 
 
 @pytest.mark.gpu

@@ -92,6 +92,38 @@ def test_commit_equals_sequential_caches(name):
     assert saw == ({"kv", "gdn"} if name == "qwen3_5" else {"kv"})
 
 
+def test_token_step_equals_a_one_node_tree_pass_and_commit():
+    """forward_token (the AR step: one-token GDN kernels, state advanced during the pass) gives the logits, GDN
+    state, conv window, K/V and length of a one-node verify + commit, step after step; the gated norm runs inside
+    the GDN op here (a form the op reproduces), and outside it when it is not."""
+    model = TINY_TARGETS["qwen3_5"]()
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(4))
+    tree_path, token_path = TargetAdapter(model, max_length=64), TargetAdapter(model, max_length=64)
+    gdn = [c for c in token_path.layer_caches if isinstance(c, GatedDeltaNetLayerCache)]
+    assert gdn and all(c.norm_in_kernel for c in gdn)
+    gdn[0].norm_in_kernel = False  # one layer with the norm applied after the op: both forms are covered
+    for adapter in (tree_path, token_path):
+        adapter.prefill(prompt)
+    token = prompt[-1:]
+    for step in range(5):
+        expected = tree_path.verify(Tree.from_lists([int(token)], [-1]))
+        tree_path.commit([0])
+        got = token_path.forward_token(token, token_path.length + 1)
+        token_path.length += 1
+        assert rel(got.logits, expected.logits) < 1e-5, step
+        assert int(token_path.length_t) == tree_path.length == token_path.length
+        for a, b in zip(tree_path.layer_caches, token_path.layer_caches):
+            if isinstance(a, GatedDeltaNetLayerCache):
+                assert rel(a.state, b.state) < 1e-5 and torch.equal(a.window, b.window)
+                assert b.pending is None
+            else:
+                n = tree_path.length
+                assert rel(a.keys[:, :, :n], b.keys[:, :, :n]) < 1e-6
+        token = expected.logits.argmax(-1)
+    with pytest.raises(ValueError, match="one-node"):
+        token_path.forward_tree(torch.tensor([1, 2]), torch.tensor([-1, 0]), 64, advance=True)
+
+
 def test_hybrid_commit_state_from_verification_only(monkeypatch):
     """Commit must use the verification intermediates: the target is never re-run and verify writes no state."""
     model = TINY_TARGETS["qwen3_5"]()

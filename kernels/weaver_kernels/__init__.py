@@ -1,26 +1,28 @@
 """Tree-verification kernels for modeling-weaver (directory ``kernels/``, import name ``weaver_kernels``).
 
-Four ops are the seams the target adapters call; each is a ``torch.library`` custom op (``weaver::*``, see
-:mod:`.ops`) that runs a Triton kernel on CUDA tensors and the plain torch reference beside it otherwise:
+The ops are the seams the target adapters call; each is a ``torch.library`` custom op (``weaver::*``, see
+:mod:`.ops`) that runs a Triton kernel on CUDA tensors and the plain torch reference beside it otherwise. The tree
+seams:
 
 - :func:`gdn_tree_verify` — gated delta rule over a tree from the committed state (masked triangular solve).
 - :func:`gdn_tree_commit` — advance the committed state along the accepted path (in place, no re-solve).
 - :func:`conv_tree` — depthwise causal conv1d (+ SiLU) where each node reads its ancestors.
 - :func:`conv_tree_commit` — slide the committed conv window along the accepted path (in place).
 
-and :func:`tree_attention` (a tree's queries over a static KV cache, split over the cache rows: a captured step's
-cost follows the used length, not the cache size) and :func:`rms_norm` (transformers' RMSNorm forms in one launch:
-the decode step runs ~200 of them).
+For the AR step (one token, committed at once), :func:`gdn_decode` and :func:`conv_decode` do verify and commit in
+one launch each (the GDN one with the layer's gated RMSNorm). Then :func:`tree_attention` (a tree's queries over a
+static KV cache, split over the cache rows: a captured step's cost follows the used length, not the cache size) and
+:func:`rms_norm` (transformers' RMSNorm forms in one launch: the decode step runs ~200 of them).
 
 Kernels: :mod:`.gdn_tree.chunk` (verify + commit), :mod:`.conv_tree.conv`, :mod:`.tree_attention.split`,
-:mod:`.rms_norm.fused`, and the
+:mod:`.gdn_tree.fused_recurrent` (one-token decode), :mod:`.rms_norm.fused`, and the
 mainline recurrent baseline :mod:`.gdn_tree.baseline` (benchmarks only). References: ``*.naive``.
 """
 
-from .conv_tree.naive import conv_tree_commit_ref, conv_tree_ref
-from .gdn_tree.naive import gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
-from .ops import (conv_tree, conv_tree_commit, gdn_tree_commit, gdn_tree_verify, max_tree_nodes, rms_norm,
-                  tree_attention)
+from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
+from .gdn_tree.naive import gdn_decode_ref, gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
+from .ops import (conv_decode, conv_tree, conv_tree_commit, gdn_decode, gdn_tree_commit, gdn_tree_verify,
+                  max_tree_nodes, rms_norm, tree_attention)
 from .rms_norm.naive import GATED as RMS_GATED
 from .rms_norm.naive import ONE_PLUS as RMS_ONE_PLUS
 from .rms_norm.naive import WEIGHT as RMS_WEIGHT
@@ -33,6 +35,10 @@ __all__ = [
     "conv_tree",
     "conv_tree_commit",
     "max_tree_nodes",
+    "gdn_decode",
+    "conv_decode",
+    "gdn_decode_ref",
+    "conv_decode_ref",
     "rms_norm",
     "tree_attention",
     "tree_attention_ref",

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .conv_tree.naive import conv_tree_commit_ref, conv_tree_ref
-from .gdn_tree.naive import gdn_tree_commit_ref, gdn_tree_verify_ref
+from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
+from .gdn_tree.naive import gdn_decode_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
 from .rms_norm.naive import GATED, rms_norm_ref
 from .tree_attention.naive import tree_attention_ref
 
@@ -77,6 +77,23 @@ def _(state, k, u, gamma, path, use_qk_l2norm_in_kernel):
     return None
 
 
+@torch.library.custom_op("weaver::gdn_decode", mutates_args=("state",))
+def _gdn_decode_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, norm_weight: Tensor | None,
+    gate: Tensor | None, scale: float, eps: float, use_qk_l2norm_in_kernel: bool
+) -> Tensor:
+    if q.is_cuda:
+        from .gdn_tree.fused_recurrent import gdn_decode_triton
+
+        return gdn_decode_triton(q, k, v, g, beta, state, norm_weight, gate, scale, eps, use_qk_l2norm_in_kernel)
+    return _contig(gdn_decode_ref(q, k, v, g, beta, state, norm_weight, gate, scale, eps, use_qk_l2norm_in_kernel))
+
+
+@_gdn_decode_op.register_fake
+def _(q, k, v, g, beta, state, norm_weight, gate, scale, eps, use_qk_l2norm_in_kernel):
+    return v.new_empty(v.shape)
+
+
 # --------------------------------------------------------------------------------------------------------- conv
 @torch.library.custom_op("weaver::conv_tree", mutates_args=())
 def _conv_tree_op(
@@ -107,6 +124,20 @@ def _conv_tree_commit_op(window: Tensor, x: Tensor, path: Tensor) -> None:
 @_conv_tree_commit_op.register_fake
 def _(window, x, path):
     return None
+
+
+@torch.library.custom_op("weaver::conv_decode", mutates_args=("window",))
+def _conv_decode_op(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
+    if x.is_cuda:
+        from .conv_tree.conv import conv_decode_triton
+
+        return conv_decode_triton(x, window, weight, bias, activation)
+    return _contig(conv_decode_ref(x, window, weight, bias, activation))
+
+
+@_conv_decode_op.register_fake
+def _(x, window, weight, bias, activation):
+    return x.new_empty(x.shape)
 
 
 # ----------------------------------------------------------------------------------------------- tree attention
@@ -172,6 +203,36 @@ def gdn_tree_commit(
     """Advance ``state`` in place along the accepted ``path`` (root..leaf, may be right-padded with -1); returns it."""
     torch.ops.weaver.gdn_tree_commit(state, k, u, gamma, path, bool(use_qk_l2norm_in_kernel))
     return state
+
+
+def gdn_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    norm_weight: Tensor | None = None,
+    gate: Tensor | None = None,
+    scale: float | None = None,
+    eps: float = 1e-6,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tensor:
+    """One committed token: q, k ``[B, 1, H, K]``, v ``[B, 1, HV, V]``, g, beta ``[B, 1, HV]``; advances ``state``
+    in place and returns o ``[B, 1, HV, V]`` — gated-RMSNormed with ``gate`` when ``norm_weight`` is given. The AR
+    step's form of verify + commit (CUDA: one launch). See ``gdn_tree.naive.gdn_decode_ref``."""
+    if (norm_weight is None) != (gate is None):
+        raise ValueError("gdn_decode: norm_weight and gate go together")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return torch.ops.weaver.gdn_decode(q, k, v, g, beta, state, norm_weight, gate, float(scale), float(eps),
+                                       bool(use_qk_l2norm_in_kernel))
+
+
+def conv_decode(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None = "silu"
+                ) -> Tensor:
+    """One committed token ``x [B, 1, C]``: conv1d output, the window slid in place (CUDA: one launch)."""
+    return torch.ops.weaver.conv_decode(x, window, weight, bias, activation)
 
 
 def conv_tree(

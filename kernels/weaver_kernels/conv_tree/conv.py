@@ -103,6 +103,64 @@ def _conv_tree_commit_kernel(
     tl.store(w_base + o_s[:, None] * sw_w, new.to(window.dtype.element_ty), mask=m_s[:, None] & m_c[None, :])
 
 
+@triton.jit
+def _conv_decode_kernel(
+    x, window, weight, bias, out, C,
+    sx_b, sw_b, sw_c, sw_w, so_b,
+    W: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BC: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_b = tl.program_id(1).to(tl.int64)
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < C
+    o_s = tl.arange(0, BW)  # time slots: window entries 0..W-2 (oldest first), the token at W-1
+    m_w = (o_s < W - 1)[:, None] & m_c[None, :]
+    w_base = window + i_b * sw_b + o_c[None, :] * sw_c
+    win = tl.load(w_base + tl.where(o_s < W - 1, o_s, 0)[:, None] * sw_w, mask=m_w, other=0.0)
+    xv = tl.load(x + i_b * sx_b + o_c, mask=m_c, other=0.0)
+    seq = tl.where((o_s == W - 1)[:, None], xv[None, :].to(tl.float32), win.to(tl.float32))
+    wt = tl.load(weight + o_c[None, :] * W + o_s[:, None], mask=(o_s < W)[:, None] & m_c[None, :], other=0.0)
+    acc = _rsum(seq * wt.to(tl.float32), 0)
+    if HAS_BIAS:
+        acc += tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(out + i_b * so_b + o_c, acc.to(out.dtype.element_ty), mask=m_c)
+    # new window slot s takes time slot s + 1 (an own program's channels only: no other program reads them)
+    shifted = tl.load(w_base + tl.where(o_s + 1 < W - 1, o_s + 1, 0)[:, None] * sw_w,
+                      mask=((o_s + 1 < W - 1)[:, None] & m_c[None, :]), other=0.0)
+    new = tl.where((o_s + 1 == W - 1)[:, None], xv[None, :].to(window.dtype.element_ty), shifted)
+    tl.debug_barrier()  # every read of the old window precedes every write (in place, across threads)
+    tl.store(w_base + o_s[:, None] * sw_w, new, mask=m_w)
+
+
+def conv_decode_triton(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       activation: str | None = "silu", *, BC: int = 256, num_warps: int = 4) -> torch.Tensor:
+    """Triton version of :func:`~weaver_kernels.conv_tree.naive.conv_decode_ref`: one token ``x [B, 1, C]``,
+    output and the window slid in place, in one launch (conv + commit of a one-node tree)."""
+    if activation not in (None, "silu"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    B, T, C = x.shape
+    W = weight.shape[-1]
+    if T != 1:
+        raise ValueError(f"conv_decode takes one token, got {T}")
+    if tuple(window.shape) != (B, C, W - 1):
+        raise ValueError(f"window must be [{B}, {C}, {W - 1}], got {tuple(window.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.reshape(C, W).contiguous()
+    out = torch.empty((B, 1, C), dtype=x.dtype, device=x.device)
+    BC = min(BC, max(16, next_pow2(C)))
+    with launch_ctx(_INTERPRET):
+        _conv_decode_kernel[(triton.cdiv(C, BC), B)](
+            x, window, weight, bias if bias is not None else weight, out, C,
+            x.stride(0), window.stride(0), window.stride(1), window.stride(2), out.stride(0),
+            W=W, BW=max(2, next_pow2(W)), HAS_BIAS=bias is not None, SILU=activation == "silu", BC=BC,
+            num_warps=num_warps,
+        )
+    return out
+
+
 def conv_tree_triton(
     x: torch.Tensor,
     window: torch.Tensor,

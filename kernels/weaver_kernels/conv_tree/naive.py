@@ -59,3 +59,12 @@ def conv_tree_commit_ref(window: torch.Tensor, x: torch.Tensor, path: torch.Tens
     seq = torch.cat([window, x[:, path].transpose(1, 2).to(window.dtype)], dim=2)
     window.copy_(seq[..., -window.shape[-1] :])
     return window
+
+
+def conv_decode_ref(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    activation: str | None = "silu") -> torch.Tensor:
+    """One committed token ``x [B, 1, C]``: its conv output, and the window slid by it in place."""
+    root = torch.full((1,), -1, dtype=torch.long, device=x.device)
+    out = conv_tree_ref(x, window, weight, bias, root, activation)
+    conv_tree_commit_ref(window, x, torch.zeros(1, dtype=torch.long, device=x.device))
+    return out

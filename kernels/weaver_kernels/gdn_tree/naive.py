@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ..rms_norm.naive import GATED, rms_norm_ref
+
 
 def _acc(x: torch.Tensor) -> torch.Tensor:
     """Accumulation dtype: fp32, or fp64 when the input is fp64 (for high-precision references)."""
@@ -118,3 +120,14 @@ def gdn_recurrent_ref(q, k, v, g, beta, initial_state, scale=None, use_qk_l2norm
         S = S + kt[..., :, None] * delta[..., None, :]
         out.append(scale * (qf[..., t, :, None] * S).sum(-2))
     return torch.stack(out, dim=2).transpose(1, 2).to(v.dtype), S
+
+
+def gdn_decode_ref(q, k, v, g, beta, state, norm_weight=None, gate=None, scale=None, eps=1e-6,
+                   use_qk_l2norm_in_kernel=False):
+    """One committed token (``T = 1``): returns o ``[B, 1, HV, V]`` and advances ``state`` in place. With
+    ``norm_weight``, o goes through the gated RMSNorm (``rms_norm.naive``, kind GATED) with ``gate [B, 1, HV, V]``."""
+    o, new = gdn_recurrent_ref(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel)
+    state.copy_(new)
+    if norm_weight is not None:
+        o = rms_norm_ref(o, norm_weight, gate, eps, GATED)
+    return o
