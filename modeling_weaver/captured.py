@@ -308,7 +308,7 @@ class StaticDraft:
         if key not in self._steps:
             self._steps[key] = FusedGreedyStep(proposer, target, acceptance)
         step = self._steps[key]
-        step.ready = False  # a new generation starts with an ordinary step
+        step.ready = False  # until a new generation arms it from its prefill
         return step
 
     @torch.no_grad()
@@ -436,8 +436,8 @@ class FusedGreedyStep(PipelinedSteps):
 
     The step reads its inputs (the accepted path's target features, its length, the committed length, the bonus
     token, the last hidden state) from device buffers that the previous step wrote, so nothing returns to the host
-    inside it and :meth:`run` yields ``(accepted tokens, root first; new bonus token)`` per step, pipelined. The
-    first step after the prefill runs the ordinary way and :meth:`arm` seeds the buffers from it.
+    inside it and :meth:`run` yields ``(accepted tokens, root first; new bonus token)`` per step, pipelined.
+    :meth:`arm` seeds the buffers from the prefill.
     """
 
     def __init__(self, proposer: StaticProposer, target: StaticTarget, acceptance=None):
@@ -445,13 +445,11 @@ class FusedGreedyStep(PipelinedSteps):
         self.proposer, self.target, self.acceptance = proposer, target, acceptance
         self.ready = False
 
-    def arm(self, verified: TreeOutput, path: list[int], bonus: int) -> None:
-        draft = self.proposer.draft
-        draft.context[: len(path)].copy_(verified.features[path].to(draft.dtype))
-        draft.count.fill_(len(path))
-        draft.n.fill_(self.target.length)
-        draft.bonus.fill_(int(bonus))
-        self.proposer.last_hidden.copy_(verified.hidden[path[-1]])
+    def arm(self, bonus: int, context: torch.Tensor, last_hidden: torch.Tensor) -> None:
+        """Seed the buffers from the prefill: ``context`` the prompt's target features, ``last_hidden`` the target's
+        final hidden state at its last position, ``bonus`` the first new token (the first step is a fused one too)."""
+        self.proposer.draft.load(bonus, context, self.target.length)
+        self.proposer.last_hidden.copy_(last_hidden)
         self.ready = True
 
     def _step(self) -> torch.Tensor:

@@ -292,10 +292,11 @@ def _decode(
     bonus = first_token(verified.logits[-1])
     stats.num_new_tokens += out.emit([bonus])
 
-    # Greedy with a fixed-shape proposer: after one ordinary step, whole steps run on the device (one graph each).
+    # Greedy with a fixed-shape proposer: whole steps run on the device (one graph each), from the first one on.
     fused = None
     if hasattr(runner, "propose") and not do_sample and (accept is None or hasattr(accept, "tensors")):
         fused = runner.draft.fused_step(runner, target_cache, accept)
+        fused.arm(bonus, context, last_hidden)
 
     while not out.done:
         if fused is not None and fused.ready:  # from here on, one fused step per iteration (pipelined on CUDA)
@@ -346,8 +347,6 @@ def _decode(
         stats.accepted_lengths.append(len(accepted.path))
         stats.tree_sizes.append(len(tree))
         stats.num_new_tokens += out.emit(tree.tokens[accepted.path[1:]].tolist() + [bonus])
-        if fused is not None:
-            fused.arm(verified, accepted.path, bonus)
 
     if timer is not None:
         stats.phase_ms = timer.totals_ms()

@@ -51,12 +51,16 @@ def test_replay_suite_runs_every_phase_at_tiny_shape():
     traces = {(m, 8): synthetic_trace(mal, drafter.block_size, seed=0) for m, mal in
               (("chain", 3.0), ("ddtree", 3.5), ("weaver", 4.0))}
     rows = run_replay_suite(target, drafter, weaver, traces, ["chain", "ddtree", "weaver"], [8], prompt_len=12,
-                            max_new_tokens=40, target_step="static", hf_tokens=6)
-    assert [r["method"] for r in rows] == ["ar", "hf eager", "chain@8", "ddtree@8", "weaver@8"]
+                            max_new_tokens=40, target_step="static", hf_tokens=6, split=True)
+    assert [r["method"] for r in rows] == ["ar", "hf eager"] + [f"{m}@8{s}" for m in ("chain", "ddtree", "weaver")
+                                                                for s in ("", " split")]
     assert all(r["tokens_per_s"] > 0 for r in rows)
     for row in rows[2:]:
         assert row["mal"] > 1.5  # planted peaks give the trees enough depth for the traced lengths
-        assert all(row[f"{p}_ms"] > 0 for p in ("draft+tree", "verify", "accept", "commit"))  # static steps
+        if row["method"].endswith("split"):  # unfused static steps: every phase timed
+            assert all(row[f"{p}_ms"] > 0 for p in ("draft+tree", "verify", "accept", "commit"))
+        else:  # fused from the first step on: one span per step
+            assert row["step_ms"] > 0 and "verify_ms" not in row
         assert "tree_ms" not in row
     _, stats = replay_generate(target, drafter, weaver, torch.zeros(1, 5, dtype=torch.long), "chain", 8,
                                ReplayedAcceptance([3, 1, 5]), max_new_tokens=60, target_step="eager")
