@@ -296,7 +296,9 @@ def _decode(
     fused = None
     if hasattr(runner, "propose") and not do_sample and (accept is None or hasattr(accept, "tensors")):
         fused = runner.draft.fused_step(runner, target_cache, accept)
-        fused.arm(bonus, context, last_hidden)
+        if not out.done:  # (arming runs the drafter over the prompt: not for an output that is complete already)
+            # untimed: the prompt's drafter pass is no step's phase (decode tokens/s include it all the same)
+            fused.arm(bonus, context, last_hidden)
 
     while not out.done:
         if fused is not None and fused.ready:  # from here on, one fused step per iteration (pipelined on CUDA)

@@ -66,7 +66,7 @@ def main():
             variants = [("sdpa", sdpa), ("sdpa-efficient", efficient)]
             plans = [None] + [tuple(int(x) for x in p.split(",")) for p in args.plans]
             for plan in plans:
-                name = f"split {split_plan(H, HKV, N, bound) if plan is None else plan}" + (" (default)" if plan is None
+                name = f"split {split_plan(H, HKV, N, bound, D) if plan is None else plan}" + (" (default)" if plan is None
                                                                                           else "")
                 variants.append((name, lambda q, k, v, plan=plan: tree_attention_triton(q, k, v, tm, lt, bound,
                                                                                       D ** -0.5, plan=plan)))

@@ -372,3 +372,20 @@ def test_graph_semantics_replay(fake_graphs):
             _, stats = replay_generate(target, drafter, weaver, ids, mode, 8, acceptance, 60, target_step="graph")
             assert stats.accepted_lengths[:6] == [3, 1, 5, 3, 1, 5], mode
             assert "step" in stats.phase_ms
+
+
+def test_complete_output_arms_no_fused_step(monkeypatch):
+    """A generation complete after the prefill's token (max_new_tokens=1) runs no drafter pass over the prompt."""
+    from test_generate import make_drafters, reference
+
+    from modeling_weaver import speculative_generate
+    from modeling_weaver.captured import StaticDraft
+
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target, mask_token_id=96)
+    ids = torch.randint(0, 90, (1, 20), generator=torch.Generator().manual_seed(1))
+    loads = []
+    monkeypatch.setattr(StaticDraft, "load", lambda self, *a: loads.append(a))
+    got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="ddtree", tree_budget=6,
+                               max_new_tokens=1, target_step="static")
+    assert torch.equal(got, reference(target, ids, 1)) and loads == []

@@ -475,8 +475,9 @@ def check_gdn_decode(fr, B, H, HV, K, V, dtype, norm, seed=0, device="cpu", BV=N
     weight, gate = torch.randn(V, generator=gen), torch.randn(B, 1, HV, V, generator=gen)
     weight, gate = (weight.to(device, dtype), gate.to(device, dtype)) if norm else (None, None)
     S = S0.clone()
-    o = fr.gdn_decode_triton(q, k, v, g, beta, S, weight, gate, None, 1e-6, True, BV=BV)
-    assert not o.isnan().any()
+    out = torch.full((B, 1, HV, V), float("nan"), dtype=dtype, device=device)
+    o = fr.gdn_decode_triton(q, k, v, g, beta, S, weight, gate, None, 1e-6, True, BV=BV, out=out)
+    assert o is out and not o.isnan().any()
     dbl = lambda t: None if t is None else t.double()  # noqa: E731
     ref_S = S0.double()
     # the reference rounds o to the input dtype before the norm, as the kernel does
@@ -506,6 +507,8 @@ def test_gdn_decode_value_blocks_interpreter(ik):
     assert err["o"] <= 1e-5 and err["state"] <= 1e-5, err
     with pytest.raises(ValueError, match="BV"):
         check_gdn_decode(ik.decode, 1, 2, 4, 16, 64, torch.float32, True, BV=16)
+    with pytest.raises(ValueError, match="multiple"):
+        check_gdn_decode(ik.decode, 1, 3, 4, 16, 16, torch.float32, False)
 
 
 def test_gdn_decode_equals_a_one_node_tree():

@@ -114,11 +114,13 @@ def test_token_step_equals_a_one_node_tree_pass_and_commit():
         assert int(token_path.length_t) == tree_path.length == token_path.length
         for a, b in zip(tree_path.layer_caches, token_path.layer_caches):
             if isinstance(a, GatedDeltaNetLayerCache):
-                assert rel(a.state, b.state) < 1e-5 and torch.equal(a.window, b.window)
+                # (layers after the first see inputs that differ by rounding: the two paths use other GDN formulas)
+                assert rel(a.state, b.state) < 1e-5 and rel(a.window, b.window) < 1e-6
                 assert b.pending is None
             else:
                 n = tree_path.length
                 assert rel(a.keys[:, :, :n], b.keys[:, :, :n]) < 1e-6
+                assert rel(a.values[:, :, :n], b.values[:, :, :n]) < 1e-6
         token = expected.logits.argmax(-1)
     with pytest.raises(ValueError, match="one-node"):
         token_path.forward_tree(torch.tensor([1, 2]), torch.tensor([-1, 0]), 64, advance=True)

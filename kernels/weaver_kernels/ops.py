@@ -1,4 +1,5 @@
-"""``torch.library`` custom ops ``weaver::*`` for the four tree seams, with fake (meta) implementations.
+"""``torch.library`` custom ops ``weaver::*`` for the tree seams, the one-token decode, tree attention and RMSNorm,
+with fake (meta) implementations.
 
 Dispatch: Triton kernels for CUDA tensors, the plain torch references otherwise (CPU). Being custom ops with fake
 implementations, they trace as single opaque nodes: ``torch.compile(fullgraph=True)`` of a layer's tree forward

@@ -78,11 +78,15 @@ def _heads(x: torch.Tensor, name: str) -> torch.Tensor:
 def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       state: torch.Tensor, norm_weight: torch.Tensor | None = None, gate: torch.Tensor | None = None,
                       scale: float | None = None, eps: float = 1e-6, use_qk_l2norm_in_kernel: bool = False,
-                      *, BV: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                      *, BV: int | None = None, num_warps: int | None = None, out: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """Triton version of :func:`~weaver_kernels.gdn_tree.naive.gdn_decode_ref`: q, k ``[B, 1, H, K]``, v (and
-    gate) ``[B, 1, HV, V]``, g, beta ``[B, 1, HV]``; advances ``state`` in place; returns o ``[B, 1, HV, V]``."""
+    gate) ``[B, 1, HV, V]``, g, beta ``[B, 1, HV]``; advances ``state`` in place; returns o ``[B, 1, HV, V]``
+    (written into ``out`` when given, contiguous)."""
     B, _, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        raise ValueError(f"value heads ({HV}) must be a multiple of q/k heads ({H})")
     if not state.is_contiguous() or state.dtype != torch.float32:
         raise ValueError("state must be a contiguous fp32 [B, HV, K, V] tensor")
     q, k, v = _heads(q, "q"), _heads(k, "k"), _heads(v, "v")
@@ -90,6 +94,8 @@ def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     norm = norm_weight is not None
     if norm:
         gate = _heads(gate, "gate")
+        if norm_weight.dtype != v.dtype:  # the kernel rounds w · x̂ to v's dtype, as the module does for same dtypes
+            raise ValueError(f"norm_weight must have v's dtype {v.dtype}, got {norm_weight.dtype}")
     BK = max(16, next_pow2(K))
     if BV is None:
         BV = max(16, next_pow2(V)) if norm else min(32, max(16, next_pow2(V)))
@@ -97,7 +103,7 @@ def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         raise ValueError("the fused norm needs one program per value head (BV ≥ V)")
     if num_warps is None:
         num_warps = 8 if BK * BV >= 128 * 128 else 4
-    o = torch.empty(B, 1, HV, V, device=v.device, dtype=v.dtype)
+    o = torch.empty(B, 1, HV, V, device=v.device, dtype=v.dtype) if out is None else out
     z = gate if norm else v
     with launch_ctx(_INTERPRET):
         _gdn_decode_kernel[(triton.cdiv(V, BV), B * HV)](

@@ -9,8 +9,9 @@ Qwen3.6-27B shape (24 query / 4 kv heads, head_dim 256) on the H200, where the r
 1. ``_split_kernel``, grid (query blocks, kv heads, splits): each program takes ``SPLIT`` cache rows of one kv head
    and the queries of all its ``G = H / HKV`` query heads (rows ``(head, node)`` flattened: the kv rows are read
    once per block of 64 query rows, not once per query head), runs an online softmax over them and writes its
-   partial output and log-sum-exp. Splits wholly past ``length + N`` (read from the device) return at once, so the
-   cost follows the used length, not the bound.
+   partial output and log-sum-exp. Splits wholly past ``length + N`` (read from the device) read no rows and
+   store an empty result (log-sum-exp −inf, which the combine skips), so the cost follows the used length, not the
+   bound.
 2. ``_combine_kernel``, one program per (head, node): weights the partial outputs by their log-sum-exps and writes
    ``[N, H * D]`` in the query dtype (the o_proj input).
 
@@ -68,9 +69,9 @@ def _split_kernel(q, k, v, tree_mask, length_ptr, o_part, lse_part, N, bound, G,
         for kb in range(start, stop, BN):
             cols = kb + tl.arange(0, BN)
             c_ok = cols < stop
-            kv = tl.load(k + kvh * sk_h + cols[:, None] * sk_t + dcols[None, :], mask=c_ok[:, None] & d_ok[None, :],
+            kv = tl.load(k + kvh.to(tl.int64) * sk_h + cols[:, None] * sk_t + dcols[None, :], mask=c_ok[:, None] & d_ok[None, :],
                          other=0.0)
-            vv = tl.load(v + kvh * sv_h + cols[:, None] * sv_t + dcols[None, :], mask=c_ok[:, None] & d_ok[None, :],
+            vv = tl.load(v + kvh.to(tl.int64) * sv_h + cols[:, None] * sv_t + dcols[None, :], mask=c_ok[:, None] & d_ok[None, :],
                          other=0.0)
             if DOT_F32:
                 s = tl.dot(qv.to(tl.float32), tl.trans(kv.to(tl.float32)), input_precision="ieee")
@@ -118,11 +119,12 @@ def _combine_kernel(o_part, lse_part, out, N, S, so_s, so_h, so_n, sl_s, sl_h, s
     tl.store(out + node * sout_n + head * D + dcols, res.to(out.dtype.element_ty), mask=dcols < D)
 
 
-def split_plan(H: int, HKV: int, N: int, bound: int) -> tuple[int, int, int]:
-    """(BM, BN, SPLIT) for a shape: query blocks of up to 64 (query head, node) rows; cache rows per program so
-    that the programs over the whole bound fill about two waves of the GPU."""
+def split_plan(H: int, HKV: int, N: int, bound: int, D: int = 128, fp32: bool = False) -> tuple[int, int, int]:
+    """(BM, BN, SPLIT) for a shape: query blocks of up to 64 (query head, node) rows (32 for fp32 with head_dim ≥
+    256: 64 needs ≈ 140 KB of shared memory, over the ≈ 99 KB of sm86/sm89 GPUs); cache rows per program so that
+    the programs over the whole bound fill about two waves of the GPU."""
     rows = (H // HKV) * N
-    BM = min(64, max(16, next_pow2(rows)))
+    BM = min(32 if fp32 and D >= 256 else 64, max(16, next_pow2(rows)))
     BN = 32
     blocks = HKV * triton.cdiv(rows, BM)
     split = max(BN, next_pow2(triton.cdiv(bound * blocks, _TARGET_PROGRAMS)))
@@ -142,7 +144,7 @@ def tree_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         raise ValueError("tree_attention: the cache's last dimension must be contiguous")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    BM, BN, SPLIT = plan or split_plan(H, HKV, N, bound)
+    BM, BN, SPLIT = plan or split_plan(H, HKV, N, bound, D, q.dtype == torch.float32)
     S = triton.cdiv(bound, SPLIT)
     BD = max(16, next_pow2(D))
     o_part = torch.empty(S, H, N, D, device=q.device, dtype=torch.float32)
