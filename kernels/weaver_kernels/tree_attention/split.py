@@ -137,6 +137,23 @@ def tree_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     """Same contract as :func:`..naive.tree_attention_ref`: ``[1, N, H * D]`` in q's dtype (written into ``out``
     when given). ``plan``: ``(BM, BN, SPLIT)`` instead of :func:`split_plan`'s (tests force many splits)."""
     _, H, N, D = q.shape
+    o_part, lse_part = split_partials(q, keys, values, tree_mask, length, bound, scale, plan)
+    S, BD = o_part.shape[0], max(16, next_pow2(D))
+    out = torch.empty(1, N, H * D, device=q.device, dtype=q.dtype) if out is None else out
+    with launch_ctx(_INTERPRET):
+        _combine_kernel[(H * N,)](
+            o_part, lse_part, out, N, S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
+            lse_part.stride(1), out.stride(1), D=D, BD=BD, BS=max(2, next_pow2(S)), num_warps=4 if BD <= 128 else 8,
+        )
+    return out
+
+
+def split_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree_mask: torch.Tensor,
+                   length: torch.Tensor, bound: int, scale: float, plan: tuple[int, int, int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first launch alone (``scripts/bench_tree_attention.py`` times it apart): per split, the normalised
+    partial outputs ``[S, H, N, D]`` fp32 and their log-sum-exps ``[S, H, N]`` (−inf where a split saw nothing)."""
+    _, H, N, D = q.shape
     HKV = keys.shape[1]
     if H % HKV:
         raise ValueError(f"{H} query heads are not a multiple of {HKV} kv heads")
@@ -149,24 +166,18 @@ def tree_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     BD = max(16, next_pow2(D))
     o_part = torch.empty(S, H, N, D, device=q.device, dtype=torch.float32)
     lse_part = torch.empty(S, H, N, device=q.device, dtype=torch.float32)
-    out = torch.empty(1, N, H * D, device=q.device, dtype=q.dtype) if out is None else out
     mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask  # (a view: no copy)
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
-    length = length.reshape(1)
     # fp32 inputs get IEEE fp32 dots; so do 16-bit ones under the interpreter, whose tl.dot multiplies 16-bit
     # operands as raw bits (the upcast is exact)
     dot_f32 = _INTERPRET or q.dtype == torch.float32
     warps = 8 if BM * BD >= 64 * 256 else 4
     with launch_ctx(_INTERPRET):
         _split_kernel[(triton.cdiv((H // HKV) * N, BM), HKV, S)](
-            q[0], keys[0], values[0], mask, length, o_part, lse_part, N, bound, H // HKV, float(scale),
+            q[0], keys[0], values[0], mask, length.reshape(1), o_part, lse_part, N, bound, H // HKV, float(scale),
             q.stride(1), q.stride(2), keys.stride(1), keys.stride(2), values.stride(1), values.stride(2),
             mask.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
             lse_part.stride(1), D=D, BD=BD, BM=BM, BN=BN, SPLIT=SPLIT, DOT_F32=dot_f32, num_warps=warps, num_stages=2,
         )
-        _combine_kernel[(H * N,)](
-            o_part, lse_part, out, N, S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-            lse_part.stride(1), out.stride(1), D=D, BD=BD, BS=max(2, next_pow2(S)), num_warps=4 if BD <= 128 else 8,
-        )
-    return out
+    return o_part, lse_part
