@@ -40,8 +40,24 @@ def text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+@dataclass
+class FusedNorm:
+    """An RMSNorm of the target as one :func:`weaver_kernels.rms_norm` launch, called like the module (made by
+    :func:`fused_norm`, which checked that ``kind``, ``weight`` and ``eps`` reproduce it)."""
+
+    module: torch.nn.Module
+    weight: torch.Tensor
+    eps: float
+    kind: int
+
+    def __call__(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # inductor fuses the module's ops with their neighbours (residual adds)
+            return self.module(x) if gate is None else self.module(x, gate)
+        return weaver_kernels.rms_norm(x, self.weight, self.eps, self.kind, gate)
+
+
 def fused_norm(module: torch.nn.Module, dtype: torch.dtype):
-    """``module`` (an RMSNorm of the target) as one :func:`weaver_kernels.rms_norm` launch, called like the module.
+    """``module`` (an RMSNorm of the target) as a :class:`FusedNorm`: one launch, called like the module.
 
     Used when the module is one of the forms the op knows (Llama/Qwen2/Qwen3, Qwen3.5, gated Qwen3.5) and the op's
     torch reference reproduces it bit for bit on a random input here; anything else keeps the module itself.
@@ -62,13 +78,7 @@ def fused_norm(module: torch.nn.Module, dtype: torch.dtype):
         expected = module(x) if gate is None else module(x, gate)
         if not torch.equal(expected, weaver_kernels.rms_norm_ref(x, weight, gate, eps, kind)):
             return module
-
-    def norm(x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # inductor fuses the module's ops with their neighbours (residual adds)
-            return module(x) if gate is None else module(x, gate)
-        return weaver_kernels.rms_norm(x, weight, eps, kind, gate)
-
-    return norm
+    return FusedNorm(module, weight, eps, kind)
 
 
 def compile_static(fn):
@@ -276,7 +286,7 @@ class GatedDeltaNetLayerCache:
         self.gdn = gdn
         self.norm = fused_norm(gdn.norm, dtype)
         # the one-token kernel applies the gated norm itself when it is one the op reproduces (as fused_norm found)
-        self.norm_in_kernel = self.norm is not gdn.norm and type(gdn.norm).__name__.endswith("RMSNormGated")
+        self.norm_in_kernel = isinstance(self.norm, FusedNorm) and self.norm.kind == weaver_kernels.RMS_GATED
         self.in_proj = SharedInputLinears(gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a)
         self.state = torch.zeros(1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, device=device, dtype=torch.float32)
         self.window = torch.zeros(1, gdn.conv_dim, gdn.conv_kernel_size - 1, device=device, dtype=dtype)
@@ -322,9 +332,8 @@ class GatedDeltaNetLayerCache:
                                           activation=gdn.activation)
         q, k, v = self._heads(conv)
         if self.norm_in_kernel:
-            eps = getattr(gdn.norm, "variance_epsilon", getattr(gdn.norm, "eps", None))
-            o = weaver_kernels.gdn_decode(q, k, v, g, beta, self.state, norm_weight=gdn.norm.weight, gate=z, eps=eps,
-                                          use_qk_l2norm_in_kernel=True)
+            o = weaver_kernels.gdn_decode(q, k, v, g, beta, self.state, norm_weight=self.norm.weight, gate=z,
+                                          eps=self.norm.eps, use_qk_l2norm_in_kernel=True)
             return gdn.out_proj(o.reshape(1, 1, -1))
         return self._output(weaver_kernels.gdn_decode(q, k, v, g, beta, self.state, use_qk_l2norm_in_kernel=True), z)
 

@@ -5,9 +5,9 @@
 A captured verify step attends over the whole cache bucket (``bound`` rows) while ``length + N`` are in use. Per
 shape, 16 layers (each its own cache, so nothing stays in L2 between layers) in one CUDA graph, median µs per layer:
 ``sdpa`` (what the adapter ran before: ``scaled_dot_product_attention`` with the ``[N, bound]`` bool mask, default
-backend), ``sdpa-efficient`` (the same forced onto the memory-efficient backend) and the split-KV kernel with its
-default plan and with ``--plans``, and its first launch alone (the split partials, without the combine). Also the relative RMS error of each against an fp64 reference, and the bytes of
-the rows in use against the copy ceiling.
+backend), ``sdpa-efficient`` (the same forced onto the memory-efficient backend), the split-KV kernel with its
+default plan and with ``--plans``, and its first launch alone (the split partials, without the combine). Also the
+relative RMS error of each against an fp64 reference, and the bytes of the rows in use against the copy ceiling.
 """
 import argparse
 import random
@@ -66,8 +66,7 @@ def main():
             variants = [("sdpa", sdpa), ("sdpa-efficient", efficient)]
             plans = [None] + [tuple(int(x) for x in p.split(",")) for p in args.plans]
             for plan in plans:
-                name = f"split {split_plan(H, HKV, N, bound, D) if plan is None else plan}" + (" (default)" if plan is None
-                                                                                          else "")
+                name = f"split {plan}" if plan else f"split {split_plan(H, HKV, N, bound, D)} (default)"
                 variants.append((name, lambda q, k, v, plan=plan: tree_attention_triton(q, k, v, tm, lt, bound,
                                                                                       D ** -0.5, plan=plan)))
             variants.append(("split launch alone, default plan",
