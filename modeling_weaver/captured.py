@@ -24,6 +24,7 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+import weaver_kernels
 
 from .accept import accept_greedy_tensors
 from .target import TargetAdapter, TreeOutput, compile_static, weights_key
@@ -176,7 +177,9 @@ class DFlashStaticCache:
     """Context K/V of a DFlash drafter in fixed ``[1, kv_heads, rows, head_dim]`` buffers; row = position.
 
     ``update`` (called by each attention layer) writes the call's K/V at ``slots`` and returns the whole buffers;
-    ``query_key_positions`` tells the layers where queries and keys sit (sliding / causal layer masks).
+    ``query_key_positions`` tells the layers where queries and keys sit (sliding / causal layer masks); ``attend``
+    runs a layer's attention with :func:`weaver_kernels.tree_attention`, whose cost follows the rows in use, not the
+    whole buffer as masked SDPA's does (5 layers × ≈ 50 µs over a 2048-row bucket at Qwen3.6-27B shape).
     """
 
     def __init__(self, drafter, rows: int, slots: int, device, dtype):
@@ -186,13 +189,29 @@ class DFlashStaticCache:
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in drafter.layers]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in drafter.layers]
         self.slots = torch.zeros(slots, dtype=torch.long, device=device)
-        self.query_key_positions = (torch.zeros(drafter.block_size, dtype=torch.long, device=device),
+        size = drafter.block_size
+        self.query_key_positions = (torch.zeros(size, dtype=torch.long, device=device),
                                     torch.arange(rows, device=device))
+        self.length = torch.zeros((), dtype=torch.long, device=device)  # the block's first row (= position)
+        self.block_masks = {False: torch.ones(size, size, dtype=torch.bool, device=device),
+                            True: torch.ones(size, size, dtype=torch.bool, device=device).tril()}
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int):
         self.keys[layer_idx].index_copy_(2, self.slots, keys.to(self.keys[layer_idx].dtype))
         self.values[layer_idx].index_copy_(2, self.slots, values.to(self.values[layer_idx].dtype))
         return self.keys[layer_idx], self.values[layer_idx]
+
+    def attend(self, attn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+        """``[1, S, heads · head_dim]``: the block's queries ``q [1, heads, S, head_dim]`` at rows ``length..``
+        over every row before the block and the block's own rows (causal ones for a causal-in-block layer), within
+        the layer's sliding window; None (masked SDPA instead) for a window shorter than the block around a
+        non-causal block, which would hide later block rows too."""
+        window = attn.sliding_window or 0
+        if q.shape[2] != self.block_masks[False].shape[0] or (window and not attn.causal_in_block
+                                                              and window < q.shape[2]):
+            return None
+        return weaver_kernels.tree_attention(q, keys, values, self.block_masks[attn.causal_in_block], self.length,
+                                             keys.shape[2], attn.scaling, window)
 
 
 class StaticDraft:
@@ -222,7 +241,7 @@ class StaticDraft:
         self.cache = DFlashStaticCache(drafter, self.rows, 2 * size, self.device, self.dtype)
         self.context = torch.zeros(size, drafter.fc.in_features, device=self.device, dtype=self.dtype)
         self.count = torch.zeros((), dtype=torch.long, device=self.device)  # real context rows
-        self.n = torch.zeros((), dtype=torch.long, device=self.device)  # position of the block's first token
+        self.n = self.cache.length  # position of the block's first token (the cache's attention reads it)
         self.bonus = torch.zeros(1, dtype=torch.long, device=self.device)
         self._graphs: dict = {}
         self._steps: dict = {}  # proposers and fused steps built on this drafter (their graphs read their buffers)
@@ -264,8 +283,8 @@ class StaticDraft:
         rows the next chunk overwrites; its hidden states are not needed (no lm_head)."""
         size, n = self.block_size, first + context.shape[0]
         rows = torch.arange(first, n + size, device=self.device)
-        graph_slots = self.cache.slots  # the captured graphs' buffer: swapped back below
-        self.cache.slots = rows
+        graph_slots, graph_length = self.cache.slots, self.cache.length  # the graphs' buffers: swapped back below
+        self.cache.slots, self.cache.length = rows, torch.tensor(n, device=self.device)
         try:
             self.cache.query_key_positions[0].copy_(rows[-size:])
             visible = (torch.arange(self.rows, device=self.device) < n + size).expand(1, 1, size, -1)
@@ -273,7 +292,7 @@ class StaticDraft:
             self.drafter(noise_embedding=block, target_hidden=context[None].to(self.dtype), position_ids=rows[None],
                          past_key_values=self.cache, attention_mask=visible)
         finally:
-            self.cache.slots = graph_slots
+            self.cache.slots, self.cache.length = graph_slots, graph_length
 
     def run(self, fn, key="draft"):
         """``fn()`` — replayed from a CUDA graph captured on first use (one per ``key``) when capturing."""

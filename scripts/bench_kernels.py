@@ -198,6 +198,8 @@ def bench_T(T, kind, args, fla):
     res["commit"] = timed("commit", [commit_fn(x, ob) for x, ob in zip(layers, outs)], args.reps)
     commits = [(f"chunk{c}", dict(chunk=c)) for c in args.commit_chunks]
     commits += [(f"prec_{p}", dict(precision=p)) for p in args.commit_precision]
+    commits += [(f"cfg{c}", dict(zip(("BV", "num_warps", "split_k"), map(int, c.split(":")))))
+                for c in args.commit_configs]
     for name, kw in commits:  # side by side with the default commit
         res[f"commit_{name}"] = timed(f"commit {name}", [commit_fn(x, ob, **kw) for x, ob in zip(layers, outs)],
                                       args.reps)
@@ -336,6 +338,9 @@ def main():
                     help="also time the commit with this many path entries per loop step (e.g. 32 64)")
     ap.add_argument("--commit-precision", nargs="*", default=[], choices=("tf32x3", "tf32"),
                     help="also time the commit with its path product at this dot precision")
+    ap.add_argument("--commit-configs", nargs="*", default=[],
+                    help="also time the commit at these BV:num_warps:split_k configs (default 32:4:1), e.g. 16:4:1 "
+                         "32:4:2")
     ap.add_argument("--verify-inverse-precision", nargs="*", default=[], choices=("tf32x3", "tf32"),
                     help="also time the fused verify with its diagonal inverse and solve at this dot precision")
     ap.add_argument("--verify-bt", type=int, nargs="*", default=[],
@@ -370,7 +375,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(fmt_row(r))
-    if args.commit_chunks or args.verify_bt or args.commit_precision or args.verify_inverse_precision:
+    if (args.commit_chunks or args.verify_bt or args.commit_precision or args.verify_inverse_precision
+            or args.commit_configs):
         print("\nvariants side by side (per layer, µs; default: verify BT=16, commit chunk=32):")
         for r in results:
             print(r["kind"], r["T"], f"verify fused {r.get('verify_fused', {}).get('us', float('nan')):.1f}",
@@ -380,7 +386,8 @@ def main():
                   f"| commit {r['commit']['us']:.1f}",
                   " ".join(f"{n} {r[f'commit_{n}']['us']:.1f} (state {r[f'commit_{n}']['rel_rms_state']:.1e})"
                            for n in [f"chunk{c}" for c in args.commit_chunks]
-                           + [f"prec_{p}" for p in args.commit_precision]))
+                           + [f"prec_{p}" for p in args.commit_precision]
+                           + [f"cfg{c}" for c in args.commit_configs]))
     print("\naccuracy (layer 0 vs fp64 reference, rel. RMS):")
     for r in results:
         print(r["kind"], r["T"], {k: f"{e:.2e}" for k, e in r["rel_rms"].items()},

@@ -7,10 +7,14 @@
    GPU busy time per step and the kernel table.
 2. With ``--graph-gap``: the fused AR step's CUDA graph replayed back to back (GPU time alone), and
    ``autoregressive_generate``'s pipelined loop (host work between steps included): the difference is the host gap.
-3. With ``--proposer MODE``: one DFlash draft + tree build of that mode at ``--budget`` (compiled when the target
-   step is), its kernel table.
+3. With ``--proposer MODE [MODE ...]``: one DFlash draft + tree build of each mode at ``--budget`` (compiled when
+   the target step is), its kernel table.
 4. With ``--tree-nodes N``: the verify of an N-node tree (a chain: the GEMMs cost the same for any shape) and the
    commit of a 4-node path, without graphs: what a speculative step's target pass spends beyond the AR step.
+5. With ``--graphs``: each phase alone as the decoding loop runs it, one CUDA graph replayed back to back (GPU ms per
+   replay, median of ``--graph-runs`` timings of ``4 * --tokens`` replays): the fused AR step, the verify of
+   ``--tree-nodes`` nodes, and each ``--proposer``'s draft + tree; each as a fraction of the AR step (issue 5's
+   "verify ≤ 1.25 AR step", "draft + tree ≤ 15 % of an AR step").
 """
 import argparse
 import time
@@ -45,29 +49,38 @@ def main():
     parser.add_argument("--prompt-length", type=int, default=512)
     parser.add_argument("--target-step", choices=("static", "compiled"), default="static")
     parser.add_argument("--graph-gap", action="store_true")
-    parser.add_argument("--proposer", choices=("chain", "ddtree", "weaver"))
+    parser.add_argument("--proposer", nargs="+", choices=("chain", "ddtree", "weaver"), default=[])
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--tree-nodes", type=int)
     parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--graphs", action="store_true", help="each phase alone in a CUDA graph (section 5)")
+    parser.add_argument("--graph-runs", type=int, default=7)
+    parser.add_argument("--max-length", type=int, default=0,
+                        help="cache capacity at least this (the replay's prompt 512 + 512 new tokens: bucket 2048)")
+    parser.add_argument("--no-tables", action="store_true",
+                        help="skip the AR and verify kernel tables (sections 1 and 4; each compiles its own step)")
     args = parser.parse_args()
     compile = args.target_step == "compiled"
     target, drafter, weaver = random_models(args.shape, torch.device("cuda"), torch.bfloat16)
     ids = random_prompt(target, args.prompt_length)
     # One cache bucket (a power of two) for every call below, so that no timed call allocates, compiles or captures.
-    max_length = cache_bucket(args.prompt_length + 4 * args.tokens + max(64, (args.tree_nodes or 0) + 4 * (args.tokens + 1)))
+    max_length = cache_bucket(max(args.max_length, args.prompt_length + 4 * args.tokens
+                                  + max(64, (args.tree_nodes or 0) + 4 * (args.tokens + 1))))
     new_tokens = max_length - args.prompt_length - 1  # autoregressive_generate's capacity: prompt + new + 1
 
     step = static_target(target, max_length, 1, capture=False, compile=compile)
-    step.prefill(ids[0])
+    if not args.no_tables:
+        step.prefill(ids[0])
     one = Tree.from_lists([int(ids[0, -1])], [-1], device="cuda")
 
     def ar_step():
         step.verify(one)
         step.commit([0])
 
-    kernel_table(ar_step, args.tokens, args.rows, f"AR step ({args.target_step}, no graphs)")
+    if not args.no_tables:
+        kernel_table(ar_step, args.tokens, args.rows, f"AR step ({args.target_step}, no graphs)")
 
-    if args.tree_nodes:
+    if args.tree_nodes and not args.no_tables:
         tree_step = static_target(target, max_length, args.tree_nodes, capture=False, compile=compile)
         tree_step.prefill(ids[0])
         n = args.tree_nodes
@@ -98,15 +111,42 @@ def main():
         print(f"\n## AR graph replays back to back: {replay_ms:.2f} ms per step; in the generate loop: "
               f"{per_token:.2f} ms per token → host gap {per_token - replay_ms:.2f} ms per step")
 
-    if args.proposer:
-        draft = static_draft(drafter, target, max_length, capture=False)
-        proposer = draft.proposer(args.proposer, args.budget, weaver if args.proposer == "weaver" else None,
-                                  compile=compile)
-        context = torch.randn(drafter.block_size, drafter.fc.in_features, device="cuda", dtype=torch.bfloat16)
-        last = torch.randn(target.config.get_text_config().hidden_size, device="cuda", dtype=torch.bfloat16)
-        kernel_table(lambda: proposer.propose(1, context, args.prompt_length, last), args.tokens, args.rows,
-                     f"{args.proposer} draft + tree at budget {args.budget} ({args.target_step}, no graphs)")
+    context = torch.randn(drafter.block_size, drafter.fc.in_features, device="cuda", dtype=torch.bfloat16)
+    last = torch.randn(target.config.get_text_config().hidden_size, device="cuda", dtype=torch.bfloat16)
+    draft = static_draft(drafter, target, max_length, capture=True)  # graphs only in section 5
+    proposers = {mode: draft.proposer(mode, args.budget, weaver if mode == "weaver" else None, compile=compile)
+                 for mode in args.proposer}
+    for mode, proposer in proposers.items():
+        draft.load(1, context, args.prompt_length)
+        proposer.last_hidden.copy_(last)
+        kernel_table(proposer._forward, args.tokens, args.rows,
+                     f"{mode} draft + tree at budget {args.budget} ({args.target_step}, no graphs)")
+
+    if args.graphs:
+        def timed(graph) -> float:  # median over runs of the mean GPU ms per replay
+            return sorted(graph_replay_ms(graph, 4 * args.tokens)[0] for _ in range(args.graph_runs))[
+                args.graph_runs // 2]
+
+        target_step = "compiled" if compile else "graph"
+        autoregressive_generate(target, ids, new_tokens, eos_token_id=[], target_step=target_step)  # captures
+        ar = static_target(target, max_length, 1, capture=True, compile=compile)
+        ar.prefill(ids[0])
+        phases = [("AR step (verify + commit + argmax)", timed(ar.ar_step()._graph[0]))]
+        if args.tree_nodes:
+            n = args.tree_nodes
+            tree_graph = static_target(target, max_length, n, capture=True, compile=compile)
+            tree_graph.prefill(ids[0])
+            tree_graph.verify(Tree.from_lists(ids[0, -n:].tolist(), list(range(-1, n - 1)), device="cuda"))
+            phases.append((f"verify of {n} nodes", timed(tree_graph._graphs[0])))
+        for mode, proposer in proposers.items():
+            proposer.propose(1, context, args.prompt_length, last)  # captures
+            phases.append((f"{mode} draft + tree at budget {args.budget}", timed(draft._graphs[proposer.key][0])))
+        print(f"\n## each phase in one CUDA graph ({args.target_step}), GPU ms per replay back to back")
+        print("| phase | ms | × AR step |\n|---|---|---|")
+        for name, ms in phases:
+            print(f"| {name} | {ms:.3f} | {ms / phases[0][1]:.3f} |")
 
 
 if __name__ == "__main__":
-    main()
+    with torch.no_grad():
+        main()

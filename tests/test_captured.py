@@ -15,13 +15,22 @@ def rel(a, b):
     return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("layers", ["full", "sliding"])
-def test_static_draft_equals_the_dynamic_runner(layers):
+@pytest.mark.parametrize("layers", ["full", "sliding", "sliding_bidirectional"])
+def test_static_draft_equals_the_dynamic_runner(layers, monkeypatch):
     """Over many steps (a long first context, then accepted paths of 1..block tokens), the static drafter gives the
-    dynamic runner's hidden states and logits — also with sliding-window layers causal inside the block."""
+    dynamic runner's hidden states and logits — also with sliding-window layers causal inside the block (a window
+    shorter than the block), which attend through ``weaver_kernels.tree_attention`` like full layers, and with a
+    window shorter than a bidirectional block, which the cache leaves to masked SDPA."""
+    import weaver_kernels
+
+    calls = []
+    attention = weaver_kernels.tree_attention
+    monkeypatch.setattr(weaver_kernels, "tree_attention", lambda *a: calls.append(a[-1]) or attention(*a))
     target = TINY_TARGETS["llama"]()
     extra = {} if layers == "full" else dict(layer_types=["sliding_attention", "full_attention"],
                                               use_sliding_window=True, sliding_window=6, max_window_layers=0)
+    if layers == "sliding_bidirectional":
+        extra["is_causal"] = False
     config = DFlashConfig.from_target_config(target.config, num_hidden_layers=2, block_size=8, target_layer_ids=[0, 1],
                                              **extra)
     torch.manual_seed(0)
@@ -37,6 +46,9 @@ def test_static_draft_equals_the_dynamic_runner(layers):
         h1, l1 = dynamic.draft(bonus, context, n)
         h2, l2 = static.draft(bonus, context, n)
         assert rel(h2, h1) < 1e-5 and rel(l2, l1) < 1e-5, step
+    # windows per kernel call: both layers (the prompt's lead call too) or only the full one
+    assert set(calls) == {0} if layers != "sliding" else set(calls) == {0, 6}
+    assert len(calls) == 9 * (1 if layers == "sliding_bidirectional" else 2)
     with pytest.raises(ValueError, match="beyond"):
         static.draft(0, torch.randn(1, width), 130)
 

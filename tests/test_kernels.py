@@ -206,17 +206,18 @@ TREE_CASES = [
 
 
 # ---------------------------------------------------------------------------------------------- tree attention
-def check_tree_attention(split, parents, H, HKV, D, L, length, bound, dtype, device="cpu", plan=None, seed=0):
+def check_tree_attention(split, parents, H, HKV, D, L, length, bound, dtype, device="cpu", plan=None, seed=0,
+                         window=0, tree_mask=None):
     """The split-KV kernel (poisoned output) against the fp64 reference; relative RMS error."""
     N = len(parents)
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, h, n, D, generator=gen).to(device, dtype) for h, n in ((H, N), (HKV, L), (HKV, L)))
-    tree_mask = ancestor_mask(parents, device)
+    tree_mask = ancestor_mask(parents, device) if tree_mask is None else tree_mask.to(device)
     length = torch.tensor(length, device=device)
     out = torch.full((1, N, H * D), float("nan"), dtype=dtype, device=device)
-    got = split.tree_attention_triton(q, k, v, tree_mask, length, bound, D ** -0.5, plan=plan, out=out)
+    got = split.tree_attention_triton(q, k, v, tree_mask, length, bound, D ** -0.5, plan=plan, out=out, window=window)
     assert got is out and not out.isnan().any()
-    ref = wk.tree_attention_ref(q.double(), k.double(), v.double(), tree_mask, length, bound, D ** -0.5)
+    ref = wk.tree_attention_ref(q.double(), k.double(), v.double(), tree_mask, length, bound, D ** -0.5, window)
     return rel_rms(got, ref)
 
 
@@ -263,6 +264,33 @@ def test_tree_attention_random_search_interpreter(ik):
         err = check_tree_attention(ik.attn, parents, H=HKV * G, HKV=HKV, D=D, L=bound + rng.randint(0, 9),
                                    length=length, bound=bound, dtype=torch.float32, plan=plan, seed=trial)
         assert err <= ATTN_TOL[torch.float32], (trial, HKV, G, N, D, length, bound, plan, err)
+
+
+@pytest.mark.parametrize("block", ["full", "causal"])
+@pytest.mark.parametrize("window", [4, 30, 200])
+def test_tree_attention_window_interpreter(ik, block, window):
+    """A DFlash-style block (all-visible or causal inside) under a sliding window: windows shorter than the block,
+    cutting the committed rows (whole splits before it skipped), and longer than everything."""
+    N = 8
+    tm = torch.ones(N, N, dtype=torch.bool) if block == "full" else torch.ones(N, N, dtype=torch.bool).tril()
+    err = check_tree_attention(ik.attn, list(range(-1, N - 1)), H=4, HKV=2, D=16, L=112, length=70, bound=100,
+                               dtype=torch.float32, plan=(16, 16, 16), window=window, tree_mask=tm)
+    assert err <= ATTN_TOL[torch.float32], err
+
+
+def test_tree_attention_window_reference():
+    """The reference's window against attention written out: query i (position n + i) sees rows j with
+    n + i - window < j, among the committed rows and its visible block rows."""
+    N, H, D, L, n, window = 4, 2, 8, 16, 6, 5
+    q, k, v = torch.randn(1, H, N, D), torch.randn(1, H, L, D), torch.randn(1, H, L, D)
+    tm = torch.ones(N, N, dtype=torch.bool)
+    got = wk.tree_attention_ref(q, k, v, tm, torch.tensor(n), 14, 0.3, window)
+    for i in range(N):
+        visible = [j for j in range(n + N) if j > n + i - window]
+        w = torch.softmax((q[0, :, i, None] @ k[0, :, visible].transpose(-1, -2))[:, 0] * 0.3, -1)
+        torch.testing.assert_close(got[0, i].view(H, D), torch.einsum("ht,htd->hd", w, v[0, :, visible]))
+    with pytest.raises(ValueError, match="window"):
+        wk.tree_attention(q, k, v, tm, torch.tensor(n), 14, 0.3, window=-1)
 
 
 def test_tree_attention_reference_is_masked_attention():
@@ -341,6 +369,29 @@ def test_gdn_commit_path_chunks_interpreter(ik, chunk):
     assert rel_rms(S, rS) <= 1e-5
     with pytest.raises(ValueError, match="power of two"):
         ik.chunk.gdn_tree_commit_triton(S, k, u, gm, torch.arange(T), chunk=24)
+
+
+@pytest.mark.parametrize("l2", [True, False])
+def test_gdn_commit_split_k_interpreter(ik, l2):
+    """The commit with its state split over K (two programs per value block, each normalising k by the whole row)
+    gives the recurrence's final state on a best-first tree's deepest path; a split below 16 rows is refused."""
+    rng = random.Random(9)
+    parents = best_first_parents(20, rng)
+    T, B, H, HV, K, V = len(parents), 1, 2, 4, 32, 16
+    q, k, v, g, beta, S0 = gdn_inputs(B, T, H, HV, K, V, torch.float32, seed=9, l2norm_in_kernel=l2)
+    _, u, gm = ik.chunk.gdn_tree_verify_triton(q, k, v, g, beta, S0, ancestor_mask(parents),
+                                               use_qk_l2norm_in_kernel=l2)
+    dep = depths(parents)
+    leaf = max(range(T), key=lambda i: (dep[i], i))
+    path = _padded_path(parents, leaf, 3, "cpu")
+    S = S0.clone()
+    ik.chunk.gdn_tree_commit_triton(S, k, u, gm, path, use_qk_l2norm_in_kernel=l2, split_k=2)
+    pp = path[path >= 0]
+    _, rS = gdn_recurrent_ref(*(t.double() for t in (q[:, pp], k[:, pp], v[:, pp], g[:, pp], beta[:, pp], S0)),
+                              use_qk_l2norm_in_kernel=l2)
+    assert rel_rms(S, rS) <= 1e-5
+    with pytest.raises(ValueError, match="split_k"):
+        ik.chunk.gdn_tree_commit_triton(S, k, u, gm, path, split_k=4)
 
 
 def test_gdn_tree_dot_precision_option_interpreter(ik):
@@ -590,6 +641,8 @@ def test_custom_ops_opcheck():
     kv = torch.randn(1, 2, 12, 8)
     torch.library.opcheck(torch.ops.weaver.tree_attention.default,
                           (torch.randn(1, 4, 4, 8), kv, kv.flip(2), tm, torch.tensor(3), 9, 0.35))
+    torch.library.opcheck(torch.ops.weaver.tree_attention.default,
+                          (torch.randn(1, 4, 4, 8), kv, kv.flip(2), tm, torch.tensor(3), 9, 0.35, 2))
 
 
 def test_public_ops_match_references_cpu():
@@ -736,6 +789,23 @@ def test_tree_attention_real_shape_gpu(N, dtype):
                                    dtype=dtype, device="cuda", plan=plan, seed=N)
         print(f"\n[gpu] tree attention N={N} {dtype} plan={plan}: {err:.2e}")
         assert err <= TOL[dtype], err
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("window", [0, 2048, 700])
+@pytest.mark.parametrize("block", ["full", "causal"])
+def test_tree_attention_dflash_block_gpu(window, block):
+    """A Qwen3.6-27B DFlash block (16 queries, 32 query / 8 kv heads, head_dim 128) over a 2080-row cache with 1500
+    rows before the block: no window, a window wider than the rows in use, and one that cuts them; bf16 5e-3."""
+    from weaver_kernels.tree_attention import split
+
+    N = 16
+    tm = torch.ones(N, N, dtype=torch.bool) if block == "full" else torch.ones(N, N, dtype=torch.bool).tril()
+    err = check_tree_attention(split, list(range(-1, N - 1)), H=32, HKV=8, D=128, L=2080, length=1500, bound=2080,
+                               dtype=torch.bfloat16, device="cuda", window=window, tree_mask=tm, seed=window)
+    print(f"\n[gpu] dflash block attention {block} window={window}: {err:.2e}")
+    assert err <= TOL[torch.bfloat16], err
 
 
 @pytest.mark.gpu

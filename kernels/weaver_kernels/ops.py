@@ -144,17 +144,18 @@ def _(x, window, weight, bias, activation):
 # ----------------------------------------------------------------------------------------------- tree attention
 @torch.library.custom_op("weaver::tree_attention", mutates_args=())
 def _tree_attention_op(
-    q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, length: Tensor, bound: int, scale: float
+    q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, length: Tensor, bound: int, scale: float,
+    window: int = 0,
 ) -> Tensor:
     if q.is_cuda:
         from .tree_attention.split import tree_attention_triton
 
-        return tree_attention_triton(q, keys, values, tree_mask, length, bound, scale)
-    return _contig(tree_attention_ref(q, keys, values, tree_mask, length, bound, scale))
+        return tree_attention_triton(q, keys, values, tree_mask, length, bound, scale, window=window)
+    return _contig(tree_attention_ref(q, keys, values, tree_mask, length, bound, scale, window))
 
 
 @_tree_attention_op.register_fake
-def _(q, keys, values, tree_mask, length, bound, scale):
+def _(q, keys, values, tree_mask, length, bound, scale, window=0):
     _, H, N, D = q.shape
     return q.new_empty((1, N, H * D))
 
@@ -255,11 +256,14 @@ def conv_tree_commit(window: Tensor, x: Tensor, path: Tensor) -> Tensor:
 
 
 def tree_attention(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, length: Tensor, bound: int,
-                   scale: float) -> Tensor:
+                   scale: float, window: int = 0) -> Tensor:
     """Attention of a tree's queries ``q [1, H, N, D]`` over a KV cache ``[1, HKV, L, D]`` whose rows ``< length``
     are committed and rows ``length .. length+N-1`` hold the tree (see ``tree_attention.naive``); ``[1, N, H * D]``.
+    ``window`` (0: none): a sliding window for a block of queries at positions ``length + i``.
     CUDA: a split-KV Triton kernel whose cost follows ``length``, not ``bound``; elsewhere masked SDPA."""
-    return torch.ops.weaver.tree_attention(q, keys, values, tree_mask, length, int(bound), float(scale))
+    if window < 0:
+        raise ValueError(f"tree_attention: window must be >= 0, got {window}")
+    return torch.ops.weaver.tree_attention(q, keys, values, tree_mask, length, int(bound), float(scale), int(window))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, kind: int, gate: Tensor | None = None) -> Tensor:

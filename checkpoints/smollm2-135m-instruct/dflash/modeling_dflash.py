@@ -126,6 +126,11 @@ class DFlashAttention(nn.Module):
         k = _rope(k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
+        # a static cache may attend with its own kernel (modeling_weaver.captured); None: it leaves this layer to us
+        attend = getattr(past_key_values, "attend", None)
+        out = attend(self, q, k, v) if attend is not None else None
+        if out is not None:
+            return self.o_proj(out)
 
         # A static cache (rows = positions, see modeling_weaver.captured) tells where queries and keys sit.
         positions = getattr(past_key_values, "query_key_positions", None)

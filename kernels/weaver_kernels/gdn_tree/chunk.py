@@ -445,18 +445,20 @@ def _gdn_tree_commit_kernel(
     state, k, u, gamma, path, L, T,
     sk_b, sk_t, sk_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, CH: tl.constexpr,
-    PREC: tl.constexpr,
+    LP: tl.constexpr, BK: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
+    CH: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
+    i_k = tl.program_id(2)  # state rows i_k*BK.. (BK < BKF: the state split over K as well)
     i_b = i_bh // HV
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     i_b64 = i_b.to(tl.int64)
 
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
+    o_kf = tl.arange(0, BKF)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     o_l = tl.arange(0, LP)
@@ -488,7 +490,12 @@ def _gdn_tree_commit_kernel(
         kj = tl.load(k_base + pj[:, None] * sk_t + o_k[None, :], mask=vj[:, None] & m_k[None, :], other=0.0)
         kj = kj.to(tl.float32)
         if L2NORM:
-            cj = cj * tl.rsqrt(_rsum(kj * kj, axis=1) + 1e-6)
+            if BK < BKF:  # the norm needs the whole row
+                kf = tl.load(k_base + pj[:, None] * sk_t + o_kf[None, :], mask=vj[:, None] & (o_kf < K)[None, :],
+                             other=0.0).to(tl.float32)
+                cj = cj * tl.rsqrt(_rsum(kf * kf, axis=1) + 1e-6)
+            else:
+                cj = cj * tl.rsqrt(_rsum(kj * kj, axis=1) + 1e-6)
         uj = tl.load(u_base + pj[:, None] * (HV * V) + o_v[None, :], mask=vj[:, None] & m_v[None, :], other=0.0)
         delta += tl.dot(tl.trans(kj * cj[:, None]), uj, input_precision=PREC)  # [BK, BV]
 
@@ -642,6 +649,7 @@ def gdn_tree_commit_triton(
     num_warps: int = 4,
     chunk: int = 32,
     precision: str = "ieee",
+    split_k: int = 1,
 ) -> torch.Tensor:
     """Triton version of :func:`~weaver_kernels.gdn_tree.naive.gdn_tree_commit_ref`: advances ``state`` in place.
 
@@ -649,6 +657,7 @@ def gdn_tree_commit_triton(
     loop step (a power of two ≥ 16; capped at the padded path length). 32 measured fastest on the H200 for long
     paths (64-node chain: 9.5 µs vs 10.5 at 16; 64 and 128 no better; BENCHMARKS.md, Kernels).
     ``precision``: of the path product's dot (``"ieee"``, ``"tf32x3"`` or ``"tf32"``, as for the verify's inverse).
+    ``split_k``: programs per value block along K (1, 2, 4: smaller state tiles, more programs in flight).
     """
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
@@ -659,7 +668,10 @@ def gdn_tree_commit_triton(
     gamma = gamma.contiguous()
     path = path.to(device=state.device)
     L = path.numel()
-    BK = max(16, next_pow2(K))
+    BKF = max(16, next_pow2(K))
+    if split_k not in (1, 2, 4) or BKF // split_k < 16:
+        raise ValueError(f"split_k must be 1, 2 or 4 and leave at least 16 state rows per program, got {split_k}")
+    BK = BKF // split_k
     if BV is None:
         BV = min(32, max(16, next_pow2(V)))
     if chunk < 16 or chunk & (chunk - 1):
@@ -667,10 +679,10 @@ def gdn_tree_commit_triton(
     _check_precision(precision)
     LP = max(16, next_pow2(L))
     with launch_ctx(_INTERPRET):
-        _gdn_tree_commit_kernel[(triton.cdiv(V, BV), B * HV)](
+        _gdn_tree_commit_kernel[(triton.cdiv(V, BV), B * HV, split_k)](
             state, k, u, gamma, path, L, T,
             k.stride(0), k.stride(1), k.stride(2),
-            H=H, HV=HV, K=K, V=V, LP=LP, BK=BK, BV=BV,
+            H=H, HV=HV, K=K, V=V, LP=LP, BK=BK, BKF=BKF, BV=BV,
             L2NORM=bool(use_qk_l2norm_in_kernel), CH=min(chunk, LP), PREC=precision, num_warps=num_warps,
             num_stages=1,
         )

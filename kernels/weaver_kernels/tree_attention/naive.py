@@ -2,7 +2,8 @@
 
 A verified tree's K/V sit in the cache rows ``length .. length+N-1`` right after the committed rows. Query node i
 attends to every committed row and to the tree rows of its ancestors-or-self; rows past ``length + N`` (up to the
-``bound`` a captured step attends over) are masked.
+``bound`` a captured step attends over) are masked. With a sliding ``window`` the queries are a block at positions
+``length + i`` (a DFlash drafter's), and query i sees only rows after ``length + i − window``.
 """
 
 from __future__ import annotations
@@ -12,16 +13,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def tree_attention_mask(tree_mask: Tensor, length: Tensor, bound: int) -> Tensor:
-    """``[N, bound]`` bool: every committed row, plus the tree's own rows (after them) where ancestor-or-self."""
+def tree_attention_mask(tree_mask: Tensor, length: Tensor, bound: int, window: int = 0) -> Tensor:
+    """``[N, bound]`` bool: every committed row, plus the tree's own rows (after them) where ancestor-or-self; within
+    the ``window`` (0: none) of query positions ``length + i``."""
     N = tree_mask.shape[0]
     rel = torch.arange(bound, device=tree_mask.device) - length  # row offset from the tree's first slot
     in_tree = (rel >= 0) & (rel < N)
-    return (rel < 0)[None] | (tree_mask[:, rel.clamp(0, N - 1)] & in_tree[None])
+    mask = (rel < 0)[None] | (tree_mask[:, rel.clamp(0, N - 1)] & in_tree[None])
+    if window > 0:
+        mask = mask & (rel[None] > torch.arange(N, device=rel.device)[:, None] - window)
+    return mask
 
 
 def tree_attention_ref(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, length: Tensor, bound: int,
-                       scale: float) -> Tensor:
+                       scale: float, window: int = 0) -> Tensor:
     """Attention of the tree's queries over the cache.
 
     Args:
@@ -31,11 +36,12 @@ def tree_attention_ref(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tenso
         tree_mask: ``[N, N]`` bool ancestor-or-self mask.
         length: 0-d long tensor, committed rows.
         bound: rows attended over (``length + N ≤ bound ≤ L``).
+        window: sliding window (0: none), for a block whose query i sits at position ``length + i``.
     Returns:
         ``[1, N, H * D]`` in q's dtype (heads side by side, the o_proj input).
     """
     H, N = q.shape[1], q.shape[2]
-    mask = tree_attention_mask(tree_mask, length, bound)
+    mask = tree_attention_mask(tree_mask, length, bound, window)
     out = F.scaled_dot_product_attention(q, keys[:, :, :bound], values[:, :, :bound], attn_mask=mask, scale=scale,
                                          enable_gqa=H != keys.shape[1])
     return out.transpose(1, 2).reshape(1, N, -1)

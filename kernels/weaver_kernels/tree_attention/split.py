@@ -16,7 +16,8 @@ Qwen3.6-27B shape (24 query / 4 kv heads, head_dim 256) on the H200, where the r
    ``[N, H * D]`` in the query dtype (the o_proj input).
 
 The visibility rule is the reference's (``naive.tree_attention_mask``): committed rows, plus the tree rows of the
-node's ancestors-or-self. Probabilities are cast to the value dtype before the second dot (as flash attention
+node's ancestors-or-self; with a sliding ``window`` (a block whose query i sits at position ``length + i``, as a
+DFlash drafter's), only rows after ``length + i − window``, and splits wholly before every query's window are skipped. Probabilities are cast to the value dtype before the second dot (as flash attention
 does); accumulation is fp32; fp32 inputs use IEEE fp32 dots.
 
 Plans (``split_plan``) depend on shapes only, so a captured step keeps one; the bound is any number of rows.
@@ -46,7 +47,7 @@ def _max(a, b):
 
 
 @triton.jit
-def _split_kernel(q, k, v, tree_mask, length_ptr, o_part, lse_part, N, bound, G, scale,
+def _split_kernel(q, k, v, tree_mask, length_ptr, o_part, lse_part, N, bound, G, scale, window,
                   sq_h, sq_n, sk_h, sk_t, sv_h, sv_t, sm_n, so_s, so_h, so_n, sl_s, sl_h,
                   D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
                   DOT_F32: tl.constexpr):
@@ -60,6 +61,8 @@ def _split_kernel(q, k, v, tree_mask, length_ptr, o_part, lse_part, N, bound, G,
     d_ok = dcols < D
     start = split * SPLIT
     stop = tl.minimum(tl.minimum(start + SPLIT, length + N), bound)
+    if window > 0:  # rows at or before length − window are outside every query's window
+        start = tl.maximum(start, length + 1 - window)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.full([BM], 0.0, tl.float32)
     acc = tl.full([BM, BD], 0.0, tl.float32)
@@ -82,6 +85,8 @@ def _split_kernel(q, k, v, tree_mask, length_ptr, o_part, lse_part, N, bound, G,
             tm = tl.load(tree_mask + node[:, None] * sm_n + rel[None, :], mask=row_ok[:, None] & in_tree[None, :],
                          other=0)
             visible = (((cols < length) & c_ok)[None, :] | (tm != 0)) & row_ok[:, None]
+            if window > 0:
+                visible = visible & (cols[None, :] > (length + node - window)[:, None])
             s = tl.where(visible, s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -133,11 +138,11 @@ def split_plan(H: int, HKV: int, N: int, bound: int, D: int = 128, fp32: bool = 
 
 def tree_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree_mask: torch.Tensor,
                           length: torch.Tensor, bound: int, scale: float, plan: tuple[int, int, int] | None = None,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Same contract as :func:`..naive.tree_attention_ref`: ``[1, N, H * D]`` in q's dtype (written into ``out``
     when given). ``plan``: ``(BM, BN, SPLIT)`` instead of :func:`split_plan`'s (tests force many splits)."""
     _, H, N, D = q.shape
-    o_part, lse_part = split_partials(q, keys, values, tree_mask, length, bound, scale, plan)
+    o_part, lse_part = split_partials(q, keys, values, tree_mask, length, bound, scale, plan, window)
     S, BD = o_part.shape[0], max(16, next_pow2(D))
     out = torch.empty(1, N, H * D, device=q.device, dtype=q.dtype) if out is None else out
     with launch_ctx(_INTERPRET):
@@ -149,8 +154,8 @@ def tree_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
 
 
 def split_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree_mask: torch.Tensor,
-                   length: torch.Tensor, bound: int, scale: float, plan: tuple[int, int, int] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   length: torch.Tensor, bound: int, scale: float, plan: tuple[int, int, int] | None = None,
+                   window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The first launch alone (``scripts/bench_tree_attention.py`` times it apart): per split, the normalised
     partial outputs ``[S, H, N, D]`` fp32 and their log-sum-exps ``[S, H, N]`` (−inf where a split saw nothing)."""
     _, H, N, D = q.shape
@@ -176,6 +181,7 @@ def split_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tr
     with launch_ctx(_INTERPRET):
         _split_kernel[(triton.cdiv((H // HKV) * N, BM), HKV, S)](
             q[0], keys[0], values[0], mask, length.reshape(1), o_part, lse_part, N, bound, H // HKV, float(scale),
+            int(window),
             q.stride(1), q.stride(2), keys.stride(1), keys.stride(2), values.stride(1), values.stride(2),
             mask.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
             lse_part.stride(1), D=D, BD=BD, BM=BM, BN=BN, SPLIT=SPLIT, DOT_F32=dot_f32, num_warps=warps, num_stages=2,
