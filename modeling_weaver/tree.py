@@ -11,6 +11,7 @@ import math
 from dataclasses import InitVar, dataclass
 
 import torch
+import weaver_kernels
 
 
 @dataclass
@@ -301,39 +302,21 @@ def weaver_tree_tensors(
     f_score = torch.full((n * fan,), neg_inf, device=device)
     f_token = torch.zeros(n * fan, dtype=torch.long, device=device)
     f_logq = torch.zeros(n * fan, device=device)
-    nodes = torch.arange(n, device=device)
-    f_parent = nodes.repeat_interleave(fan)  # (built once, not per round)
 
     # Each round expands the nodes made by the previous one: always the contiguous range lo..hi-1 (the root first),
-    # so reads and writes of per-node rows are slices (views and plain copies instead of gathers and scatters).
+    # so reads and writes of per-node rows are slices (views and plain copies instead of gathers and scatters). Its
+    # bookkeeping — candidate scores, children to the frontier, the next nodes — is two weaver_kernels ops (two
+    # Triton launches on CUDA instead of ~25 small kernels; the torch reference elsewhere).
     lo, hi = 0, 1
     while True:
         d = depth[lo:hi]
         x = weaver.node_inputs(embed_tokens(tokens[lo:hi]))
         query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), mask[None, lo:hi])[0]
-        row = d.clamp(max=max_depth - 1)
-        ids = pool_ids[row]
-        cand_logp = torch.log_softmax(
-            weaver.candidate_logits(query, ids, pool_logits[row], lm_head_weight).float(), dim=-1)
-        top = cand_logp.topk(fan, dim=-1)
-        real = parents[lo:hi] >= 0 if lo else torch.ones_like(d, dtype=torch.bool)  # padding nodes publish nothing
-        publish = real & (d < max_depth)
-        f_score[lo * fan : hi * fan] = torch.where(publish[:, None], score[lo:hi, None] + top.values, neg_inf).flatten()
-        f_token[lo * fan : hi * fan] = ids.gather(-1, top.indices).flatten()
-        f_logq[lo * fan : hi * fan] = top.values.flatten()
+        cand = weaver_kernels.pool_scores(query, d.clamp(max=max_depth - 1), pool_ids, pool_logits, lm_head_weight)
+        take = min(width, n - hi)
+        weaver_kernels.weaver_expand(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token,
+                                     f_logq, lo, hi, take, max_depth)
         if hi >= n:
             break
-        take = min(width, n - hi)
-        best = f_score.topk(take)
-        valid = best.values > neg_inf
-        parent = f_parent[best.indices]
         lo, hi = hi, hi + take
-        tokens[lo:hi] = torch.where(valid, f_token[best.indices], 0)
-        parents[lo:hi] = torch.where(valid, parent, -1)
-        logq[lo:hi] = torch.where(valid, f_logq[best.indices], neg_inf)
-        depth[lo:hi] = torch.where(valid, depth[parent] + 1, 0)
-        score[lo:hi] = best.values
-        f_score.index_fill_(0, best.indices, neg_inf)  # taken
-        new = nodes[lo:hi]  # (an index write here: inductor's CPU code generator fails on the slice form)
-        mask[new] = (mask[parent] & valid[:, None]) | (nodes[None] == new[:, None])
     return tokens[1:], parents[1:], logq[1:]

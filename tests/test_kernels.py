@@ -84,6 +84,7 @@ def ik():
         norm=load_interpreted("weaver_kernels.rms_norm.fused"),
         attn=load_interpreted("weaver_kernels.tree_attention.split"),
         decode=load_interpreted("weaver_kernels.gdn_tree.fused_recurrent"),
+        expand=load_interpreted("weaver_kernels.weaver_tree.expand"),
     )
 
 
@@ -291,6 +292,66 @@ def test_tree_attention_window_reference():
         torch.testing.assert_close(got[0, i].view(H, D), torch.einsum("ht,htd->hd", w, v[0, :, visible]))
     with pytest.raises(ValueError, match="window"):
         wk.tree_attention(q, k, v, tm, torch.tensor(n), 14, 0.3, window=-1)
+
+
+# ------------------------------------------------------------------------------------------- Weaver tree rounds
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pool_scores_interpreter(ik, dtype):
+    """Gathered lm_head rows · query + pool logits, per node's pool row, against fp64 (bf16: the reference rounds
+    the dot to bf16, the kernel does not)."""
+    gen = torch.Generator().manual_seed(0)
+    M, Dm, D, P, V = 3, 200, 4, 40, 97  # Dm and P not multiples of the kernel's blocks
+    query, weight = torch.randn(M, Dm, generator=gen).to(dtype), torch.randn(V, Dm, generator=gen).to(dtype)
+    pool_ids = torch.randint(V, (D, P), generator=gen)
+    pool_logits = torch.randn(D, P, generator=gen)
+    rows = torch.tensor([2, 0, 2])
+    got = ik.expand.pool_scores_triton(query, rows, pool_ids, pool_logits, weight)
+    exact = wk.pool_scores_ref(query.double(), rows, pool_ids, pool_logits.double(), weight.double())
+    assert rel_rms(got, exact) <= 1e-6
+    assert rel_rms(wk.pool_scores_ref(query, rows, pool_ids, pool_logits, weight), exact) <= TOL[dtype]
+
+
+def _expand_buffers(n: int, fan: int, root: int = 5) -> dict:
+    inf = float("-inf")
+    b = dict(tokens=torch.zeros(n, dtype=torch.long), parents=torch.full((n,), -1), logq=torch.full((n,), inf),
+             depth=torch.zeros(n, dtype=torch.long), score=torch.zeros(n), mask=torch.eye(n, dtype=torch.bool),
+             f_score=torch.full((n * fan,), inf), f_token=torch.zeros(n * fan, dtype=torch.long),
+             f_logq=torch.zeros(n * fan))
+    b["tokens"][0], b["logq"][0] = root, 0.0
+    return b
+
+
+@pytest.mark.parametrize("budget,fan,P,max_depth,width", [(12, 3, 5, 3, 2), (10, 3, 5, 1, 3), (20, 4, 9, 6, 1)])
+def test_weaver_expand_interpreter(ik, budget, fan, P, max_depth, width):
+    """Whole tree builds, round by round from random pool scores: the kernel's buffers equal the reference's
+    (tokens, parents, depths, masks exactly; scores and log-probabilities to fp32 rounding) — with nodes at the
+    maximum depth (they publish nothing) and, at max depth 1, an exhausted frontier (padding roots after it)."""
+    gen = torch.Generator().manual_seed(budget)
+    n = budget + 1
+    pool_ids = torch.randint(1000, (max_depth, P), generator=gen)
+    ref, got = _expand_buffers(n, fan), _expand_buffers(n, fan)
+    lo, hi = 0, 1
+    while True:
+        cand = torch.randn(hi - lo, P, generator=gen) * 3
+        take = min(width, n - hi)
+        wk.weaver_expand_ref(cand, pool_ids, *ref.values(), lo, hi, take, max_depth)
+        ik.expand.weaver_expand_triton(cand, pool_ids, *got.values(), lo, hi, take, max_depth)
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6, msg=f"{name} after round {lo}")
+        if hi >= n:
+            break
+        lo, hi = hi, hi + take
+    assert (ref["parents"][1:] == -1).any() == (max_depth == 1)  # padding only where the frontier runs out
+    assert int(ref["depth"].max()) == max_depth
+
+
+def test_weaver_ops_dispatch_and_check_cpu():
+    """The public ops run the references on CPU and refuse rounds that do not fit the buffers."""
+    b = _expand_buffers(5, 2)
+    with pytest.raises(ValueError, match="do not fit"):
+        wk.weaver_expand(torch.zeros(1, 4), torch.zeros(2, 4, dtype=torch.long), *b.values(), 0, 1, 5, 2)
+    wk.weaver_expand(torch.randn(1, 4), torch.arange(8).view(2, 4), *b.values(), 0, 1, 2, 2)
+    assert b["parents"][1:3].tolist() == [0, 0] and b["depth"][1:3].tolist() == [1, 1]
 
 
 def test_tree_attention_reference_is_masked_attention():
@@ -643,6 +704,12 @@ def test_custom_ops_opcheck():
                           (torch.randn(1, 4, 4, 8), kv, kv.flip(2), tm, torch.tensor(3), 9, 0.35))
     torch.library.opcheck(torch.ops.weaver.tree_attention.default,
                           (torch.randn(1, 4, 4, 8), kv, kv.flip(2), tm, torch.tensor(3), 9, 0.35, 2))
+    torch.library.opcheck(torch.ops.weaver.pool_scores.default,
+                          (torch.randn(2, 8), torch.tensor([1, 0]), torch.randint(20, (2, 5)), torch.randn(2, 5),
+                           torch.randn(20, 8)))
+    b = _expand_buffers(6, 2)
+    torch.library.opcheck(torch.ops.weaver.weaver_expand.default,
+                          (torch.randn(1, 4), torch.arange(8).view(2, 4), *b.values(), 0, 1, 2, 2))
 
 
 def test_public_ops_match_references_cpu():

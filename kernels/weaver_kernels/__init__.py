@@ -12,22 +12,25 @@ seams:
 For the AR step (one token, committed at once), :func:`gdn_decode` and :func:`conv_decode` do verify and commit in
 one launch each (the GDN one with the layer's gated RMSNorm). Then :func:`tree_attention` (a tree's queries over a
 static KV cache, split over the cache rows: a captured step's cost follows the used length, not the cache size) and
-:func:`rms_norm` (transformers' RMSNorm forms in one launch: the decode step runs ~200 of them).
+:func:`rms_norm` (transformers' RMSNorm forms in one launch: the decode step runs ~200 of them). For the Weaver
+tree build, :func:`pool_scores` and :func:`weaver_expand`: one expansion round's candidate scoring and frontier
+bookkeeping in two launches.
 
 Kernels: :mod:`.gdn_tree.chunk` (verify + commit), :mod:`.conv_tree.conv`, :mod:`.tree_attention.split`,
-:mod:`.gdn_tree.fused_recurrent` (one-token decode), :mod:`.rms_norm.fused`, and the
+:mod:`.gdn_tree.fused_recurrent` (one-token decode), :mod:`.rms_norm.fused`, :mod:`.weaver_tree.expand`, and the
 mainline recurrent baseline :mod:`.gdn_tree.baseline` (benchmarks only). References: ``*.naive``.
 """
 
 from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_decode_ref, gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
 from .ops import (conv_decode, conv_tree, conv_tree_commit, gdn_decode, gdn_tree_commit, gdn_tree_verify,
-                  max_tree_nodes, rms_norm, tree_attention)
+                  max_tree_nodes, pool_scores, rms_norm, tree_attention, weaver_expand)
 from .rms_norm.naive import GATED as RMS_GATED
 from .rms_norm.naive import ONE_PLUS as RMS_ONE_PLUS
 from .rms_norm.naive import WEIGHT as RMS_WEIGHT
 from .rms_norm.naive import rms_norm_ref
 from .tree_attention.naive import tree_attention_mask, tree_attention_ref
+from .weaver_tree.naive import pool_scores_ref, weaver_expand_ref
 
 __all__ = [
     "gdn_tree_verify",
@@ -44,6 +47,10 @@ __all__ = [
     "tree_attention_ref",
     "tree_attention_mask",
     "rms_norm_ref",
+    "pool_scores",
+    "weaver_expand",
+    "pool_scores_ref",
+    "weaver_expand_ref",
     "RMS_WEIGHT",
     "RMS_ONE_PLUS",
     "RMS_GATED",

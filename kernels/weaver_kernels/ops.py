@@ -18,6 +18,7 @@ from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_re
 from .gdn_tree.naive import gdn_decode_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
 from .rms_norm.naive import GATED, rms_norm_ref
 from .tree_attention.naive import tree_attention_ref
+from .weaver_tree.naive import pool_scores_ref, weaver_expand_ref
 
 
 def max_tree_nodes(device) -> int | None:
@@ -160,6 +161,42 @@ def _(q, keys, values, tree_mask, length, bound, scale, window=0):
     return q.new_empty((1, N, H * D))
 
 
+# ------------------------------------------------------------------------------------------------- Weaver tree
+@torch.library.custom_op("weaver::pool_scores", mutates_args=())
+def _pool_scores_op(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: Tensor, weight: Tensor) -> Tensor:
+    if query.is_cuda:
+        from .weaver_tree.expand import pool_scores_triton
+
+        return pool_scores_triton(query, rows, pool_ids, pool_logits, weight)
+    return _contig(pool_scores_ref(query, rows, pool_ids, pool_logits, weight))
+
+
+@_pool_scores_op.register_fake
+def _(query, rows, pool_ids, pool_logits, weight):
+    return query.new_empty((query.shape[0], pool_ids.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("weaver::weaver_expand",
+                         mutates_args=("tokens", "parents", "logq", "depth", "score", "mask", "f_score", "f_token",
+                                       "f_logq"))
+def _weaver_expand_op(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: Tensor, logq: Tensor, depth: Tensor,
+                      score: Tensor, mask: Tensor, f_score: Tensor, f_token: Tensor, f_logq: Tensor, lo: int, hi: int,
+                      take: int, max_depth: int) -> None:
+    if cand.is_cuda:
+        from .weaver_tree.expand import weaver_expand_triton
+
+        weaver_expand_triton(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
+                             lo, hi, take, max_depth)
+        return
+    weaver_expand_ref(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq, lo, hi,
+                      take, max_depth)
+
+
+@_weaver_expand_op.register_fake
+def _(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq, lo, hi, take, max_depth):
+    return None
+
+
 # ------------------------------------------------------------------------------------------------------ RMSNorm
 @torch.library.custom_op("weaver::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Tensor, gate: Tensor | None, eps: float, kind: int) -> Tensor:
@@ -264,6 +301,24 @@ def tree_attention(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, l
     if window < 0:
         raise ValueError(f"tree_attention: window must be >= 0, got {window}")
     return torch.ops.weaver.tree_attention(q, keys, values, tree_mask, length, int(bound), float(scale), int(window))
+
+
+def pool_scores(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: Tensor, weight: Tensor) -> Tensor:
+    """``[M, P]`` fp32 Weaver candidate logits of ``M`` nodes (``weaver_tree.naive``): the pool's DFlash logits plus
+    the pool tokens' lm_head rows dotted with each node's query. CUDA: one Triton launch (gather and dot fused)."""
+    return torch.ops.weaver.pool_scores(query, rows, pool_ids, pool_logits, weight)
+
+
+def weaver_expand(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: Tensor, logq: Tensor, depth: Tensor,
+                  score: Tensor, mask: Tensor, f_score: Tensor, f_token: Tensor, f_logq: Tensor, lo: int, hi: int,
+                  take: int, max_depth: int) -> None:
+    """One Weaver expansion round's bookkeeping in place (``weaver_tree.naive.weaver_expand_ref``): publish the
+    children of nodes ``lo..hi-1`` to the frontier, then make its ``take`` best entries nodes ``hi..``. CUDA: one
+    Triton launch instead of ~20 small kernels."""
+    if not 0 <= lo < hi <= tokens.shape[0] or take < 0 or hi + take > tokens.shape[0]:
+        raise ValueError(f"weaver_expand: nodes {lo}..{hi} and {take} more do not fit {tokens.shape[0]} nodes")
+    torch.ops.weaver.weaver_expand(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
+                                   int(lo), int(hi), int(take), int(max_depth))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, kind: int, gate: Tensor | None = None) -> Tensor:

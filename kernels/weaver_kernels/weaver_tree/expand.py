@@ -1,0 +1,143 @@
+"""Triton kernels for one Weaver expansion round's bookkeeping (references in :mod:`.naive`).
+
+The torch form of a round's bookkeeping is ~25 small kernels (a gather of ``M × P`` lm_head rows materialised, a
+batched matmul, log-softmax, two top-k's with their sorts, a dozen index reads and writes); at Qwen3.6-27B shape on
+the H200 a round cost ≈ 148 µs in a CUDA graph, most of it launches and dependent small kernels. Here it is two:
+
+1. ``_pool_scores_kernel``, grid (M, P / BP): each program gathers BP lm_head rows of one node's pool and dots them
+   with the node's query (fp32 accumulation; the reference rounds the dot to the weight dtype first, as the
+   batched matmul does), plus the pool's DFlash logits.
+2. ``_expand_kernel``, one program: per node a log-softmax over its P scores and its ``fan`` best children by
+   repeated argmax (lowest index first among equal values), published to the frontier; then, after a barrier, the
+   ``take`` best frontier entries become the next nodes (token, parent, logq, depth, score, mask row) and leave the
+   frontier. One program because the selection is over the whole frontier; its work is a few dozen block
+   reductions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..utils import is_interpret, launch_ctx, next_pow2
+
+_INTERPRET = is_interpret()
+
+
+# Module-local jit helpers only (see conv_tree/conv.py): utils.load_interpreted can run this module interpreted.
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _pool_scores_kernel(query, rows, pool_ids, pool_logits, weight, out, P, Dm, s_q, s_ids, s_pl, s_w,
+                        BP: tl.constexpr, BK: tl.constexpr):
+    m, pb = tl.program_id(0), tl.program_id(1)
+    cols = pb * BP + tl.arange(0, BP)
+    ok = cols < P
+    row = tl.load(rows + m)
+    tok = tl.load(pool_ids + row * s_ids + cols, mask=ok, other=0).to(tl.int64)
+    acc = tl.full([BP], 0.0, tl.float32)
+    for k0 in range(0, Dm, BK):
+        ks = k0 + tl.arange(0, BK)
+        k_ok = ks < Dm
+        q = tl.load(query + m * s_q + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(weight + tok[:, None] * s_w + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.reduce(w.to(tl.float32) * q[None, :], 1, _add)
+    base = tl.load(pool_logits + row * s_pl + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + m * P + cols, acc + base, mask=ok)
+
+
+@triton.jit
+def _expand_kernel(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
+                   lo, hi, take, max_depth, P, n, s_cand, s_ids,
+                   FAN: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr, BN: tl.constexpr):
+    neg_inf = float("-inf")
+    cols = tl.arange(0, BP)
+    c_ok = cols < P
+    for i in range(0, hi - lo):
+        node = lo + i
+        d = tl.load(depth + node)
+        # padding nodes (parent -1, except the root) and nodes at the maximum depth publish nothing
+        publish = (tl.load(parents + node) >= 0) | (node == 0)
+        publish = publish & (d < max_depth)
+        row = tl.minimum(d, max_depth - 1)
+        x = tl.load(cand + i * s_cand + cols, mask=c_ok, other=neg_inf)
+        top = tl.reduce(x, 0, _max)
+        lp = x - (top + tl.log(tl.reduce(tl.exp(x - top), 0, _add)))
+        s = tl.load(score + node)
+        for j in tl.static_range(FAN):
+            v = tl.reduce(lp, 0, _max)
+            idx = tl.reduce(tl.where(lp == v, cols, BP), 0, _min)
+            slot = node * FAN + j
+            tl.store(f_score + slot, tl.where(publish, s + v, neg_inf))
+            tl.store(f_token + slot, tl.load(pool_ids + row * s_ids + idx, mask=idx < P, other=0))
+            tl.store(f_logq + slot, v)
+            lp = tl.where(cols == idx, neg_inf, lp)
+    tl.debug_barrier()  # the frontier stores above are read below (other threads of this program)
+    fcols = tl.arange(0, BF)
+    F = tl.load(f_score + fcols, mask=fcols < n * FAN, other=neg_inf)
+    nodes = tl.arange(0, BN)
+    n_ok = nodes < n
+    for j in range(0, take):
+        v = tl.reduce(F, 0, _max)
+        idx = tl.reduce(tl.where(F == v, fcols, BF), 0, _min)
+        valid = v > neg_inf
+        parent = idx // FAN
+        new = hi + j
+        tl.store(tokens + new, tl.where(valid, tl.load(f_token + idx), 0))
+        tl.store(parents + new, tl.where(valid, parent, -1))
+        tl.store(logq + new, tl.where(valid, tl.load(f_logq + idx), neg_inf))
+        tl.store(depth + new, tl.where(valid, tl.load(depth + parent) + 1, 0))
+        tl.store(score + new, v)
+        tl.store(f_score + idx, neg_inf)  # taken
+        F = tl.where(fcols == idx, neg_inf, F)
+        ancestors = tl.where(valid, tl.load(mask + parent * n + nodes, mask=n_ok, other=0), 0)
+        tl.store(mask + new * n + nodes, tl.where(nodes == new, 1, ancestors).to(tl.uint8), mask=n_ok)
+
+
+def pool_scores_triton(query: torch.Tensor, rows: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
+                       weight: torch.Tensor) -> torch.Tensor:
+    """Same contract as :func:`..naive.pool_scores_ref` (fp32 dot, not rounded to the weight dtype)."""
+    M, Dm = query.shape
+    P = pool_ids.shape[1]
+    if weight.stride(-1) != 1 or query.stride(-1) != 1 or pool_ids.stride(-1) != 1 or pool_logits.stride(-1) != 1:
+        raise ValueError("pool_scores: last dimensions must be contiguous")
+    out = torch.empty(M, P, device=query.device, dtype=torch.float32)
+    BP, BK = 16, 128
+    with launch_ctx(_INTERPRET):
+        _pool_scores_kernel[(M, triton.cdiv(P, BP))](
+            query, rows, pool_ids, pool_logits, weight, out, P, Dm, query.stride(0), pool_ids.stride(0),
+            pool_logits.stride(0), weight.stride(0), BP=BP, BK=BK, num_warps=4, num_stages=3,
+        )
+    return out
+
+
+def weaver_expand_triton(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
+                         lo: int, hi: int, take: int, max_depth: int) -> None:
+    """Same contract as :func:`..naive.weaver_expand_ref` (buffers written in place)."""
+    n = tokens.shape[0]
+    fan = f_score.shape[0] // n
+    P = cand.shape[1]
+    for t in (tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq, cand, pool_ids):
+        if not t.is_contiguous():
+            raise ValueError("weaver_expand: buffers must be contiguous")
+    m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    with launch_ctx(_INTERPRET):
+        _expand_kernel[(1,)](
+            cand, pool_ids, tokens, parents, logq, depth, score, m, f_score, f_token, f_logq,
+            lo, hi, take, max_depth, P, n, cand.stride(0), pool_ids.stride(0),
+            FAN=fan, BP=next_pow2(P), BF=next_pow2(n * fan), BN=next_pow2(n), num_warps=4,
+        )
