@@ -71,13 +71,17 @@ def test_graphs_are_captured_once_per_tree_size_across_prompt_lengths():
 
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target))
+    graphs = []
     for length in (1, 9, 40, 3):
         ids = torch.randint(0, 97, (1, length), device="cuda")
         got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="ddtree", tree_budget=12,
                                    max_new_tokens=32, target_step="graph")
         assert torch.equal(got, reference(target, ids, 32)), length
-    steps = list(_STATIC_TARGETS[target].values())
-    assert len(steps) == 1 and steps[0].capture and steps[0].captures == 1
+        # greedy steps are fused ones (draft + tree, verify, accept, commit in one graph) from the first step on
+        draft = next(v for k, v in _STATIC_TARGETS[drafter].items() if k[0] == "draft")
+        graphs.append([step._graph[0] for key, step in draft._steps.items() if key[0] == "fused"])
+    assert len(_STATIC_TARGETS[target]) == 1 and next(iter(_STATIC_TARGETS[target].values())).capture
+    assert len(graphs[0]) == 1 and all(g[0] is graphs[0][0] for g in graphs)
 
 
 def test_graph_steps_allocate_nothing_per_step_and_capture_once():
