@@ -657,7 +657,8 @@ def gdn_tree_commit_triton(
     loop step (a power of two ≥ 16; capped at the padded path length). 32 measured fastest on the H200 for long
     paths (64-node chain: 9.5 µs vs 10.5 at 16; 64 and 128 no better; BENCHMARKS.md, Kernels).
     ``precision``: of the path product's dot (``"ieee"``, ``"tf32x3"`` or ``"tf32"``, as for the verify's inverse).
-    ``split_k``: programs per value block along K (1, 2, 4: smaller state tiles, more programs in flight).
+    ``split_k``: programs per value block along K (1, 2, 4: smaller state tiles, more programs in flight; measured
+    slower on long paths, so 1 by default). ``BV``: value columns per program (default 16, the fastest measured).
     """
     B, T, H, K = k.shape
     HV, V = u.shape[2], u.shape[3]
@@ -672,8 +673,8 @@ def gdn_tree_commit_triton(
     if split_k not in (1, 2, 4) or BKF // split_k < 16:
         raise ValueError(f"split_k must be 1, 2 or 4 and leave at least 16 state rows per program, got {split_k}")
     BK = BKF // split_k
-    if BV is None:
-        BV = min(32, max(16, next_pow2(V)))
+    if BV is None:  # 16 (8 programs per value head at V = 128): 5.0 µs vs 5.9 at 32 for 7-8-node paths, 9.4 vs 9.7
+        BV = 16  # for a 64-node chain (H200, Qwen3.6-27B shape, BENCHMARKS.md "Session 8"); split_k only lost
     if chunk < 16 or chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
     _check_precision(precision)

@@ -109,24 +109,25 @@ def _expand_kernel(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_
 
 
 def pool_scores_triton(query: torch.Tensor, rows: torch.Tensor, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
-                       weight: torch.Tensor) -> torch.Tensor:
-    """Same contract as :func:`..naive.pool_scores_ref` (fp32 dot, not rounded to the weight dtype)."""
+                       weight: torch.Tensor, BP: int = 4, BK: int = 512, num_warps: int = 4,
+                       num_stages: int = 2) -> torch.Tensor:
+    """Same contract as :func:`..naive.pool_scores_ref` (fp32 dot, not rounded to the weight dtype). ``BP``
+    candidates per program, ``BK`` model dims per loop step (``scripts/bench_weaver_round.py`` sweeps them)."""
     M, Dm = query.shape
     P = pool_ids.shape[1]
     if weight.stride(-1) != 1 or query.stride(-1) != 1 or pool_ids.stride(-1) != 1 or pool_logits.stride(-1) != 1:
         raise ValueError("pool_scores: last dimensions must be contiguous")
     out = torch.empty(M, P, device=query.device, dtype=torch.float32)
-    BP, BK = 16, 128
     with launch_ctx(_INTERPRET):
         _pool_scores_kernel[(M, triton.cdiv(P, BP))](
             query, rows, pool_ids, pool_logits, weight, out, P, Dm, query.stride(0), pool_ids.stride(0),
-            pool_logits.stride(0), weight.stride(0), BP=BP, BK=BK, num_warps=4, num_stages=3,
+            pool_logits.stride(0), weight.stride(0), BP=BP, BK=BK, num_warps=num_warps, num_stages=num_stages,
         )
     return out
 
 
 def weaver_expand_triton(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
-                         lo: int, hi: int, take: int, max_depth: int) -> None:
+                         lo: int, hi: int, take: int, max_depth: int, num_warps: int = 1) -> None:
     """Same contract as :func:`..naive.weaver_expand_ref` (buffers written in place)."""
     n = tokens.shape[0]
     fan = f_score.shape[0] // n
@@ -139,5 +140,5 @@ def weaver_expand_triton(cand, pool_ids, tokens, parents, logq, depth, score, ma
         _expand_kernel[(1,)](
             cand, pool_ids, tokens, parents, logq, depth, score, m, f_score, f_token, f_logq,
             lo, hi, take, max_depth, P, n, cand.stride(0), pool_ids.stride(0),
-            FAN=fan, BP=next_pow2(P), BF=next_pow2(n * fan), BN=next_pow2(n), num_warps=4,
+            FAN=fan, BP=next_pow2(P), BF=next_pow2(n * fan), BN=next_pow2(n), num_warps=num_warps,
         )
