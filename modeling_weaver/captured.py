@@ -201,17 +201,21 @@ class DFlashStaticCache:
         self.values[layer_idx].index_copy_(2, self.slots, values.to(self.values[layer_idx].dtype))
         return self.keys[layer_idx], self.values[layer_idx]
 
+    def kernel_attends(self, attn) -> bool:
+        """Whether :meth:`attend` takes this layer: all but a sliding window shorter than the block around a
+        non-causal block (it would hide later block rows too; masked SDPA does those)."""
+        window = attn.sliding_window or 0
+        return not (window and not attn.causal_in_block and window < self.block_masks[False].shape[0])
+
     def attend(self, attn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
         """``[1, S, heads · head_dim]``: the block's queries ``q [1, heads, S, head_dim]`` at rows ``length..``
         over every row before the block and the block's own rows (causal ones for a causal-in-block layer), within
-        the layer's sliding window; None (masked SDPA instead) for a window shorter than the block around a
-        non-causal block, which would hide later block rows too."""
-        window = attn.sliding_window or 0
-        if q.shape[2] != self.block_masks[False].shape[0] or (window and not attn.causal_in_block
-                                                              and window < q.shape[2]):
+        the layer's sliding window — the visibility :class:`StaticDraft`'s mask describes, which this replaces (the
+        layer's ``attention_mask`` is not read). None where :meth:`kernel_attends` says no."""
+        if q.shape[2] != self.block_masks[False].shape[0] or not self.kernel_attends(attn):
             return None
         return weaver_kernels.tree_attention(q, keys, values, self.block_masks[attn.causal_in_block], self.length,
-                                             keys.shape[2], attn.scaling, window)
+                                             keys.shape[2], attn.scaling, attn.sliding_window or 0)
 
 
 class StaticDraft:
@@ -242,6 +246,10 @@ class StaticDraft:
         self.context = torch.zeros(size, drafter.fc.in_features, device=self.device, dtype=self.dtype)
         self.count = torch.zeros((), dtype=torch.long, device=self.device)  # real context rows
         self.n = self.cache.length  # position of the block's first token (the cache's attention reads it)
+        # the additive mask is only for layers the cache's kernel does not take (or drafter code, e.g. an older
+        # remote-code copy, that never hands the cache its attention)
+        self.mask_needed = not all(getattr(layer.self_attn, "cache_attends", False)
+                                   and self.cache.kernel_attends(layer.self_attn) for layer in drafter.layers)
         self.bonus = torch.zeros(1, dtype=torch.long, device=self.device)
         self._graphs: dict = {}
         self._steps: dict = {}  # proposers and fused steps built on this drafter (their graphs read their buffers)
@@ -254,7 +262,8 @@ class StaticDraft:
         rows = torch.cat([context_rows, block_rows])
         self.cache.slots.copy_(rows)
         self.cache.query_key_positions[0].copy_(block_rows)
-        visible = (torch.arange(self.rows, device=device) < self.n + size).expand(1, 1, size, -1)
+        visible = (torch.arange(self.rows, device=device) < self.n + size).expand(1, 1, size, -1) \
+            if self.mask_needed else None
         block = self.drafter.block_embeddings(self.bonus, self.embed_tokens).to(self.dtype)
         hidden = self.drafter(noise_embedding=block, target_hidden=self.context[None], position_ids=rows[None],
                               past_key_values=self.cache, attention_mask=visible)[0, 1:]
@@ -351,8 +360,9 @@ class StaticProposer:
             raise ValueError("the weaver mode needs a Weaver")
         self.draft, self.mode, self.budget, self.weaver = draft, mode, budget, weaver
         self.shape_logits = shape_logits
-        # Drafting and the tree build are hundreds of small ops (the drafter's layers between its matmuls, dozens per
-        # expansion round): compiled, inductor fuses them (whole graph, the rounds unrolled; one compile per proposer).
+        # Drafting and the tree build are hundreds of small ops (the drafter's layers between its matmuls, a Weaver
+        # node step per expansion round): compiled, inductor fuses them (whole graph, the rounds unrolled; one
+        # compile per proposer).
         self.key = self.key_of(mode, budget, weaver, shape_logits, compile)  # of this proposer's graph as well
         self._forward = compile_static(self._draft_and_tree) if compile else self._draft_and_tree
         self.feature_layer_ids = draft.feature_layer_ids

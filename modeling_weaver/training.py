@@ -320,7 +320,7 @@ def lk_loss(scores: torch.Tensor, target_logits: torch.Tensor, ok: torch.Tensor,
 def pool_projection(x: torch.Tensor, pool_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``weight[pool_ids] · x`` in fp32: ``x [..., H]``, ``pool_ids [..., P]``, ``weight [V, H]`` → ``[..., P]``.
 
-    Gathers the P rows per position (as :meth:`WeaverModel.candidate_logits` does at inference) when ``P·H < V``;
+    Gathers the P rows per position (as :meth:`WeaverModel.candidate_logits` and the tree build do) when ``P·H < V``;
     otherwise projects onto the whole vocabulary and gathers — the same numbers with far less memory (SmolLM2:
     P·H = 295 k > V = 49 k; Qwen3.6-27B: 2.6 M > 248 k).
     """

@@ -277,8 +277,8 @@ def weaver_tree_tensors(
         return empty, empty, torch.zeros(0, device=device)
     # A node of depth d exists only after d rounds, so fewer than max_depth rounds would cap the tree's depth
     # (8 rounds cut a replayed MAL of 7.2 to 5.5 at Qwen3.6-27B shape); as wide as that allows (the largest width
-    # with ceil(budget / width) >= max_depth): rounds are chains of small dependent kernels (≈ 0.14 ms each on an
-    # H200 at that shape).
+    # with ceil(budget / width) >= max_depth): each round is a chain of small dependent kernels (≈ 0.12 ms of GPU
+    # time on an H200 at that shape, BENCHMARKS.md).
     if width is None:
         width = budget if max_depth == 1 else max(1, (budget - 1) // (max_depth - 1))
     pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])

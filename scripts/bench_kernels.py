@@ -339,8 +339,8 @@ def main():
     ap.add_argument("--commit-precision", nargs="*", default=[], choices=("tf32x3", "tf32"),
                     help="also time the commit with its path product at this dot precision")
     ap.add_argument("--commit-configs", nargs="*", default=[],
-                    help="also time the commit at these BV:num_warps:split_k configs (default 32:4:1), e.g. 16:4:1 "
-                         "32:4:2")
+                    help="also time the commit at these BV:num_warps:split_k configs (default 16:4:1), e.g. 32:4:1 "
+                         "16:4:2")
     ap.add_argument("--verify-inverse-precision", nargs="*", default=[], choices=("tf32x3", "tf32"),
                     help="also time the fused verify with its diagonal inverse and solve at this dot precision")
     ap.add_argument("--verify-bt", type=int, nargs="*", default=[],

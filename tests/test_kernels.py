@@ -321,11 +321,13 @@ def _expand_buffers(n: int, fan: int, root: int = 5) -> dict:
     return b
 
 
+@pytest.mark.parametrize("scores", ["random", "ties", "sparse"])
 @pytest.mark.parametrize("budget,fan,P,max_depth,width", [(12, 3, 5, 3, 2), (10, 3, 5, 1, 3), (20, 4, 9, 6, 1)])
-def test_weaver_expand_interpreter(ik, budget, fan, P, max_depth, width):
-    """Whole tree builds, round by round from random pool scores: the kernel's buffers equal the reference's
-    (tokens, parents, depths, masks exactly; scores and log-probabilities to fp32 rounding) — with nodes at the
-    maximum depth (they publish nothing) and, at max depth 1, an exhausted frontier (padding roots after it)."""
+def test_weaver_expand_interpreter(ik, budget, fan, P, max_depth, width, scores):
+    """Whole tree builds, round by round from pool scores: the kernel's buffers equal the reference's (tokens,
+    parents, depths, masks exactly; scores and log-probabilities to fp32 rounding) — with nodes at the maximum depth
+    (they publish nothing), at max depth 1 an exhausted frontier (padding roots after it), integer scores (ties
+    everywhere: the lowest index first in both) and mostly -inf scores (fewer finite children than ``fan``)."""
     gen = torch.Generator().manual_seed(budget)
     n = budget + 1
     pool_ids = torch.randint(1000, (max_depth, P), generator=gen)
@@ -333,6 +335,10 @@ def test_weaver_expand_interpreter(ik, budget, fan, P, max_depth, width):
     lo, hi = 0, 1
     while True:
         cand = torch.randn(hi - lo, P, generator=gen) * 3
+        if scores == "ties":
+            cand = cand.round().clamp(-1, 1)
+        elif scores == "sparse":  # fewer finite candidates than fan (2 of 5, 3 of 9)
+            cand = torch.where(torch.arange(P) % 3 == 1, cand, float("-inf"))
         take = min(width, n - hi)
         wk.weaver_expand_ref(cand, pool_ids, *ref.values(), lo, hi, take, max_depth)
         ik.expand.weaver_expand_triton(cand, pool_ids, *got.values(), lo, hi, take, max_depth)
@@ -341,15 +347,32 @@ def test_weaver_expand_interpreter(ik, budget, fan, P, max_depth, width):
         if hi >= n:
             break
         lo, hi = hi, hi + take
-    assert (ref["parents"][1:] == -1).any() == (max_depth == 1)  # padding only where the frontier runs out
-    assert int(ref["depth"].max()) == max_depth
+    if scores == "random":  # (the cases the parameters aim at: padding only where the frontier runs out, full depth)
+        assert (ref["parents"][1:] == -1).any() == (max_depth == 1)
+        assert int(ref["depth"].max()) == max_depth
 
 
 def test_weaver_ops_dispatch_and_check_cpu():
-    """The public ops run the references on CPU and refuse rounds that do not fit the buffers."""
+    """The public ops run the references on CPU and refuse inputs that do not fit each other (the kernels would read
+    out of bounds); the pool scores are WeaverModel.candidate_logits, the training-time scoring, row by row."""
+    from modeling_weaver.modeling_weaver import WeaverModel
+
     b = _expand_buffers(5, 2)
+    pool = torch.zeros(2, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="do not fit"):
-        wk.weaver_expand(torch.zeros(1, 4), torch.zeros(2, 4, dtype=torch.long), *b.values(), 0, 1, 5, 2)
+        wk.weaver_expand(torch.zeros(1, 4), pool, *b.values(), 0, 1, 5, 2)
+    with pytest.raises(ValueError, match="scores must be"):
+        wk.weaver_expand(torch.zeros(2, 4), pool, *b.values(), 0, 1, 2, 2)
+    with pytest.raises(ValueError, match="max_depth"):
+        wk.weaver_expand(torch.zeros(1, 4), pool, *b.values(), 0, 1, 2, 3)
+    with pytest.raises(ValueError, match="frontier"):
+        wk.weaver_expand(torch.zeros(1, 4), pool, *{**b, "f_score": torch.zeros(11)}.values(), 0, 1, 2, 2)
+    with pytest.raises(ValueError, match="pool_scores"):
+        wk.pool_scores(torch.zeros(2, 8), torch.zeros(3, dtype=torch.long), pool, torch.zeros(2, 4), torch.zeros(9, 8))
+    q, w, ids, logits = torch.randn(3, 8), torch.randn(20, 8), torch.randint(20, (2, 5)), torch.randn(2, 5)
+    rows = torch.tensor([1, 0, 1])
+    torch.testing.assert_close(wk.pool_scores(q, rows, ids, logits, w),
+                               WeaverModel.candidate_logits(q, ids[rows], logits[rows], w))
     wk.weaver_expand(torch.randn(1, 4), torch.arange(8).view(2, 4), *b.values(), 0, 1, 2, 2)
     assert b["parents"][1:3].tolist() == [0, 0] and b["depth"][1:3].tolist() == [1, 1]
 

@@ -306,6 +306,11 @@ def tree_attention(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, l
 def pool_scores(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: Tensor, weight: Tensor) -> Tensor:
     """``[M, P]`` fp32 Weaver candidate logits of ``M`` nodes (``weaver_tree.naive``): the pool's DFlash logits plus
     the pool tokens' lm_head rows dotted with each node's query. CUDA: one Triton launch (gather and dot fused)."""
+    if (query.dim() != 2 or rows.shape != (query.shape[0],) or pool_ids.shape != pool_logits.shape
+            or weight.shape[1] != query.shape[1]):
+        raise ValueError(f"pool_scores: query [M, d], rows [M], pool_ids / pool_logits [D, P] and weight [V, d]; got "
+                         f"{tuple(query.shape)}, {tuple(rows.shape)}, {tuple(pool_ids.shape)}, "
+                         f"{tuple(pool_logits.shape)}, {tuple(weight.shape)}")
     return torch.ops.weaver.pool_scores(query, rows, pool_ids, pool_logits, weight)
 
 
@@ -315,8 +320,19 @@ def weaver_expand(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: Tenso
     """One Weaver expansion round's bookkeeping in place (``weaver_tree.naive.weaver_expand_ref``): publish the
     children of nodes ``lo..hi-1`` to the frontier, then make its ``take`` best entries nodes ``hi..``. CUDA: one
     Triton launch instead of ~20 small kernels."""
-    if not 0 <= lo < hi <= tokens.shape[0] or take < 0 or hi + take > tokens.shape[0]:
-        raise ValueError(f"weaver_expand: nodes {lo}..{hi} and {take} more do not fit {tokens.shape[0]} nodes")
+    n = tokens.shape[0]
+    if not 0 <= lo < hi <= n or take < 0 or hi + take > n:
+        raise ValueError(f"weaver_expand: nodes {lo}..{hi} and {take} more do not fit {n} nodes")
+    fan = f_score.shape[0] // n
+    if f_score.shape[0] != n * fan or fan < 1 or f_token.shape != f_score.shape or f_logq.shape != f_score.shape:
+        raise ValueError(f"weaver_expand: frontier buffers must hold n * fan entries ({n} nodes), got "
+                         f"{tuple(f_score.shape)}, {tuple(f_token.shape)}, {tuple(f_logq.shape)}")
+    if cand.dim() != 2 or cand.shape[0] != hi - lo or cand.shape[1] != pool_ids.shape[1] or fan > cand.shape[1]:
+        raise ValueError(f"weaver_expand: scores must be [{hi - lo}, pool >= {fan}] matching pool_ids "
+                         f"{tuple(pool_ids.shape)}, got {tuple(cand.shape)}")
+    if not 1 <= max_depth <= pool_ids.shape[0] or mask.shape != (n, n):
+        raise ValueError(f"weaver_expand: max_depth {max_depth} needs that many pool rows (have {pool_ids.shape[0]}) "
+                         f"and the mask [{n}, {n}], got {tuple(mask.shape)}")
     torch.ops.weaver.weaver_expand(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
                                    int(lo), int(hi), int(take), int(max_depth))
 

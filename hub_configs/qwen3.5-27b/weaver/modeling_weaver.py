@@ -9,7 +9,8 @@ Weaver turns DFlash's per-depth marginals into path-conditioned proposals. Per s
    ``token_in(embed_norm(E_target[token]))`` at RoPE position d + 1 and attends to the whole prompt, its ancestors and
    itself through a per-layer node cache.
 3. :meth:`WeaverModel.candidate_logits` scores a node's children among the top-pool DFlash tokens of depth d + 1:
-   ``dflash_logit + E_lm[c] · query`` — only the pool rows of the target lm_head are read.
+   ``dflash_logit + E_lm[c] · query`` — only the pool rows of the target lm_head are read (the tree build runs the
+   same formula as the ``weaver_kernels.pool_scores`` op).
 """
 
 from __future__ import annotations

@@ -51,6 +51,8 @@ def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tenso
 class DFlashAttention(nn.Module):
     """Queries from block tokens; keys/values from ``[context | block]`` with shared projections."""
 
+    cache_attends = True  # forward lets a cache with an ``attend`` method run the attention (modeling_weaver.captured)
+
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
         self.config = config
@@ -71,7 +73,7 @@ class DFlashAttention(nn.Module):
         layer_type = layer_types[layer_idx] if layer_types else "full_attention"
         self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
         explicit = getattr(config, "is_causal", None)
-        # z-lab's rule (see module docstring); the attention kernels themselves always run non-causal with our mask.
+        # z-lab's rule (see module docstring); attention runs non-causal with our mask (or a static cache's kernel).
         self.causal_in_block = layer_type == "sliding_attention" if explicit is None else bool(explicit)
         self.is_causal = False
 

@@ -17,7 +17,8 @@ Qwen3.6-27B shape (24 query / 4 kv heads, head_dim 256) on the H200, where the r
 
 The visibility rule is the reference's (``naive.tree_attention_mask``): committed rows, plus the tree rows of the
 node's ancestors-or-self; with a sliding ``window`` (a block whose query i sits at position ``length + i``, as a
-DFlash drafter's), only rows after ``length + i − window``, and splits wholly before every query's window are skipped. Probabilities are cast to the value dtype before the second dot (as flash attention
+DFlash drafter's), only rows after ``length + i − window``, and splits wholly before every query's window are
+skipped. Probabilities are cast to the value dtype before the second dot (as flash attention
 does); accumulation is fp32; fp32 inputs use IEEE fp32 dots.
 
 Plans (``split_plan``) depend on shapes only, so a captured step keeps one; the bound is any number of rows.

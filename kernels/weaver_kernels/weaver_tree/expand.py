@@ -8,7 +8,8 @@ the H200 a round cost ≈ 148 µs in a CUDA graph, most of it launches and depen
    with the node's query (fp32 accumulation; the reference rounds the dot to the weight dtype first, as the
    batched matmul does), plus the pool's DFlash logits.
 2. ``_expand_kernel``, one program: per node a log-softmax over its P scores and its ``fan`` best children by
-   repeated argmax (lowest index first among equal values), published to the frontier; then, after a barrier, the
+   repeated argmax (lowest index first among equal values, as the reference's stable sort; values equal to the
+   reference's to fp32 rounding: exp/log are the GPU's), published to the frontier; then, after a barrier, the
    ``take`` best frontier entries become the next nodes (token, parent, logq, depth, score, mask row) and leave the
    frontier. One program because the selection is over the whole frontier; its work is a few dozen block
    reductions.
@@ -76,24 +77,26 @@ def _expand_kernel(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_
         row = tl.minimum(d, max_depth - 1)
         x = tl.load(cand + i * s_cand + cols, mask=c_ok, other=neg_inf)
         top = tl.reduce(x, 0, _max)
-        lp = x - (top + tl.log(tl.reduce(tl.exp(x - top), 0, _add)))
+        lp = (x - top) - tl.log(tl.reduce(tl.exp(x - top), 0, _add))  # log-softmax in torch's order of operations
         s = tl.load(score + node)
+        free = c_ok  # not yet taken: among equal values (even -inf ones) the lowest free index goes first
         for j in tl.static_range(FAN):
-            v = tl.reduce(lp, 0, _max)
-            idx = tl.reduce(tl.where(lp == v, cols, BP), 0, _min)
+            v = tl.reduce(tl.where(free, lp, neg_inf), 0, _max)
+            idx = tl.reduce(tl.where(free & (lp == v), cols, BP), 0, _min)
             slot = node * FAN + j
             tl.store(f_score + slot, tl.where(publish, s + v, neg_inf))
             tl.store(f_token + slot, tl.load(pool_ids + row * s_ids + idx, mask=idx < P, other=0))
             tl.store(f_logq + slot, v)
-            lp = tl.where(cols == idx, neg_inf, lp)
+            free = free & (cols != idx)
     tl.debug_barrier()  # the frontier stores above are read below (other threads of this program)
     fcols = tl.arange(0, BF)
-    F = tl.load(f_score + fcols, mask=fcols < n * FAN, other=neg_inf)
+    free = fcols < n * FAN
+    F = tl.load(f_score + fcols, mask=free, other=neg_inf)
     nodes = tl.arange(0, BN)
     n_ok = nodes < n
     for j in range(0, take):
-        v = tl.reduce(F, 0, _max)
-        idx = tl.reduce(tl.where(F == v, fcols, BF), 0, _min)
+        v = tl.reduce(tl.where(free, F, neg_inf), 0, _max)
+        idx = tl.reduce(tl.where(free & (F == v), fcols, BF), 0, _min)
         valid = v > neg_inf
         parent = idx // FAN
         new = hi + j
@@ -103,7 +106,7 @@ def _expand_kernel(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_
         tl.store(depth + new, tl.where(valid, tl.load(depth + parent) + 1, 0))
         tl.store(score + new, v)
         tl.store(f_score + idx, neg_inf)  # taken
-        F = tl.where(fcols == idx, neg_inf, F)
+        free = free & (fcols != idx)
         ancestors = tl.where(valid, tl.load(mask + parent * n + nodes, mask=n_ok, other=0), 0)
         tl.store(mask + new * n + nodes, tl.where(nodes == new, 1, ancestors).to(tl.uint8), mask=n_ok)
 
@@ -115,6 +118,7 @@ def pool_scores_triton(query: torch.Tensor, rows: torch.Tensor, pool_ids: torch.
     candidates per program, ``BK`` model dims per loop step (``scripts/bench_weaver_round.py`` sweeps them)."""
     M, Dm = query.shape
     P = pool_ids.shape[1]
+    rows = rows.contiguous()
     if weight.stride(-1) != 1 or query.stride(-1) != 1 or pool_ids.stride(-1) != 1 or pool_logits.stride(-1) != 1:
         raise ValueError("pool_scores: last dimensions must be contiguous")
     out = torch.empty(M, P, device=query.device, dtype=torch.float32)

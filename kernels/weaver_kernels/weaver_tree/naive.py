@@ -20,7 +20,8 @@ from torch import Tensor
 
 
 def pool_scores_ref(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: Tensor, weight: Tensor) -> Tensor:
-    """``[M, P]`` fp32 candidate logits of ``M`` nodes.
+    """``[M, P]`` fp32 candidate logits of ``M`` nodes: ``WeaverModel.candidate_logits`` (what training scores with;
+    a test keeps the two equal) of each node's pool row.
 
     Args:
         query: ``[M, d_model]`` the nodes' lm-head queries.
@@ -49,24 +50,25 @@ def weaver_expand_ref(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: T
     neg_inf = float("-inf")
     d = depth[lo:hi]
     ids = pool_ids[d.clamp(max=max_depth - 1)]
-    top = torch.log_softmax(cand, dim=-1).topk(fan, dim=-1)
+    # stable sorts, not topk: among equal values the lowest index first, on every device (the kernel's rule)
+    logp, order = torch.log_softmax(cand, dim=-1).sort(dim=-1, descending=True, stable=True)
+    top_values, top_indices = logp[:, :fan], order[:, :fan]
     real = parents[lo:hi] >= 0 if lo else torch.ones_like(d, dtype=torch.bool)  # padding nodes publish nothing
     publish = real & (d < max_depth)
-    f_score[lo * fan : hi * fan] = torch.where(publish[:, None], score[lo:hi, None] + top.values, neg_inf).flatten()
-    f_token[lo * fan : hi * fan] = ids.gather(-1, top.indices).flatten()
-    f_logq[lo * fan : hi * fan] = top.values.flatten()
+    f_score[lo * fan : hi * fan] = torch.where(publish[:, None], score[lo:hi, None] + top_values, neg_inf).flatten()
+    f_token[lo * fan : hi * fan] = ids.gather(-1, top_indices).flatten()
+    f_logq[lo * fan : hi * fan] = top_values.flatten()
     if take == 0:
         return
-    best = f_score.topk(take)
-    valid = best.values > neg_inf
-    parent = best.indices // fan
+    best_values, best_indices = (t[:take] for t in f_score.sort(descending=True, stable=True))
+    valid = best_values > neg_inf
+    parent = best_indices // fan
     new = slice(hi, hi + take)
-    tokens[new] = torch.where(valid, f_token[best.indices], 0)
+    tokens[new] = torch.where(valid, f_token[best_indices], 0)
     parents[new] = torch.where(valid, parent, -1)
-    logq[new] = torch.where(valid, f_logq[best.indices], neg_inf)
+    logq[new] = torch.where(valid, f_logq[best_indices], neg_inf)
     depth[new] = torch.where(valid, depth[parent] + 1, 0)
-    score[new] = best.values
-    f_score.index_fill_(0, best.indices, neg_inf)  # taken
+    score[new] = best_values
+    f_score.index_fill_(0, best_indices, neg_inf)  # taken
     nodes = torch.arange(n, device=tokens.device)
-    rows = nodes[new]  # (an index write: inductor's CPU code generator fails on the slice form)
-    mask[rows] = (mask[parent] & valid[:, None]) | (nodes[None] == rows[:, None])
+    mask[new] = (mask[parent] & valid[:, None]) | (nodes[None] == nodes[new, None])
