@@ -177,13 +177,16 @@ def ddtree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
     return with_root(root, ddtree_tensors(draft_logits, budget))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=None)  # never evicted: captured graphs keep reading these tensors
 def _ddtree_pairs(budget: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(slot, rank)`` index pairs with ``(slot + 1)(rank + 1) <= budget``: the candidates of a DDTree level that
-    can be among its ``budget`` best (built once per shape; constants of a captured or compiled step)."""
-    pairs = [(i, j) for i in range(budget) for j in range(k) if (i + 1) * (j + 1) <= budget]
-    slot, rank = zip(*pairs)
-    return (torch.tensor(slot, dtype=torch.long, device=device), torch.tensor(rank, dtype=torch.long, device=device))
+    can be among its ``budget`` best (built once per shape, in warm-up runs before any capture; constants of a
+    captured or compiled step)."""
+    pairs = [(i, j) for j in range(k) for i in range(budget // (j + 1))]
+    slot, rank = zip(*sorted(pairs))
+    with torch.inference_mode(False):  # (a first call under inference_mode must not make inference tensors)
+        return (torch.tensor(slot, dtype=torch.long, device=device),
+                torch.tensor(rank, dtype=torch.long, device=device))
 
 
 def ddtree_tensors(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -53,7 +53,7 @@ def weaver_expand_ref(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: T
     # stable sorts, not topk: among equal values the lowest index first, on every device (the kernel's rule)
     logp, order = torch.log_softmax(cand, dim=-1).sort(dim=-1, descending=True, stable=True)
     top_values, top_indices = logp[:, :fan], order[:, :fan]
-    real = parents[lo:hi] >= 0 if lo else torch.ones_like(d, dtype=torch.bool)  # padding nodes publish nothing
+    real = (parents[lo:hi] >= 0) | (torch.arange(lo, hi, device=d.device) == 0)  # padding nodes publish nothing
     publish = real & (d < max_depth)
     f_score[lo * fan : hi * fan] = torch.where(publish[:, None], score[lo:hi, None] + top_values, neg_inf).flatten()
     f_token[lo * fan : hi * fan] = ids.gather(-1, top_indices).flatten()
