@@ -189,7 +189,7 @@ class DFlashStaticCache:
         self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in drafter.layers]
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in drafter.layers]
         self.slots = torch.zeros(slots, dtype=torch.long, device=device)
-        size = drafter.block_size
+        self.block_size = size = drafter.block_size
         self.query_key_positions = (torch.zeros(size, dtype=torch.long, device=device),
                                     torch.arange(rows, device=device))
         self.length = torch.zeros((), dtype=torch.long, device=device)  # the block's first row (= position)
@@ -205,14 +205,14 @@ class DFlashStaticCache:
         """Whether :meth:`attend` takes this layer: all but a sliding window shorter than the block around a
         non-causal block (it would hide later block rows too; masked SDPA does those)."""
         window = attn.sliding_window or 0
-        return not (window and not attn.causal_in_block and window < self.block_masks[False].shape[0])
+        return not (window and not attn.causal_in_block and window < self.block_size)
 
     def attend(self, attn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
         """``[1, S, heads · head_dim]``: the block's queries ``q [1, heads, S, head_dim]`` at rows ``length..``
         over every row before the block and the block's own rows (causal ones for a causal-in-block layer), within
         the layer's sliding window — the visibility :class:`StaticDraft`'s mask describes, which this replaces (the
         layer's ``attention_mask`` is not read). None where :meth:`kernel_attends` says no."""
-        if q.shape[2] != self.block_masks[False].shape[0] or not self.kernel_attends(attn):
+        if q.shape[2] != self.block_size or not self.kernel_attends(attn):
             return None
         return weaver_kernels.tree_attention(q, keys, values, self.block_masks[attn.causal_in_block], self.length,
                                              keys.shape[2], attn.scaling, attn.sliding_window or 0)

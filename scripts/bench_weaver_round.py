@@ -7,29 +7,14 @@ import argparse
 import itertools
 
 import torch
+from bench_kernels import graph_time_us
 
 from weaver_kernels.weaver_tree import expand, naive
 
 
 def graph_us(fn, calls: int = 16, reps: int = 30) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times[3:])[reps // 2]
+    """Median µs per call of ``fn`` called ``calls`` times in one CUDA graph."""
+    return graph_time_us([fn] * calls, reps)
 
 
 def main():

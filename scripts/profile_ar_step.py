@@ -80,11 +80,11 @@ def main():
     if not args.no_tables:
         kernel_table(ar_step, args.tokens, args.rows, f"AR step ({args.target_step}, no graphs)")
 
-    if args.tree_nodes and not args.no_tables:
-        tree_step = static_target(target, max_length, args.tree_nodes, capture=False, compile=compile)
+    n = args.tree_nodes
+    chain = Tree.from_lists(ids[0, -n:].tolist(), list(range(-1, n - 1)), device="cuda") if n else None
+    if n and not args.no_tables:
+        tree_step = static_target(target, max_length, n, capture=False, compile=compile)
         tree_step.prefill(ids[0])
-        n = args.tree_nodes
-        chain = Tree.from_lists(ids[0, -n:].tolist(), list(range(-1, n - 1)), device="cuda")
 
         def verify_step():
             tree_step.verify(chain)
@@ -93,18 +93,23 @@ def main():
         kernel_table(verify_step, args.tokens, args.rows, f"{n}-node verify + 4-node commit ({args.target_step}, "
                      "no graphs)")
 
-    if args.graph_gap:
-        target_step = "compiled" if compile else "graph"
+    target_step = "compiled" if compile else "graph"
+
+    def captured_ar_graph():
+        """The fused AR step's CUDA graph (verify + commit + argmax), captured by a generation, after a prefill."""
         autoregressive_generate(target, ids, new_tokens, eos_token_id=[], target_step=target_step)  # captures
-        graph = static_target(target, max_length, 1, capture=True, compile=compile)
-        graph.prefill(ids[0])
+        ar = static_target(target, max_length, 1, capture=True, compile=compile)
+        ar.prefill(ids[0])
+        return ar.ar_step()._graph[0]
+
+    if args.graph_gap:
         reps = 4 * args.tokens
-        replay_ms, _ = graph_replay_ms(graph.ar_step()._graph[0], reps)  # the fused AR step: verify+commit+argmax
+        replay_ms, _ = graph_replay_ms(captured_ar_graph(), reps)
         lengths, seconds = (new_tokens - reps, new_tokens), []  # both in the bucket: their difference is `reps` steps
-        for n in lengths:
+        for tokens in lengths:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            autoregressive_generate(target, ids, n, eos_token_id=[], target_step=target_step)
+            autoregressive_generate(target, ids, tokens, eos_token_id=[], target_step=target_step)
             torch.cuda.synchronize()
             seconds.append(time.perf_counter() - t0)
         per_token = 1e3 * (seconds[1] - seconds[0]) / reps
@@ -127,16 +132,11 @@ def main():
             return sorted(graph_replay_ms(graph, 4 * args.tokens)[0] for _ in range(args.graph_runs))[
                 args.graph_runs // 2]
 
-        target_step = "compiled" if compile else "graph"
-        autoregressive_generate(target, ids, new_tokens, eos_token_id=[], target_step=target_step)  # captures
-        ar = static_target(target, max_length, 1, capture=True, compile=compile)
-        ar.prefill(ids[0])
-        phases = [("AR step (verify + commit + argmax)", timed(ar.ar_step()._graph[0]))]
-        if args.tree_nodes:
-            n = args.tree_nodes
+        phases = [("AR step (verify + commit + argmax)", timed(captured_ar_graph()))]
+        if n:
             tree_graph = static_target(target, max_length, n, capture=True, compile=compile)
             tree_graph.prefill(ids[0])
-            tree_graph.verify(Tree.from_lists(ids[0, -n:].tolist(), list(range(-1, n - 1)), device="cuda"))
+            tree_graph.verify(chain)
             phases.append((f"verify of {n} nodes", timed(tree_graph._graphs[0])))
         for mode, proposer in proposers.items():
             proposer.propose(1, context, args.prompt_length, last)  # captures
