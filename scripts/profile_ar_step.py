@@ -6,7 +6,7 @@
    fixed-shape ops; ``compiled``: the torch.compile'd tree pass and commit), so the profiler sees every kernel:
    GPU busy time per step and the kernel table.
 2. With ``--graph-gap``: the fused AR step's CUDA graph replayed back to back (GPU time alone), and
-   ``autoregressive_generate``'s pipelined loop (host work between steps included): the difference is the host gap.
+   ``autoregressive_generate``'s pipelined loop, ms between the host's token reads: the difference is the host gap.
 3. With ``--proposer MODE [MODE ...]``: one DFlash draft + tree build of each mode at ``--budget`` (compiled when
    the target step is), its kernel table.
 4. With ``--tree-nodes N``: the verify of an N-node tree (a chain: the GEMMs cost the same for any shape) and the
@@ -40,6 +40,61 @@ def kernel_table(fn, reps: int, rows: int, title: str) -> None:
     count = sum(e.count for e in events) / reps
     print(f"\n## {title}: GPU busy {busy:.2f} ms per call, {count:.0f} kernels per call")
     print(events.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+
+
+class TokenClock:
+    """A streamer that keeps the host time of every token after the prompt."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.prompt = True
+
+    def put(self, value):
+        if self.prompt:
+            self.prompt = False
+        else:
+            self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def graph_gap(target, ids, target_step: str, ar, reps: int) -> None:
+    """The AR loop's time per token against its graph's, in one process: the graph replayed back to back, also with
+    the loop's per-step device work (summary copy to pinned memory, event record), from the prompt's end; then
+    ``autoregressive_generate`` itself, ms between the host's token reads (mean and median over tokens 16..) in a
+    generation long enough to run in ``ar``'s cache bucket."""
+    step = ar.ar_step()
+    graph, summary = step._graph
+    host = torch.zeros(1, dtype=torch.long, pin_memory=True)
+    event = torch.cuda.Event()
+
+    def copies_and_events(reps: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+            host.copy_(summary, non_blocking=True)
+            event.record()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / reps
+
+    def generate(tokens: int, streamer=None):  # leaves the caches after `tokens` new ones
+        autoregressive_generate(target, ids, tokens, eos_token_id=[], target_step=target_step, streamer=streamer)
+
+    generate(reps)
+    back_to_back = graph_replay_ms(graph, reps)[0]
+    generate(reps)
+    with_copies = copies_and_events(reps)
+    # a smaller generation would run in a smaller bucket: another step object
+    tokens = max(8 * reps, ar.adapter.max_length // 2 - ids.shape[1] + 8)
+    clock = TokenClock()
+    generate(tokens, clock)
+    gaps = sorted(1e3 * (b - a) for a, b in zip(clock.times[16:], clock.times[17:]))
+    print(f"\n## AR step, ms per token: graph back to back {back_to_back:.3f}, with the summary copy and event "
+          f"{with_copies:.3f}; autoregressive_generate of {tokens} tokens between token reads: mean "
+          f"{sum(gaps) / len(gaps):.3f}, median {gaps[len(gaps) // 2]:.3f}")
 
 
 def main():
@@ -95,26 +150,16 @@ def main():
 
     target_step = "compiled" if compile else "graph"
 
-    def captured_ar_graph():
-        """The fused AR step's CUDA graph (verify + commit + argmax), captured by a generation, after a prefill."""
+    def captured_ar():
+        """The AR steps' :class:`StaticTarget`, its fused step's CUDA graph (verify + commit + argmax) captured by a
+        generation, after a prefill."""
         autoregressive_generate(target, ids, new_tokens, eos_token_id=[], target_step=target_step)  # captures
         ar = static_target(target, max_length, 1, capture=True, compile=compile)
         ar.prefill(ids[0])
-        return ar.ar_step()._graph[0]
+        return ar
 
     if args.graph_gap:
-        reps = 4 * args.tokens
-        replay_ms, _ = graph_replay_ms(captured_ar_graph(), reps)
-        lengths, seconds = (new_tokens - reps, new_tokens), []  # both in the bucket: their difference is `reps` steps
-        for tokens in lengths:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            autoregressive_generate(target, ids, tokens, eos_token_id=[], target_step=target_step)
-            torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - t0)
-        per_token = 1e3 * (seconds[1] - seconds[0]) / reps
-        print(f"\n## AR graph replays back to back: {replay_ms:.2f} ms per step; in the generate loop: "
-              f"{per_token:.2f} ms per token → host gap {per_token - replay_ms:.2f} ms per step")
+        graph_gap(target, ids, target_step, captured_ar(), 4 * args.tokens)
 
     context = torch.randn(drafter.block_size, drafter.fc.in_features, device="cuda", dtype=torch.bfloat16)
     last = torch.randn(target.config.get_text_config().hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -132,7 +177,7 @@ def main():
             return sorted(graph_replay_ms(graph, 4 * args.tokens)[0] for _ in range(args.graph_runs))[
                 args.graph_runs // 2]
 
-        phases = [("AR step (verify + commit + argmax)", timed(captured_ar_graph()))]
+        phases = [("AR step (verify + commit + argmax)", timed(captured_ar().ar_step()._graph[0]))]
         if n:
             tree_graph = static_target(target, max_length, n, capture=True, compile=compile)
             tree_graph.prefill(ids[0])
