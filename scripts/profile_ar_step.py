@@ -2,9 +2,10 @@
 
     python scripts/profile_ar_step.py --shape qwen3.6-27b --tokens 8 --target-step compiled --proposer weaver
 
-1. The AR step (verify of one node + commit) run ``--tokens`` times without CUDA graphs (``static``: eager
-   fixed-shape ops; ``compiled``: the torch.compile'd tree pass and commit), so the profiler sees every kernel:
-   GPU busy time per step and the kernel table.
+1. The AR step as the AR loop captures it (:class:`~modeling_weaver.captured.FusedARStep`: the one-token pass with
+   its GDN/conv decode kernels, then argmax) run ``--tokens`` times without CUDA graphs (``static``: eager
+   fixed-shape ops; ``compiled``: the torch.compile'd pass), so the profiler sees every kernel: GPU busy time per
+   step and the kernel table.
 2. With ``--graph-gap``: the fused AR step's CUDA graph replayed back to back (GPU time alone), and
    ``autoregressive_generate``'s pipelined loop, ms between the host's token reads: the difference is the host gap.
 3. With ``--proposer MODE [MODE ...]``: one DFlash draft + tree build of each mode at ``--budget`` (compiled when
@@ -123,17 +124,12 @@ def main():
                                   + max(64, (args.tree_nodes or 0) + 4 * (args.tokens + 1))))
     new_tokens = max_length - args.prompt_length - 1  # autoregressive_generate's capacity: prompt + new + 1
 
-    step = static_target(target, max_length, 1, capture=False, compile=compile)
-    if not args.no_tables:
+    if not args.no_tables:  # the step the AR loop captures: token_step (one-token GDN/conv kernels) + argmax
+        step = static_target(target, max_length, 1, capture=False, compile=compile)
         step.prefill(ids[0])
-    one = Tree.from_lists([int(ids[0, -1])], [-1], device="cuda")
-
-    def ar_step():
-        step.verify(one)
-        step.commit([0])
-
-    if not args.no_tables:
-        kernel_table(ar_step, args.tokens, args.rows, f"AR step ({args.target_step}, no graphs)")
+        ar = step.ar_step()
+        ar.seed(int(ids[0, -1]))
+        kernel_table(ar._step, args.tokens, args.rows, f"AR step ({args.target_step}, no graphs)")
 
     n = args.tree_nodes
     chain = Tree.from_lists(ids[0, -n:].tolist(), list(range(-1, n - 1)), device="cuda") if n else None
