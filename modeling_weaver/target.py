@@ -282,6 +282,10 @@ class GatedDeltaNetLayerCache:
     The tree ops are the seams in :mod:`weaver_kernels` (Triton on CUDA, torch reference elsewhere).
     """
 
+    # the one-token step hands the raw gate projections to the decode kernel (False: the gates as their own
+    # launch, as the tree pass has them; ``scripts/profile_ar_step.py --gates-ab`` times both)
+    gates_in_kernel = True
+
     def __init__(self, gdn: torch.nn.Module, device, dtype):
         self.gdn = gdn
         self.norm = fused_norm(gdn.norm, dtype)
@@ -293,12 +297,10 @@ class GatedDeltaNetLayerCache:
         self.pending: tuple[torch.Tensor, ...] | None = None
 
     def _inputs(self, h: torch.Tensor):
-        """``h [1, N, H]`` → conv input ``[1, N, conv_dim]``, gate z ``[1, N, HV, V]``, beta and g ``[1, N, HV]``."""
-        gdn = self.gdn
+        """``h [1, N, H]`` → conv input ``[1, N, conv_dim]``, gate z ``[1, N, HV, V]``, and the raw gate projections
+        b and a ``[1, N, HV]`` (:func:`weaver_kernels.gdn_gates` makes β and g of them)."""
         mixed, z, b, a = self.in_proj(h)
-        z = z.reshape(1, h.shape[1], -1, gdn.head_v_dim)
-        g = -gdn.A_log.float().exp() * F.softplus(a.float() + gdn.dt_bias)
-        return mixed, z, b.sigmoid(), g
+        return mixed, z.reshape(1, h.shape[1], -1, self.gdn.head_v_dim), b, a
 
     def _heads(self, conv: torch.Tensor):
         gdn, N = self.gdn, conv.shape[1]
@@ -312,7 +314,8 @@ class GatedDeltaNetLayerCache:
 
     def forward_tree(self, h: torch.Tensor, tree_mask: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         gdn = self.gdn
-        mixed, z, beta, g = self._inputs(h)
+        mixed, z, b, a = self._inputs(h)
+        g, beta = weaver_kernels.gdn_gates(a, b, gdn.A_log, gdn.dt_bias)
         conv = weaver_kernels.conv_tree(
             mixed, self.window, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, parents, activation=gdn.activation
         )
@@ -327,15 +330,20 @@ class GatedDeltaNetLayerCache:
         """One committed token ``h [1, 1, H]`` (the AR step): window and state advance in place, no pending
         intermediates (one launch each for conv and delta rule instead of tree pass + commit)."""
         gdn = self.gdn
-        mixed, z, beta, g = self._inputs(h)
+        mixed, z, b, a = self._inputs(h)
         conv = weaver_kernels.conv_decode(mixed, self.window, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias,
                                           activation=gdn.activation)
         q, k, v = self._heads(conv)
+        if self.gates_in_kernel:  # the raw projections go in: the kernel forms the gates (no launch of their own)
+            g, beta, raw = a, b, dict(A_log=gdn.A_log, dt_bias=gdn.dt_bias)
+        else:
+            (g, beta), raw = weaver_kernels.gdn_gates(a, b, gdn.A_log, gdn.dt_bias), {}
         if self.norm_in_kernel:
             o = weaver_kernels.gdn_decode(q, k, v, g, beta, self.state, norm_weight=self.norm.weight, gate=z,
-                                          eps=self.norm.eps, use_qk_l2norm_in_kernel=True)
+                                          eps=self.norm.eps, use_qk_l2norm_in_kernel=True, **raw)
             return gdn.out_proj(o.reshape(1, 1, -1))
-        return self._output(weaver_kernels.gdn_decode(q, k, v, g, beta, self.state, use_qk_l2norm_in_kernel=True), z)
+        return self._output(weaver_kernels.gdn_decode(q, k, v, g, beta, self.state, use_qk_l2norm_in_kernel=True,
+                                                      **raw), z)
 
     def commit(self, path: torch.Tensor):
         mixed, k, u, gamma = self.pending

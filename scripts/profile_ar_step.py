@@ -16,6 +16,8 @@
    replay, median of ``--graph-runs`` timings of ``4 * --tokens`` replays): the fused AR step, the verify of
    ``--tree-nodes`` nodes, and each ``--proposer``'s draft + tree; each as a fraction of the AR step (issue 5's
    "verify ≤ 1.25 AR step", "draft + tree ≤ 15 % of an AR step").
+6. With ``--gates-ab``: the AR step's graph timed as in 5 with the GDN gates (g, β) as their own launch and formed
+   inside the one-token decode kernel (:attr:`~modeling_weaver.target.GatedDeltaNetLayerCache.gates_in_kernel`).
 """
 import argparse
 import time
@@ -24,8 +26,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from modeling_weaver.benchmark import autoregressive_generate
-from modeling_weaver.captured import cache_bucket, static_draft, static_target
+from modeling_weaver.captured import cache_bucket, release_static_targets, static_draft, static_target
 from modeling_weaver.replay import graph_replay_ms, random_models, random_prompt
+from modeling_weaver.target import GatedDeltaNetLayerCache
 from modeling_weaver.tree import Tree
 
 
@@ -110,6 +113,9 @@ def main():
     parser.add_argument("--tree-nodes", type=int)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--graphs", action="store_true", help="each phase alone in a CUDA graph (section 5)")
+    parser.add_argument("--gates-ab", action="store_true",
+                        help="the AR step's graph with the GDN gates as their own launch and formed in the decode "
+                             "kernel, side by side (section 6)")
     parser.add_argument("--graph-runs", type=int, default=7)
     parser.add_argument("--max-length", type=int, default=0,
                         help="cache capacity at least this (the replay's prompt 512 + 512 new tokens: bucket 2048)")
@@ -168,11 +174,19 @@ def main():
         kernel_table(proposer._forward, args.tokens, args.rows,
                      f"{mode} draft + tree at budget {args.budget} ({args.target_step}, no graphs)")
 
-    if args.graphs:
-        def timed(graph) -> float:  # median over runs of the mean GPU ms per replay
-            return sorted(graph_replay_ms(graph, 4 * args.tokens)[0] for _ in range(args.graph_runs))[
-                args.graph_runs // 2]
+    def timed(graph) -> float:  # median over runs of the mean GPU ms per replay
+        return sorted(graph_replay_ms(graph, 4 * args.tokens)[0] for _ in range(args.graph_runs))[args.graph_runs // 2]
 
+    if args.gates_ab:
+        times = {}
+        for in_kernel in (False, True):
+            GatedDeltaNetLayerCache.gates_in_kernel = in_kernel
+            release_static_targets(target)  # a new step, compiled and captured with this form
+            times[in_kernel] = timed(captured_ar().ar_step()._graph[0])
+        print(f"\n## AR step graph, GPU ms per replay: GDN gates as their own launch {times[False]:.3f}, formed in "
+              f"the decode kernel {times[True]:.3f} ({times[True] - times[False]:+.3f})")
+
+    if args.graphs:
         phases = [("AR step (verify + commit + argmax)", timed(captured_ar().ar_step()._graph[0]))]
         if n:
             tree_graph = static_target(target, max_length, n, capture=True, compile=compile)

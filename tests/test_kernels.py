@@ -603,18 +603,32 @@ def test_conv_tree_random_search_interpreter(ik):
 
 
 # ------------------------------------------------------------------------------------------------ one-token decode
-def check_gdn_decode(fr, B, H, HV, K, V, dtype, norm, seed=0, device="cpu", BV=None):
-    """The one-token kernel (state in place; poisoned output) against the fp64 reference: errors of o and state."""
+def check_gdn_decode(fr, B, H, HV, K, V, dtype, norm, seed=0, device="cpu", BV=None, raw_gates=False):
+    """The one-token kernel (state in place; poisoned output) against the fp64 reference: errors of o and state.
+    ``raw_gates``: the kernel forms g and β from raw projections a, b (A_log, dt_bias given); the reference takes
+    the gates transformers' way (``gdn_gates``) in fp64 on the same inputs, β rounded to the inputs' dtype as the
+    kernel and the module round it."""
     q, k, v, g, beta, S0 = gdn_inputs(B, 1, H, HV, K, V, dtype, device, seed, True)
     gen = torch.Generator().manual_seed(seed + 1)
     weight, gate = torch.randn(V, generator=gen), torch.randn(B, 1, HV, V, generator=gen)
     weight, gate = (weight.to(device, dtype), gate.to(device, dtype)) if norm else (None, None)
+    gates = ()
+    if raw_gates:  # a around the softplus's both regimes and past its threshold of 20, b of either sign
+        a = (torch.randn(B, 1, HV, generator=gen) * 12).to(device, dtype)
+        a[..., 0], a[..., -1] = 25.0, -30.0
+        b = (torch.randn(B, 1, HV, generator=gen) * 3).to(device, dtype)
+        A_log, dt_bias = torch.randn(HV, generator=gen).to(device), torch.randn(HV, generator=gen).to(device)
+        A_log[0] = -3.0  # head 0 (a = 25: past the threshold) decays by exp(-0.05 (25 + dt_bias)): visible
+        gates = (A_log, dt_bias)
+        g, beta = a, b
     S = S0.clone()
     out = torch.full((B, 1, HV, V), float("nan"), dtype=dtype, device=device)
-    o = fr.gdn_decode_triton(q, k, v, g, beta, S, weight, gate, None, 1e-6, True, BV=BV, out=out)
+    o = fr.gdn_decode_triton(q, k, v, g, beta, S, weight, gate, None, 1e-6, True, *gates, BV=BV, out=out)
     assert o is out and not o.isnan().any()
-    dbl = lambda t: None if t is None else t.double()  # noqa: E731
     ref_S = S0.double()
+    if raw_gates:
+        g, beta = wk.gdn_gates(g.double(), beta.double(), A_log.double(), dt_bias.double())
+        beta = beta.to(dtype)
     # the reference rounds o to the input dtype before the norm, as the kernel does
     ro = wk.gdn_decode_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), ref_S, None, None, None,
                            1e-6, True)
@@ -634,6 +648,17 @@ def test_gdn_decode_interpreter(ik, shape, dtype, norm):
     """Grouped heads, K ≠ V, head sizes that are not powers of two, a batch of two; state in fp32 ≤ 1e-5."""
     err = check_gdn_decode(ik.decode, *shape, dtype, norm, seed=sum(shape))
     assert err["o"] <= DECODE_TOL[dtype] and err["state"] <= 1e-5, err
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "gated-norm"])
+def test_gdn_decode_raw_gates_interpreter(ik, norm):
+    """The gates formed in the kernel from the raw projections, as transformers forms them (softplus on both sides
+    of its threshold); grouped heads, a batch of two. fp32 only here: the interpreter truncates where the GPU rounds
+    β to b's dtype (16-bit inputs: the GPU test at real shape)."""
+    err = check_gdn_decode(ik.decode, 2, 2, 4, 16, 32, torch.float32, norm, seed=5, raw_gates=True)
+    assert err["o"] <= 1e-5 and err["state"] <= 1e-5, err
+    with pytest.raises(ValueError, match="go together"):
+        wk.gdn_decode(*gdn_inputs(1, 1, 1, 2, 8, 8, torch.float32, "cpu", 0, True), A_log=torch.zeros(2))
 
 
 def test_gdn_decode_value_blocks_interpreter(ik):
@@ -716,9 +741,11 @@ def test_custom_ops_opcheck():
     q, k, v, g, beta, S0 = gdn_inputs(1, 1, 2, 4, 8, 8, torch.float32, "cpu", 0, True)
     z = torch.randn(1, 1, 4, 8)
     torch.library.opcheck(torch.ops.weaver.gdn_decode.default,
-                          (q, k, v, g, beta, S0.clone(), torch.randn(8), z, 0.3, 1e-6, True))
+                          (q, k, v, g, beta, S0.clone(), torch.randn(8), z, 0.3, 1e-6, True, None, None))
     torch.library.opcheck(torch.ops.weaver.gdn_decode.default, (q, k, v, g, beta, S0.clone(), None, None, 0.3, 1e-6,
-                                                               False))
+                                                               False, None, None))
+    torch.library.opcheck(torch.ops.weaver.gdn_decode.default, (q, k, v, g, beta, S0.clone(), None, None, 0.3, 1e-6,
+                                                               True, torch.randn(4), torch.randn(4)))
     torch.library.opcheck(torch.ops.weaver.conv_decode.default,
                           (a.x[:, :1].contiguous(), a.window.clone(), a.weight, a.bias, "silu"))
     tm = ancestor_mask([-1, 0, 0, 2], "cpu")
@@ -842,16 +869,18 @@ REAL = dict(H=16, HV=48, K=128, V=128)
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("raw_gates", [False, True], ids=["gates", "raw-gates"])
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "gated-norm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gdn_decode_real_shape_gpu(dtype, norm):
+def test_gdn_decode_real_shape_gpu(dtype, norm, raw_gates):
     """Qwen3.6-27B GDN shape (H=16, HV=48, K=V=128): fp64-reference tolerances, state ≤ 1e-5; conv at C=10240."""
     from weaver_kernels.conv_tree import conv
     from weaver_kernels.gdn_tree import fused_recurrent
 
     err = check_gdn_decode(fused_recurrent, 1, REAL["H"], REAL["HV"], REAL["K"], REAL["V"], dtype, norm, seed=5,
-                           device="cuda")
-    print(f"\n[gpu] gdn decode {dtype} norm={norm}: " + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
+                           device="cuda", raw_gates=raw_gates)
+    print(f"\n[gpu] gdn decode {dtype} norm={norm} raw_gates={raw_gates}: "
+          + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
     assert err["o"] <= TOL[dtype] and err["state"] <= 1e-5, err
     C = 2 * REAL["H"] * REAL["K"] + REAL["HV"] * REAL["V"]
     x, window = torch.randn(1, 1, C, device="cuda", dtype=dtype), torch.randn(1, C, 3, device="cuda", dtype=dtype)

@@ -95,13 +95,16 @@ def test_commit_equals_sequential_caches(name):
 def test_token_step_equals_a_one_node_tree_pass_and_commit():
     """forward_token (the AR step: one-token GDN kernels, state advanced during the pass) gives the logits, GDN
     state, conv window, K/V and length of a one-node verify + commit, step after step; the gated norm runs inside
-    the GDN op here (a form the op reproduces), and outside it when it is not."""
+    the GDN op here (a form the op reproduces), and outside it when it is not; the gates are formed inside the op
+    from the raw projections, and by their own ops in one layer."""
     model = TINY_TARGETS["qwen3_5"]()
     prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(4))
     tree_path, token_path = TargetAdapter(model, max_length=64), TargetAdapter(model, max_length=64)
     gdn = [c for c in token_path.layer_caches if isinstance(c, GatedDeltaNetLayerCache)]
     assert gdn and all(c.norm_in_kernel for c in gdn)
     gdn[0].norm_in_kernel = False  # one layer with the norm applied after the op: both forms are covered
+    assert len(gdn) >= 2 and all(c.gates_in_kernel for c in gdn)
+    gdn[1].gates_in_kernel = False  # and one with the gates formed before the op
     for adapter in (tree_path, token_path):
         adapter.prefill(prompt)
     token = prompt[-1:]

@@ -22,7 +22,7 @@ mainline recurrent baseline :mod:`.gdn_tree.baseline` (benchmarks only). Referen
 """
 
 from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
-from .gdn_tree.naive import gdn_decode_ref, gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
+from .gdn_tree.naive import gdn_decode_ref, gdn_gates, gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
 from .ops import (conv_decode, conv_tree, conv_tree_commit, gdn_decode, gdn_tree_commit, gdn_tree_verify,
                   max_tree_nodes, pool_scores, rms_norm, tree_attention, weaver_expand)
 from .rms_norm.naive import GATED as RMS_GATED
@@ -41,6 +41,7 @@ __all__ = [
     "gdn_decode",
     "conv_decode",
     "gdn_decode_ref",
+    "gdn_gates",
     "conv_decode_ref",
     "rms_norm",
     "tree_attention",

@@ -82,17 +82,19 @@ def _(state, k, u, gamma, path, use_qk_l2norm_in_kernel):
 @torch.library.custom_op("weaver::gdn_decode", mutates_args=("state",))
 def _gdn_decode_op(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, norm_weight: Tensor | None,
-    gate: Tensor | None, scale: float, eps: float, use_qk_l2norm_in_kernel: bool
+    gate: Tensor | None, scale: float, eps: float, use_qk_l2norm_in_kernel: bool, A_log: Tensor | None,
+    dt_bias: Tensor | None
 ) -> Tensor:
+    args = (q, k, v, g, beta, state, norm_weight, gate, scale, eps, use_qk_l2norm_in_kernel, A_log, dt_bias)
     if q.is_cuda:
         from .gdn_tree.fused_recurrent import gdn_decode_triton
 
-        return gdn_decode_triton(q, k, v, g, beta, state, norm_weight, gate, scale, eps, use_qk_l2norm_in_kernel)
-    return _contig(gdn_decode_ref(q, k, v, g, beta, state, norm_weight, gate, scale, eps, use_qk_l2norm_in_kernel))
+        return gdn_decode_triton(*args)
+    return _contig(gdn_decode_ref(*args))
 
 
 @_gdn_decode_op.register_fake
-def _(q, k, v, g, beta, state, norm_weight, gate, scale, eps, use_qk_l2norm_in_kernel):
+def _(q, k, v, g, beta, state, norm_weight, gate, scale, eps, use_qk_l2norm_in_kernel, A_log, dt_bias):
     return v.new_empty(v.shape)
 
 
@@ -256,16 +258,22 @@ def gdn_decode(
     scale: float | None = None,
     eps: float = 1e-6,
     use_qk_l2norm_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
 ) -> Tensor:
     """One committed token: q, k ``[B, 1, H, K]``, v ``[B, 1, HV, V]``, g, beta ``[B, 1, HV]``; advances ``state``
     in place and returns o ``[B, 1, HV, V]`` — gated-RMSNormed with ``gate`` when ``norm_weight`` is given. The AR
-    step's form of verify + commit (CUDA: one launch). See ``gdn_tree.naive.gdn_decode_ref``."""
+    step's form of verify + commit (CUDA: one launch). With ``A_log`` and ``dt_bias`` (``[HV]``), ``g`` and ``beta``
+    are the raw gate projections a and b, and the gates are formed in the same launch (Qwen3.5's
+    ``g = −exp(A_log) · softplus(a + dt_bias)``, ``β = sigmoid(b)``). See ``gdn_tree.naive.gdn_decode_ref``."""
     if (norm_weight is None) != (gate is None):
         raise ValueError("gdn_decode: norm_weight and gate go together")
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("gdn_decode: A_log and dt_bias go together")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return torch.ops.weaver.gdn_decode(q, k, v, g, beta, state, norm_weight, gate, float(scale), float(eps),
-                                       bool(use_qk_l2norm_in_kernel))
+                                       bool(use_qk_l2norm_in_kernel), A_log, dt_bias)
 
 
 def conv_decode(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None = "silu"

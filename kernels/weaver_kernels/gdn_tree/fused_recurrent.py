@@ -4,7 +4,8 @@ A tree of one node that is committed at once needs neither the verify's intermed
 value head, ``S ← exp(g) S``, ``u = β (v − kᵀS)``, ``S ← S + k uᵀ``, ``o = scale · qᵀS`` read and write the state
 once, in one launch instead of verify + commit (≈ 11 µs per layer at Qwen3.6-27B shape on the H200, 48 layers per AR
 step). With ``norm_weight`` the program owns a whole value head (BV ≥ V) and also applies the layer's gated RMSNorm
-(Qwen3.5 ``RMSNormGated``, rounding points of ``rms_norm.naive``), which saves the norm's launch as well.
+(Qwen3.5 ``RMSNormGated``, rounding points of ``rms_norm.naive``), which saves the norm's launch as well; with
+``A_log`` / ``dt_bias`` it forms the gates g and β from the raw projections, which saves their launch.
 
 Grid: (V / BV, B·HV). q/k/v/gate are read through strides (views of the in_proj / conv outputs; last dim
 contiguous); the state is fp32 ``[B, HV, K, V]`` contiguous. Accumulation in fp32.
@@ -33,10 +34,10 @@ def _rsum(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, scale, eps,
+def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_bias, scale, eps,
                        sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sg_b, sb_b, sz_b, sz_h, so_b, so_h,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, L2: tl.constexpr, NORM: tl.constexpr):
+                       BV: tl.constexpr, L2: tl.constexpr, NORM: tl.constexpr, RAW_GATES: tl.constexpr):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -51,6 +52,11 @@ def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, scale, eps
         kv = kv * (1.0 / tl.sqrt(_rsum(kv * kv, 0) + 1e-6))
     gv = tl.load(g + i_b * sg_b + i_hv).to(tl.float32)
     bv = tl.load(beta + i_b * sb_b + i_hv).to(tl.float32)
+    if RAW_GATES:  # g, beta hold the raw projections a, b: Qwen3.5's gating, as transformers computes it
+        x = gv + tl.load(dt_bias + i_hv).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))  # F.softplus
+        gv = -tl.exp(tl.load(a_log + i_hv).to(tl.float32)) * softplus
+        bv = (1.0 / (1.0 + tl.exp(-bv))).to(beta.dtype.element_ty).to(tl.float32)  # sigmoid in b's dtype
     vv = tl.load(v + i_b * sv_b + i_hv * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
     s_ptr = state + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
@@ -78,11 +84,13 @@ def _heads(x: torch.Tensor, name: str) -> torch.Tensor:
 def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       state: torch.Tensor, norm_weight: torch.Tensor | None = None, gate: torch.Tensor | None = None,
                       scale: float | None = None, eps: float = 1e-6, use_qk_l2norm_in_kernel: bool = False,
+                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                       *, BV: int | None = None, num_warps: int | None = None, out: torch.Tensor | None = None
                       ) -> torch.Tensor:
     """Triton version of :func:`~weaver_kernels.gdn_tree.naive.gdn_decode_ref`: q, k ``[B, 1, H, K]``, v (and
     gate) ``[B, 1, HV, V]``, g, beta ``[B, 1, HV]``; advances ``state`` in place; returns o ``[B, 1, HV, V]``
-    (written into ``out`` when given, contiguous)."""
+    (written into ``out`` when given, contiguous). With ``A_log`` and ``dt_bias`` (``[HV]``), g and beta are the raw
+    gate projections a and b and the kernel forms the gates itself (one launch fewer per layer)."""
     B, _, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if HV % H:
@@ -91,6 +99,11 @@ def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         raise ValueError("state must be a contiguous fp32 [B, HV, K, V] tensor")
     q, k, v = _heads(q, "q"), _heads(k, "k"), _heads(v, "v")
     g, beta = g.reshape(B, HV).contiguous(), beta.reshape(B, HV).contiguous()
+    raw = A_log is not None
+    if raw != (dt_bias is not None):
+        raise ValueError("gdn_decode: A_log and dt_bias go together")
+    if raw and (A_log.numel() != HV or dt_bias.numel() != HV):
+        raise ValueError(f"gdn_decode: A_log and dt_bias must hold {HV} values (one per value head)")
     norm = norm_weight is not None
     if norm:
         gate = _heads(gate, "gate")
@@ -108,9 +121,11 @@ def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     with launch_ctx(_INTERPRET):
         _gdn_decode_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, g, beta, state, o, z, norm_weight if norm else state,
+            A_log.contiguous() if raw else state, dt_bias.contiguous() if raw else state,
             float(K ** -0.5 if scale is None else scale), float(eps),
             q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), g.stride(0),
             beta.stride(0), z.stride(0), z.stride(2), o.stride(0), o.stride(2),
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2=bool(use_qk_l2norm_in_kernel), NORM=norm, num_warps=num_warps,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2=bool(use_qk_l2norm_in_kernel), NORM=norm, RAW_GATES=raw,
+            num_warps=num_warps,
         )
     return o

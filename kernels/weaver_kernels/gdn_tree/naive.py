@@ -9,6 +9,7 @@ shared by the batch. Everything is computed in fp32.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..rms_norm.naive import GATED, rms_norm_ref
 
@@ -123,11 +124,21 @@ def gdn_recurrent_ref(q, k, v, g, beta, initial_state, scale=None, use_qk_l2norm
 
 
 def gdn_decode_ref(q, k, v, g, beta, state, norm_weight=None, gate=None, scale=None, eps=1e-6,
-                   use_qk_l2norm_in_kernel=False):
+                   use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None):
     """One committed token (``T = 1``): returns o ``[B, 1, HV, V]`` and advances ``state`` in place. With
-    ``norm_weight``, o goes through the gated RMSNorm (``rms_norm.naive``, kind GATED) with ``gate [B, 1, HV, V]``."""
+    ``norm_weight``, o goes through the gated RMSNorm (``rms_norm.naive``, kind GATED) with ``gate [B, 1, HV, V]``.
+    With ``A_log`` and ``dt_bias`` (``[HV]``), ``g`` and ``beta`` are the raw gate projections a and b, and the gates
+    are Qwen3.5's: ``g = −exp(A_log) · softplus(a + dt_bias)`` (fp32 at least), ``β = sigmoid(b)`` in b's dtype."""
+    if A_log is not None:
+        g, beta = gdn_gates(g, beta, A_log, dt_bias)
     o, new = gdn_recurrent_ref(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel)
     state.copy_(new)
     if norm_weight is not None:
         o = rms_norm_ref(o, norm_weight, gate, eps, GATED)
     return o
+
+
+def gdn_gates(a, b, A_log, dt_bias):
+    """Qwen3.5's Gated DeltaNet gates from the raw projections, as transformers computes them: ``(g, β)``."""
+    acc = torch.promote_types(a.dtype, torch.float32)
+    return -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias), b.sigmoid()
