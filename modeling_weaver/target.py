@@ -282,8 +282,8 @@ class GatedDeltaNetLayerCache:
     The tree ops are the seams in :mod:`weaver_kernels` (Triton on CUDA, torch reference elsewhere).
     """
 
-    # the one-token step hands the raw gate projections to the decode kernel (False: the gates as their own
-    # launch, as the tree pass has them; ``scripts/profile_ar_step.py --gates-ab`` times both)
+    # the GDN ops get the raw gate projections and form the gates in their kernels (False: the gates as their own
+    # launch; ``scripts/profile_ar_step.py --gates-ab`` times both in the AR step)
     gates_in_kernel = True
 
     def __init__(self, gdn: torch.nn.Module, device, dtype):
@@ -302,6 +302,14 @@ class GatedDeltaNetLayerCache:
         mixed, z, b, a = self.in_proj(h)
         return mixed, z.reshape(1, h.shape[1], -1, self.gdn.head_v_dim), b, a
 
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """What the GDN ops take for the gates: ``(a, b, {A_log, dt_bias})`` — the raw projections, formed into g and
+        β inside the op's kernel (no launch of their own) — or, without :attr:`gates_in_kernel`, ``(g, β, {})``."""
+        gdn = self.gdn
+        if self.gates_in_kernel:
+            return a, b, dict(A_log=gdn.A_log, dt_bias=gdn.dt_bias)
+        return *weaver_kernels.gdn_gates(a, b, gdn.A_log, gdn.dt_bias), {}
+
     def _heads(self, conv: torch.Tensor):
         gdn, N = self.gdn, conv.shape[1]
         q, k, v = conv.split([gdn.key_dim, gdn.key_dim, gdn.value_dim], dim=-1)
@@ -315,13 +323,13 @@ class GatedDeltaNetLayerCache:
     def forward_tree(self, h: torch.Tensor, tree_mask: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         gdn = self.gdn
         mixed, z, b, a = self._inputs(h)
-        g, beta = weaver_kernels.gdn_gates(a, b, gdn.A_log, gdn.dt_bias)
         conv = weaver_kernels.conv_tree(
             mixed, self.window, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias, parents, activation=gdn.activation
         )
         q, k, v = self._heads(conv)
+        g, beta, raw = self._gates(a, b)
         o, u, gamma = weaver_kernels.gdn_tree_verify(
-            q, k, v, g, beta, self.state, tree_mask, use_qk_l2norm_in_kernel=True
+            q, k, v, g, beta, self.state, tree_mask, use_qk_l2norm_in_kernel=True, **raw
         )
         self.pending = (mixed, k, u, gamma)
         return self._output(o, z)
@@ -334,10 +342,7 @@ class GatedDeltaNetLayerCache:
         conv = weaver_kernels.conv_decode(mixed, self.window, gdn.conv1d.weight.squeeze(1), gdn.conv1d.bias,
                                           activation=gdn.activation)
         q, k, v = self._heads(conv)
-        if self.gates_in_kernel:  # the raw projections go in: the kernel forms the gates (no launch of their own)
-            g, beta, raw = a, b, dict(A_log=gdn.A_log, dt_bias=gdn.dt_bias)
-        else:
-            (g, beta), raw = weaver_kernels.gdn_gates(a, b, gdn.A_log, gdn.dt_bias), {}
+        g, beta, raw = self._gates(a, b)
         if self.norm_in_kernel:
             o = weaver_kernels.gdn_decode(q, k, v, g, beta, self.state, norm_weight=self.norm.weight, gate=z,
                                           eps=self.norm.eps, use_qk_l2norm_in_kernel=True, **raw)

@@ -88,11 +88,28 @@ def ik():
     )
 
 
+def raw_gate_inputs(B, T, HV, dtype, device, seed):
+    """Raw gate projections a, b ``[B, T, HV]`` and A_log, dt_bias ``[HV]``: a around the softplus's both regimes
+    and past its threshold of 20 (head 0, with a decay slow enough to show there), b of either sign."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    a = torch.randn(B, T, HV, generator=gen) * 12
+    a[..., 0], a[..., -1] = 25.0, -30.0
+    b = torch.randn(B, T, HV, generator=gen) * 3
+    A_log, dt_bias = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
+    A_log[0] = -3.0  # head 0 decays by exp(-0.05 (25 + dt_bias)) per node: visible
+    return a.to(device, dtype), b.to(device, dtype), A_log.to(device), dt_bias.to(device)
+
+
 def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu", BV=None, leaf=None, BC=None,
-                   num_warps=4, impl=None, BT=16, precision="ieee"):
-    """Verify (poisoned outputs) and commit against fp64 references; return the errors."""
+                   num_warps=4, impl=None, BT=16, precision="ieee", raw_gates=False):
+    """Verify (poisoned outputs) and commit against fp64 references; return the errors. ``raw_gates``: the kernel
+    forms g and β from raw projections; the references get the gates from ``gdn_gates`` on the same inputs."""
     T = len(parents)
     q, k, v, g, beta, S0 = gdn_inputs(B, T, H, HV, K, V, dtype, device, seed, l2)
+    gates = {}
+    if raw_gates:
+        g, beta, A_log, dt_bias = raw_gate_inputs(B, T, HV, dtype, device, seed)
+        gates = dict(A_log=A_log, dt_bias=dt_bias)
     M = ancestor_mask(parents, device)
     o = torch.full((B, T, HV, V), float("nan"), dtype=dtype, device=device)
     u = torch.full((B, T, HV, V), float("nan"), dtype=torch.float32, device=device)
@@ -104,9 +121,13 @@ def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu"
         kw["BT"] = BT
     if precision != "ieee":
         kw["inverse_precision"] = precision
-    chunk.gdn_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=l2, o=o, u=u, gamma=gm, **kw)
+    chunk.gdn_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=l2, o=o, u=u, gamma=gm, **kw,
+                                 **gates)
     assert not o.isnan().any() and not u.isnan().any() and not gm.isnan().any(), "outputs not fully written"
     d = lambda t: t.double()  # noqa: E731
+    if raw_gates:  # β rounded to the inputs' dtype, as the kernel and the module round it
+        g, beta = wk.gdn_gates(d(g), d(beta), d(gates["A_log"]), d(gates["dt_bias"]))
+        beta = beta.to(dtype)
     ro, ru, rg = gdn_tree_verify_ref(d(q), d(k), d(v), d(g), d(beta), d(S0), M, use_qk_l2norm_in_kernel=l2)
     err = {"o": rel_rms(o, ro), "u": rel_rms(u, ru), "gamma": rel_rms(gm, rg)}
 
@@ -416,6 +437,17 @@ def test_gdn_tree_column_chunks_interpreter(ik, impl):
         _assert_errs(err, torch.float32)
 
 
+@pytest.mark.parametrize("impl", ["fused", "split"])
+def test_gdn_tree_raw_gates_interpreter(ik, impl):
+    """The gates formed from the raw projections (as transformers forms them) on a 20-node tree over two row blocks
+    and a chain; fp32 (the interpreter truncates where the GPU rounds β to 16 bits: the GPU test at real shape)."""
+    rng = random.Random(13)
+    for parents in (random_parents(20, rng), chain_parents(18)):
+        err = check_gdn_tree(ik.chunk, parents, 2, 1, 2, 16, 16, torch.float32, True, seed=13, impl=impl,
+                             raw_gates=True)
+        _assert_errs(err, torch.float32)
+
+
 def test_gdn_tree_every_leaf_interpreter(ik):
     """Commit at every node of one tree (all accepted-path lengths, including the root alone)."""
     rng = random.Random(11)
@@ -613,14 +645,9 @@ def check_gdn_decode(fr, B, H, HV, K, V, dtype, norm, seed=0, device="cpu", BV=N
     weight, gate = torch.randn(V, generator=gen), torch.randn(B, 1, HV, V, generator=gen)
     weight, gate = (weight.to(device, dtype), gate.to(device, dtype)) if norm else (None, None)
     gates = ()
-    if raw_gates:  # a around the softplus's both regimes and past its threshold of 20, b of either sign
-        a = (torch.randn(B, 1, HV, generator=gen) * 12).to(device, dtype)
-        a[..., 0], a[..., -1] = 25.0, -30.0
-        b = (torch.randn(B, 1, HV, generator=gen) * 3).to(device, dtype)
-        A_log, dt_bias = torch.randn(HV, generator=gen).to(device), torch.randn(HV, generator=gen).to(device)
-        A_log[0] = -3.0  # head 0 (a = 25: past the threshold) decays by exp(-0.05 (25 + dt_bias)): visible
+    if raw_gates:
+        g, beta, A_log, dt_bias = raw_gate_inputs(B, 1, HV, dtype, device, seed)
         gates = (A_log, dt_bias)
-        g, beta = a, b
     S = S0.clone()
     out = torch.full((B, 1, HV, V), float("nan"), dtype=dtype, device=device)
     o = fr.gdn_decode_triton(q, k, v, g, beta, S, weight, gate, None, 1e-6, True, *gates, BV=BV, out=out)
@@ -730,7 +757,9 @@ def test_custom_ops_opcheck():
     a = _op_inputs()
     o, u, gm = wk.gdn_tree_verify(a.q, a.k, a.v, a.g, a.beta, a.S0, a.M, use_qk_l2norm_in_kernel=True)
     torch.library.opcheck(torch.ops.weaver.gdn_tree_verify.default,
-                          (a.q, a.k, a.v, a.g, a.beta, a.S0, a.M, 0.25, True))
+                          (a.q, a.k, a.v, a.g, a.beta, a.S0, a.M, 0.25, True, None, None))
+    torch.library.opcheck(torch.ops.weaver.gdn_tree_verify.default,
+                          (a.q, a.k, a.v, a.g, a.beta, a.S0, a.M, 0.25, True, torch.randn(2), torch.randn(2)))
     torch.library.opcheck(torch.ops.weaver.gdn_tree_commit.default, (a.S0.clone(), a.k, u, gm, a.path, True))
     torch.library.opcheck(torch.ops.weaver.conv_tree.default, (a.x, a.window, a.weight, a.bias, a.parents, "silu"))
     torch.library.opcheck(torch.ops.weaver.conv_tree.default, (a.x, a.window, a.weight, None, a.parents, None))
@@ -975,6 +1004,21 @@ def test_gdn_tree_real_shape_gpu(T, kind, dtype, impl):
     err = check_gdn_tree(chunk, parents, 1, REAL["H"], REAL["HV"], REAL["K"], REAL["V"], dtype, True, seed=T,
                          device="cuda", BV=None if dtype == torch.bfloat16 else 32, impl=impl)
     print(f"\n[gpu] gdn {impl} {kind} T={T} {dtype}: " + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
+    _assert_errs(err, dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("T", [37, 65])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gdn_tree_raw_gates_gpu(T, dtype):
+    """The gates formed in the verify kernel from the raw projections at real shape (β rounded to 16 bits here)."""
+    from weaver_kernels.gdn_tree import chunk
+
+    parents = _tree("best_first", T, random.Random(T))
+    err = check_gdn_tree(chunk, parents, 1, REAL["H"], REAL["HV"], REAL["K"], REAL["V"], dtype, True, seed=T,
+                         device="cuda", BV=32, impl="fused", raw_gates=True)
+    print(f"\n[gpu] gdn raw gates T={T} {dtype}: " + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
     _assert_errs(err, dtype)
 
 

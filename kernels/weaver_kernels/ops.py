@@ -46,17 +46,20 @@ def _gdn_tree_verify_op(
     tree_mask: Tensor,
     scale: float,
     use_qk_l2norm_in_kernel: bool,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    args = (q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel)
     if q.is_cuda:
         from .gdn_tree.chunk import gdn_tree_verify_triton
 
-        return gdn_tree_verify_triton(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel)
-    o, u, gamma = gdn_tree_verify_ref(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel)
+        return gdn_tree_verify_triton(*args, A_log=A_log, dt_bias=dt_bias)
+    o, u, gamma = gdn_tree_verify_ref(*args, A_log=A_log, dt_bias=dt_bias)
     return _contig(o), _contig(u), _contig(gamma)
 
 
 @_gdn_tree_verify_op.register_fake
-def _(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel):
+def _(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel, A_log, dt_bias):
     B, T, HV, V = v.shape
     acc = torch.promote_types(v.dtype, torch.float32)
     return v.new_empty((B, T, HV, V)), v.new_empty((B, T, HV, V), dtype=acc), v.new_empty((B, T, HV), dtype=acc)
@@ -225,16 +228,22 @@ def gdn_tree_verify(
     tree_mask: Tensor,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Tree gated delta rule from the committed state; writes no state. See ``gdn_tree.naive.gdn_tree_verify_ref``.
 
     Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32, ``gamma [B, T, HV]`` fp32.
-    CUDA: one Triton launch, T ≤ 256 nodes (``gdn_tree.chunk.MAX_NODES``).
+    CUDA: one Triton launch, T ≤ 256 nodes (``gdn_tree.chunk.MAX_NODES``). With ``A_log`` and ``dt_bias``
+    (``[HV]``), ``g`` and ``beta`` are the raw gate projections a and b, and the gates are formed in the same launch
+    (Qwen3.5's, :func:`~weaver_kernels.gdn_gates`).
     """
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("gdn_tree_verify: A_log and dt_bias go together")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return torch.ops.weaver.gdn_tree_verify(
-        q, k, v, g, beta, initial_state, tree_mask, float(scale), bool(use_qk_l2norm_in_kernel)
+        q, k, v, g, beta, initial_state, tree_mask, float(scale), bool(use_qk_l2norm_in_kernel), A_log, dt_bias
     )
 
 

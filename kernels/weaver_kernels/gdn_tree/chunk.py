@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..utils import is_interpret, launch_ctx, next_pow2
+from .naive import gdn_gates
 
 MAX_NODES = 256
 # T at or above which gdn_tree_verify_triton uses the split (3-launch) form by default. Measured on the H200 (run 2,
@@ -65,6 +66,15 @@ def _add(a, b):
 def _rsum(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _add)
 
+
+@triton.jit
+def _decay(a, a_log, dt_bias, i_hv):
+    """Qwen3.5's g of value head ``i_hv`` from the raw projection a: −exp(A_log) · softplus(a + dt_bias)
+    (F.softplus: linear past 20)."""
+    x = a + tl.load(dt_bias + i_hv).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+    return -tl.exp(tl.load(a_log + i_hv).to(tl.float32)) * softplus
+
 # Candidate configs (tests exercise all of them; scripts/bench_kernels.py can sweep them). The default is one config,
 # not an autotuner sweep: Triton's autotuner times eager launches, which at these ~5-60 µs kernels mostly measures
 # host launch overhead and picked a 2-wave config at T=16 on the H200 (12.2 µs instead of 7.6). BV=32 / 4 warps
@@ -83,7 +93,7 @@ else:
 
 @triton.jit
 def _gdn_tree_verify_kernel(
-    q, k, v, g, beta, s0, tmask, o, u, gamma,
+    q, k, v, g, beta, s0, tmask, o, u, gamma, a_log, dt_bias,
     T, scale,
     sq_b, sq_t, sq_h,
     sk_b, sk_t, sk_h,
@@ -93,6 +103,7 @@ def _gdn_tree_verify_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr,
     BC: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, INV_PREC: tl.constexpr,
+    RAW_GATES: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -122,6 +133,8 @@ def _gdn_tree_verify_kernel(
     gm_base = gamma + i_b64 * T * HV + i_hv
 
     g_all = tl.load(g_base + o_n * sg_t, mask=m_n, other=0.0).to(tl.float32)
+    if RAW_GATES:  # g holds the raw projection a (beta: b, per block below)
+        g_all = tl.where(m_n, _decay(g_all, a_log, dt_bias, i_hv), 0.0)
     # committed state tile [BK, BV], read once
     S = tl.load(s_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
 
@@ -144,6 +157,8 @@ def _gdn_tree_verify_kernel(
             q_i = q_i.to(tl.float32)
         v_i = v_i.to(tl.float32)
         b_i = b_i.to(tl.float32)
+        if RAW_GATES:  # β = sigmoid(b) in b's dtype, as the module computes it
+            b_i = tl.where(m_r, (1.0 / (1.0 + tl.exp(-b_i))).to(beta.dtype.element_ty).to(tl.float32), 0.0)
 
         # Γ of this block's rows (path sums: ancestor-mask row · g). Every program writes the same values to
         # `gamma`; later blocks read earlier rows back from there (after the barrier at the loop end).
@@ -533,6 +548,8 @@ def gdn_tree_verify_triton(
     o: torch.Tensor | None = None,
     u: torch.Tensor | None = None,
     gamma: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`~weaver_kernels.gdn_tree.naive.gdn_tree_verify_ref` (same shapes and outputs).
 
@@ -545,7 +562,9 @@ def gdn_tree_verify_triton(
     64; fewer, larger blocks shorten the serial chain at the cost of a larger diagonal inverse). ``inverse_precision``: of
     the fused kernel's diagonal inverse and solve dots (``"ieee"``: fp32 FMAs; ``"tf32x3"``: fp32-accurate on tensor
     cores; ``"tf32"``). ``o``/``u``/``gamma`` may be given as preallocated
-    contiguous outputs (static buffers for CUDA graphs; poisoned buffers in tests).
+    contiguous outputs (static buffers for CUDA graphs; poisoned buffers in tests). With ``A_log`` and ``dt_bias``
+    (``[HV]``), ``g`` and ``beta`` are the raw gate projections a and b: the fused kernel forms the gates itself
+    (:func:`~weaver_kernels.gdn_tree.naive.gdn_gates`' formula; the split form gets them from that function).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -556,6 +575,11 @@ def gdn_tree_verify_triton(
     if tuple(tree_mask.shape) != (T, T):
         raise ValueError(f"tree_mask must be [{T}, {T}], got {tuple(tree_mask.shape)}")
     scale = K**-0.5 if scale is None else float(scale)
+    raw = A_log is not None
+    if raw != (dt_bias is not None):
+        raise ValueError("gdn_tree_verify: A_log and dt_bias go together")
+    if raw and (A_log.numel() != HV or dt_bias.numel() != HV):
+        raise ValueError(f"gdn_tree_verify: A_log and dt_bias must hold {HV} values (one per value head)")
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
     s0 = initial_state.contiguous()
     mask = tree_mask.contiguous()
@@ -580,7 +604,8 @@ def gdn_tree_verify_triton(
         DOT_F32=_INTERPRET or q.dtype == torch.float32,
     )
     args = (
-        q, k, v, g, beta, s0, mask, o, u, gamma, T, scale,
+        q, k, v, g, beta, s0, mask, o, u, gamma, A_log.contiguous() if raw else s0,
+        dt_bias.contiguous() if raw else s0, T, scale,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -590,6 +615,8 @@ def gdn_tree_verify_triton(
     if impl is None:
         impl = "split" if T >= SPLIT_MIN_NODES else "fused"
     if impl == "split":
+        if raw:  # the split kernels take formed gates
+            g, beta = gdn_gates(g, beta, A_log, dt_bias)
         _verify_split(q, k, v, g, beta, s0, mask, o, u, gamma, T, scale, common, BV, num_warps)
         return o, u, gamma
     if impl != "fused":
@@ -600,10 +627,11 @@ def gdn_tree_verify_triton(
     with launch_ctx(_INTERPRET):
         if BV is None:
             grid = lambda meta: (triton.cdiv(V, meta["BV"]), B * HV)  # noqa: E731
-            _gdn_tree_verify_autotuned[grid](*args, **common, INV_PREC=inverse_precision)
+            _gdn_tree_verify_autotuned[grid](*args, **common, INV_PREC=inverse_precision, RAW_GATES=raw)
         else:
             _gdn_tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
-                *args, **common, BV=BV, num_warps=num_warps, num_stages=1, INV_PREC=inverse_precision
+                *args, **common, BV=BV, num_warps=num_warps, num_stages=1, INV_PREC=inverse_precision,
+                RAW_GATES=raw,
             )
     return o, u, gamma
 

@@ -34,6 +34,15 @@ def _rsum(x, axis: tl.constexpr):
 
 
 @triton.jit
+def _decay(a, a_log, dt_bias, i_hv):
+    """Qwen3.5's g of value head ``i_hv`` from the raw projection a: −exp(A_log) · softplus(a + dt_bias)
+    (F.softplus: linear past 20)."""
+    x = a + tl.load(dt_bias + i_hv).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+    return -tl.exp(tl.load(a_log + i_hv).to(tl.float32)) * softplus
+
+
+@triton.jit
 def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_bias, scale, eps,
                        sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sg_b, sb_b, sz_b, sz_h, so_b, so_h,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
@@ -52,10 +61,8 @@ def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_
         kv = kv * (1.0 / tl.sqrt(_rsum(kv * kv, 0) + 1e-6))
     gv = tl.load(g + i_b * sg_b + i_hv).to(tl.float32)
     bv = tl.load(beta + i_b * sb_b + i_hv).to(tl.float32)
-    if RAW_GATES:  # g, beta hold the raw projections a, b: Qwen3.5's gating, as transformers computes it
-        x = gv + tl.load(dt_bias + i_hv).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))  # F.softplus
-        gv = -tl.exp(tl.load(a_log + i_hv).to(tl.float32)) * softplus
+    if RAW_GATES:  # g, beta hold the raw projections a, b: Qwen3.5's gates, as transformers computes them
+        gv = _decay(gv, a_log, dt_bias, i_hv)
         bv = (1.0 / (1.0 + tl.exp(-bv))).to(beta.dtype.element_ty).to(tl.float32)  # sigmoid in b's dtype
     vv = tl.load(v + i_b * sv_b + i_hv * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
     s_ptr = state + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]

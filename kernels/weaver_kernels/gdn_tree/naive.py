@@ -41,12 +41,17 @@ def gdn_tree_verify_ref(
     tree_mask: torch.Tensor,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Outputs of every tree node from the committed state, without writing any state.
 
     Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32 (the solved deltas) and
-    ``gamma [B, T, HV]`` fp32 (path sums of g); ``u`` and ``gamma`` are what the commit needs.
+    ``gamma [B, T, HV]`` fp32 (path sums of g); ``u`` and ``gamma`` are what the commit needs. With ``A_log`` and
+    ``dt_bias`` (``[HV]``), ``g`` and ``beta`` are the raw gate projections a and b (:func:`gdn_gates`).
     """
+    if A_log is not None:
+        g, beta = gdn_gates(g, beta, A_log, dt_bias)
     B, T, H, K = q.shape
     HV = v.shape[2]
     if HV % H:
