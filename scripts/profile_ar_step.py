@@ -17,7 +17,7 @@
    ``--tree-nodes`` nodes, and each ``--proposer``'s draft + tree; each as a fraction of the AR step (issue 5's
    "verify ≤ 1.25 AR step", "draft + tree ≤ 15 % of an AR step").
 6. With ``--gates-ab``: the AR step's graph timed as in 5 with the GDN gates (g, β) as their own launch and formed
-   inside the one-token decode kernel (:attr:`~modeling_weaver.target.GatedDeltaNetLayerCache.gates_in_kernel`).
+   inside the GDN kernels (:attr:`~modeling_weaver.target.GatedDeltaNetLayerCache.gates_in_kernel`).
 """
 import argparse
 import time
@@ -67,7 +67,7 @@ def graph_gap(target, ids, target_step: str, ar, reps: int) -> None:
     """The AR loop's time per token against its graph's, in one process: the graph replayed back to back, also with
     the loop's per-step device work (summary copy to pinned memory, event record), from the prompt's end; then
     ``autoregressive_generate`` itself, ms between the host's token reads (mean and median over tokens 16..) in a
-    generation long enough to run in ``ar``'s cache bucket."""
+    generation that fills ``ar``'s cache bucket (a shorter one could run in a smaller bucket: another step)."""
     step = ar.ar_step()
     graph, summary = step._graph
     host = torch.zeros(1, dtype=torch.long, pin_memory=True)
@@ -84,17 +84,18 @@ def graph_gap(target, ids, target_step: str, ar, reps: int) -> None:
         end.synchronize()
         return start.elapsed_time(end) / reps
 
-    def generate(tokens: int, streamer=None):  # leaves the caches after `tokens` new ones
-        autoregressive_generate(target, ids, tokens, eos_token_id=[], target_step=target_step, streamer=streamer)
+    def restart():  # the caches back at the prompt's end, the step seeded
+        ar.adapter.reset()
+        ar.prefill(ids[0])
+        step.seed(int(ids[0, -1]))
 
-    generate(reps)
+    restart()
     back_to_back = graph_replay_ms(graph, reps)[0]
-    generate(reps)
+    restart()
     with_copies = copies_and_events(reps)
-    # a smaller generation would run in a smaller bucket: another step object
-    tokens = max(8 * reps, ar.adapter.max_length // 2 - ids.shape[1] + 8)
+    tokens = ar.adapter.max_length - ids.shape[1] - 1
     clock = TokenClock()
-    generate(tokens, clock)
+    autoregressive_generate(target, ids, tokens, eos_token_id=[], target_step=target_step, streamer=clock)
     gaps = sorted(1e3 * (b - a) for a, b in zip(clock.times[16:], clock.times[17:]))
     print(f"\n## AR step, ms per token: graph back to back {back_to_back:.3f}, with the summary copy and event "
           f"{with_copies:.3f}; autoregressive_generate of {tokens} tokens between token reads: mean "
@@ -114,7 +115,7 @@ def main():
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--graphs", action="store_true", help="each phase alone in a CUDA graph (section 5)")
     parser.add_argument("--gates-ab", action="store_true",
-                        help="the AR step's graph with the GDN gates as their own launch and formed in the decode "
+                        help="the AR step's graph with the GDN gates as their own launch and formed in the GDN "
                              "kernel, side by side (section 6)")
     parser.add_argument("--graph-runs", type=int, default=7)
     parser.add_argument("--max-length", type=int, default=0,
@@ -126,7 +127,8 @@ def main():
     target, drafter, weaver = random_models(args.shape, torch.device("cuda"), torch.bfloat16)
     ids = random_prompt(target, args.prompt_length)
     # One cache bucket (a power of two) for every call below, so that no timed call allocates, compiles or captures.
-    max_length = cache_bucket(max(args.max_length, args.prompt_length + 4 * args.tokens
+    # (the AR graph's timings replay graph_runs * 4 * tokens steps from the prompt's end)
+    max_length = cache_bucket(max(args.max_length, args.prompt_length + args.graph_runs * 4 * args.tokens
                                   + max(64, (args.tree_nodes or 0) + 4 * (args.tokens + 1))))
     new_tokens = max_length - args.prompt_length - 1  # autoregressive_generate's capacity: prompt + new + 1
 
@@ -153,8 +155,8 @@ def main():
     target_step = "compiled" if compile else "graph"
 
     def captured_ar():
-        """The AR steps' :class:`StaticTarget`, its fused step's CUDA graph (verify + commit + argmax) captured by a
-        generation, after a prefill."""
+        """The AR steps' :class:`StaticTarget`, its fused step's CUDA graph (the one-token pass + argmax) captured by
+        a generation, after a prefill."""
         autoregressive_generate(target, ids, new_tokens, eos_token_id=[], target_step=target_step)  # captures
         ar = static_target(target, max_length, 1, capture=True, compile=compile)
         ar.prefill(ids[0])
@@ -184,10 +186,10 @@ def main():
             release_static_targets(target)  # a new step, compiled and captured with this form
             times[in_kernel] = timed(captured_ar().ar_step()._graph[0])
         print(f"\n## AR step graph, GPU ms per replay: GDN gates as their own launch {times[False]:.3f}, formed in "
-              f"the decode kernel {times[True]:.3f} ({times[True] - times[False]:+.3f})")
+              f"the GDN kernel {times[True]:.3f} ({times[True] - times[False]:+.3f})")
 
     if args.graphs:
-        phases = [("AR step (verify + commit + argmax)", timed(captured_ar().ar_step()._graph[0]))]
+        phases = [("AR step (one-token pass + argmax)", timed(captured_ar().ar_step()._graph[0]))]
         if n:
             tree_graph = static_target(target, max_length, n, capture=True, compile=compile)
             tree_graph.prefill(ids[0])

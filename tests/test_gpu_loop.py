@@ -95,17 +95,17 @@ def test_graph_steps_allocate_nothing_per_step_and_capture_once():
     kwargs = dict(drafter=drafter, weaver=weaver, mode="weaver", tree_budget=12, target_step="graph")
     speculative_generate(target, ids, max_new_tokens=1100, **kwargs)  # warm-up: captures (cache bucket 2048)
     torch.cuda.synchronize()
-    draft = next(v for k, v in _STATIC_TARGETS[drafter].items() if k[0] == "draft")
-
     def fused_graphs():  # greedy steps are fused ones from the first step on: their graph is the one to keep
-        return [step._graph[0] for key, step in draft._steps.items() if key[0] == "fused"]
+        draft = next(v for k, v in _STATIC_TARGETS[drafter].items() if k[0] == "draft")
+        return draft, [step._graph[0] for key, step in draft._steps.items() if key[0] == "fused"]
 
-    graphs = fused_graphs()
+    draft, graphs = fused_graphs()
     before = torch.cuda.memory_allocated()
     speculative_generate(target, ids, max_new_tokens=1500, **kwargs)  # same bucket: same buffers and graphs
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 1 << 20  # per-call scratch only, no per-step growth
-    assert draft.capture and len(graphs) == 1 and fused_graphs()[0] is graphs[0]
+    draft_after, graphs_after = fused_graphs()
+    assert draft.capture and draft_after is draft and len(graphs) == 1 and graphs_after == graphs
 
 
 def test_stopping_rules_read_host_ids():

@@ -88,12 +88,15 @@ def ik():
     )
 
 
-def raw_gate_inputs(B, T, HV, dtype, device, seed):
-    """Raw gate projections a, b ``[B, T, HV]`` and A_log, dt_bias ``[HV]``: a around the softplus's both regimes
-    and past its threshold of 20 (head 0, with a decay slow enough to show there), b of either sign."""
+def raw_gate_inputs(B, T, HV, dtype, device, seed, long_memory=False):
+    """Raw gate projections a, b ``[B, T, HV]`` and A_log, dt_bias ``[HV]``: a over both sides of the softplus
+    (head 0 at a = 25, with a decay slow enough to show there; the last head at −30), b of either sign.
+    ``long_memory``: every a in [−18, −6], where softplus is tiny and only log1p keeps its digits (decays near 1)."""
     gen = torch.Generator().manual_seed(seed + 2)
     a = torch.randn(B, T, HV, generator=gen) * 12
     a[..., 0], a[..., -1] = 25.0, -30.0
+    if long_memory:
+        a = -12.0 + 6.0 * (2 * torch.rand(B, T, HV, generator=gen) - 1)
     b = torch.randn(B, T, HV, generator=gen) * 3
     A_log, dt_bias = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen)
     A_log[0] = -3.0  # head 0 decays by exp(-0.05 (25 + dt_bias)) per node: visible
@@ -101,14 +104,15 @@ def raw_gate_inputs(B, T, HV, dtype, device, seed):
 
 
 def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu", BV=None, leaf=None, BC=None,
-                   num_warps=4, impl=None, BT=16, precision="ieee", raw_gates=False):
+                   num_warps=4, impl=None, BT=16, precision="ieee", raw_gates=False, long_memory=False):
     """Verify (poisoned outputs) and commit against fp64 references; return the errors. ``raw_gates``: the kernel
-    forms g and β from raw projections; the references get the gates from ``gdn_gates`` on the same inputs."""
+    forms g and β from raw projections (``raw_gate_inputs``); the references get the gates from ``gdn_gates`` on the
+    same inputs."""
     T = len(parents)
     q, k, v, g, beta, S0 = gdn_inputs(B, T, H, HV, K, V, dtype, device, seed, l2)
     gates = {}
     if raw_gates:
-        g, beta, A_log, dt_bias = raw_gate_inputs(B, T, HV, dtype, device, seed)
+        g, beta, A_log, dt_bias = raw_gate_inputs(B, T, HV, dtype, device, seed, long_memory)
         gates = dict(A_log=A_log, dt_bias=dt_bias)
     M = ancestor_mask(parents, device)
     o = torch.full((B, T, HV, V), float("nan"), dtype=dtype, device=device)
@@ -439,13 +443,18 @@ def test_gdn_tree_column_chunks_interpreter(ik, impl):
 
 @pytest.mark.parametrize("impl", ["fused", "split"])
 def test_gdn_tree_raw_gates_interpreter(ik, impl):
-    """The gates formed from the raw projections (as transformers forms them) on a 20-node tree over two row blocks
-    and a chain; fp32 (the interpreter truncates where the GPU rounds β to 16 bits: the GPU test at real shape)."""
+    """The gates formed from the raw projections (transformers' formula) on a 20-node tree over two row blocks and
+    a chain; fp32 (the interpreter truncates where the GPU rounds β to 16 bits: the GPU test at real shape). With
+    long-memory gates (tiny softplus) the path sums Γ keep fp32 accuracy: a log(1 + e) in place of log1p fails."""
     rng = random.Random(13)
     for parents in (random_parents(20, rng), chain_parents(18)):
         err = check_gdn_tree(ik.chunk, parents, 2, 1, 2, 16, 16, torch.float32, True, seed=13, impl=impl,
                              raw_gates=True)
         _assert_errs(err, torch.float32)
+    err = check_gdn_tree(ik.chunk, chain_parents(18), 1, 1, 2, 16, 16, torch.float32, True, seed=14, impl=impl,
+                         raw_gates=True, long_memory=True)
+    assert err["gamma"] <= 1e-6, err
+    _assert_errs(err, torch.float32)
 
 
 def test_gdn_tree_every_leaf_interpreter(ik):
@@ -679,9 +688,9 @@ def test_gdn_decode_interpreter(ik, shape, dtype, norm):
 
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "gated-norm"])
 def test_gdn_decode_raw_gates_interpreter(ik, norm):
-    """The gates formed in the kernel from the raw projections, as transformers forms them (softplus on both sides
-    of its threshold); grouped heads, a batch of two. fp32 only here: the interpreter truncates where the GPU rounds
-    β to b's dtype (16-bit inputs: the GPU test at real shape)."""
+    """The gates formed in the kernel from the raw projections (transformers' formula; a on both sides of the
+    softplus); grouped heads, a batch of two. fp32 only here: the interpreter truncates where the GPU rounds β to
+    b's dtype (16-bit inputs: the GPU test at real shape)."""
     err = check_gdn_decode(ik.decode, 2, 2, 4, 16, 32, torch.float32, norm, seed=5, raw_gates=True)
     assert err["o"] <= 1e-5 and err["state"] <= 1e-5, err
     with pytest.raises(ValueError, match="go together"):

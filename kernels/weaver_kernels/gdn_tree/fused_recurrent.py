@@ -35,11 +35,16 @@ def _rsum(x, axis: tl.constexpr):
 
 @triton.jit
 def _decay(a, a_log, dt_bias, i_hv):
-    """Qwen3.5's g of value head ``i_hv`` from the raw projection a: −exp(A_log) · softplus(a + dt_bias)
-    (F.softplus: linear past 20)."""
+    """Qwen3.5's g of value head ``i_hv`` from the raw projection a: −exp(A_log) · softplus(a + dt_bias).
+
+    softplus(x) = max(x, 0) + log1p(exp(−|x|)), log1p by Kahan's correction (no log1p builtin): a plain
+    log(1 + e) loses e's digits for x ≪ 0, where long-memory heads sit (1e-3 relative at x = −10, 0 below −17).
+    Past x ≈ 17 it is x in fp32, as F.softplus's linear branch."""
     x = a + tl.load(dt_bias + i_hv).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
-    return -tl.exp(tl.load(a_log + i_hv).to(tl.float32)) * softplus
+    e = tl.exp(-tl.abs(x))
+    u = 1.0 + e
+    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
+    return -tl.exp(tl.load(a_log + i_hv).to(tl.float32)) * (tl.maximum(x, 0.0) + log1p)
 
 
 @triton.jit
@@ -61,7 +66,7 @@ def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_
         kv = kv * (1.0 / tl.sqrt(_rsum(kv * kv, 0) + 1e-6))
     gv = tl.load(g + i_b * sg_b + i_hv).to(tl.float32)
     bv = tl.load(beta + i_b * sb_b + i_hv).to(tl.float32)
-    if RAW_GATES:  # g, beta hold the raw projections a, b: Qwen3.5's gates, as transformers computes them
+    if RAW_GATES:  # g, beta hold the raw projections a, b: Qwen3.5's gates (transformers' formula)
         gv = _decay(gv, a_log, dt_bias, i_hv)
         bv = (1.0 / (1.0 + tl.exp(-bv))).to(beta.dtype.element_ty).to(tl.float32)  # sigmoid in b's dtype
     vv = tl.load(v + i_b * sv_b + i_hv * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)

@@ -3,7 +3,8 @@
 Shapes follow fla (batch first, time second): q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g and beta ``[B, T, HV]``,
 state ``[B, HV, K, V]`` (fp32). ``HV`` is a multiple of ``H``: value head ``h`` reads q/k head ``h // (HV // H)``.
 The tree is an ancestor-or-self mask ``[T, T]`` over nodes in topological order (ancestors before descendants),
-shared by the batch. Everything is computed in fp32.
+shared by the batch. Everything is computed in fp32 (or the inputs' wider dtype); :func:`gdn_gates` keeps
+transformers' dtypes (β in b's dtype).
 """
 
 from __future__ import annotations
