@@ -51,25 +51,27 @@ class OracleRunner:
     probability ``agree`` and second otherwise, so long paths are accepted and branches matter."""
 
     def __init__(self, reference_ids: torch.Tensor, hidden_size: int, block_size: int = BLOCK, agree: float = 0.85,
-                 seed: int = 0):
+                 seed: int = 0, vocab: int = VOCAB, device="cpu"):
         self.ref = reference_ids[0].tolist()
         self.hidden_size, self.block_size, self.agree = hidden_size, block_size, agree
+        self.vocab, self.device = vocab, device
         self.gen = torch.Generator().manual_seed(seed)
         self.feature_layer_ids = [0, 1]
 
     def draft(self, bonus, context, n):
         assert bonus == self.ref[n], "the loop's bonus token must be the target's own choice"
-        depth = self.block_size - 1
-        logits = 0.1 * torch.randn(depth, VOCAB, generator=self.gen)
+        depth, vocab = self.block_size - 1, self.vocab
+        logits = 0.1 * torch.randn(depth, vocab, generator=self.gen)
         for j in range(depth):
             pos = n + 1 + j
-            true = self.ref[pos] if pos < len(self.ref) else int(torch.randint(VOCAB, (1,), generator=self.gen))
+            true = self.ref[pos] if pos < len(self.ref) else int(torch.randint(vocab, (1,), generator=self.gen))
             if float(torch.rand((), generator=self.gen)) < self.agree:
                 logits[j, true] += 6.0
             else:
-                logits[j, (true + 1 + int(torch.randint(VOCAB - 1, (1,), generator=self.gen))) % VOCAB] += 6.0
+                logits[j, (true + 1 + int(torch.randint(vocab - 1, (1,), generator=self.gen))) % vocab] += 6.0
                 logits[j, true] += 4.0
-        return torch.randn(depth, self.hidden_size, generator=self.gen), logits
+        hidden = torch.randn(depth, self.hidden_size, generator=self.gen)
+        return hidden.to(self.device), logits.to(self.device)
 
 
 def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=None, seed=0,
@@ -78,8 +80,10 @@ def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=N
     stopping = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + max_new_tokens)])
     if eos_token_id is not None:
         stopping.append(EosTokenCriteria(eos_token_id))
+    config = text_config(target.config)
+    runner = OracleRunner(ref.cpu(), config.hidden_size, seed=seed, vocab=config.vocab_size, device=ids.device)
     return _decode(
-        target, ids[0], runner=OracleRunner(ref, text_config(target.config).hidden_size, seed=seed), weaver=weaver,
+        target, ids[0], runner=runner, weaver=weaver,
         mode=mode, tree_budget=budget, max_new_tokens=max_new_tokens, processors=LogitsProcessorList(),
         do_sample=False, verification="target_only", stopping_criteria=stopping, streamer=None, generator=None,
         target_step=target_step,

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from test_generate import BLOCK, OracleRunner, make_drafters, prompts, reference
+from test_generate import make_drafters, prompts, reference, run_oracle
 from tiny_targets import TINY_TARGETS
 from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
@@ -30,20 +30,9 @@ def test_greedy_identity_on_gpu(name, mode, target_step):
                                    max_new_tokens=48, target_step=target_step)
         assert torch.equal(got, expected), (name, mode)
 
-        class CudaOracle(OracleRunner):
-            def draft(self, bonus, context, n):
-                hidden, logits = super().draft(bonus, context, n)
-                return hidden.cuda(), logits.cuda()
-
         with torch.no_grad():  # Weaver then follows the planted marginals (as in test_generate)
             weaver.lm_head_query_in.weight.zero_()
-        ref = reference(target, ids, 48 + 2 * BLOCK)
-        got, stats = _decode(
-            target, ids[0], runner=CudaOracle(ref.cpu(), text_config(target.config).hidden_size), weaver=weaver,
-            mode=mode, tree_budget=24, max_new_tokens=48, processors=LogitsProcessorList(), do_sample=False,
-            verification="target_only", stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + 48)]),
-            streamer=None, generator=None, target_step=target_step,
-        )
+        got, stats = run_oracle(target, weaver, ids, mode, 24, 48, target_step=target_step)
         assert torch.equal(got, expected), (name, mode, "oracle")
         assert stats.mean_accepted_length > 2.5
 
@@ -133,3 +122,33 @@ def test_stopping_rules_read_host_ids():
     )
     assert record.devices == {"cpu"} and got.device == ids.device
     assert torch.equal(got, reference(target, ids, 40))
+
+
+@pytest.mark.parametrize("target_step", ["graph", "compiled"])
+def test_smollm2_size_identity_on_gpu(target_step):
+    """A random-weight target at SmolLM2-135M-Instruct's shape (30 layers, hidden 576, vocab 49152) with random
+    drafters of its hub spec, fp32: our AR and the loop token-identical to transformers with captured steps (every
+    mode) and compiled ones (AR, Weaver: each compile costs tens of seconds at this size), at two prompt lengths;
+    with an oracle drafter (long accepted paths), captured steps."""
+    from modeling_weaver.benchmark import autoregressive_generate
+    from modeling_weaver.replay import random_models
+
+    target, drafter, weaver = random_models("smollm2-135m-instruct", torch.device("cuda"), torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    modes = MODES if target_step == "graph" else ("weaver",)
+    for length in (5, 40):
+        ids = torch.randint(0, text_config(target.config).vocab_size, (1, length), generator=gen).cuda()
+        expected = reference(target, ids, 40)
+        assert torch.equal(autoregressive_generate(target, ids, 40, target_step=target_step), expected), length
+        for mode in modes:
+            got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=16,
+                                       max_new_tokens=40, target_step=target_step)
+            assert torch.equal(got, expected), (mode, length)
+    if target_step == "graph":  # random drafters accept ~nothing: an oracle drafter commits deep paths too
+        with torch.no_grad():  # Weaver then follows the planted marginals (as in test_generate)
+            weaver.lm_head_query_in.weight.zero_()
+        for mode in ("ddtree", "weaver"):
+            got, stats = run_oracle(target, weaver, ids, mode, 24, 40, target_step="graph")
+            assert torch.equal(got, reference(target, ids, 40)), (mode, "oracle")
+            # (DDTree: 2.56 on CPU; 49152 tokens flatten the planted marginals)
+            assert stats.mean_accepted_length > 2.0, mode
