@@ -33,6 +33,7 @@ def _rsum(x, axis: tl.constexpr):
     return tl.reduce(x, axis, _add)
 
 
+# (the same helper as chunk.py's: a module calls only its own jit helpers, so each keeps a copy)
 @triton.jit
 def _decay(a, a_log, dt_bias, i_hv):
     """Qwen3.5's g of value head ``i_hv`` from the raw projection a: −exp(A_log) · softplus(a + dt_bias).
