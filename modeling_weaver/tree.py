@@ -271,7 +271,8 @@ def weaver_tree_tensors(
 
     The root is expanded first; then each round turns the ``width`` best frontier entries (cumulative log-prob) into
     tree nodes and runs one batched Weaver node step on them, which publishes each node's top ``children_per_node``
-    pool candidates (none for nodes at the maximum depth) to the frontier. ``ceil(budget / width)`` rounds fill the
+    pool candidates (none for nodes at the maximum depth) to the frontier — but for the nodes that fill the budget,
+    whose children could not join the tree. ``ceil(budget / width)`` rounds fill the
     budget (``width`` default: the widest that still leaves at least as many rounds as depths, so that a path can
     reach the maximum depth); missing nodes (an exhausted frontier) are padding roots. Every shape is fixed by
     ``budget`` and ``width`` and nothing waits for the host, so a captured step can include the whole build.
@@ -322,8 +323,9 @@ def weaver_tree_tensors(
     # so reads and writes of per-node rows are slices (views and plain copies instead of gathers and scatters). Its
     # bookkeeping — candidate scores, children to the frontier, the next nodes — is two weaver_kernels ops (two
     # Triton launches on CUDA instead of ~25 small kernels; the torch reference elsewhere).
+    # The nodes of the last round need no node step: no children of theirs can join a full tree.
     lo, hi = 0, 1
-    while True:
+    while hi < n:
         d = depth[lo:hi]
         x = weaver.node_inputs(embed_tokens(tokens[lo:hi]))
         query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), mask[None, lo:hi])[0]
@@ -331,7 +333,5 @@ def weaver_tree_tensors(
         take = min(width, n - hi)
         weaver_kernels.weaver_expand(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token,
                                      f_logq, lo, hi, take, max_depth)
-        if hi >= n:
-            break
         lo, hi = hi, hi + take
     return tokens[1:], parents[1:], logq[1:]

@@ -496,15 +496,22 @@ def test_candidate_logits_gather_pool_rows_only():
 @pytest.mark.parametrize("budget,width", [(12, None), (30, 4), (7, 3)])
 def test_weaver_drives_the_tree_builder(budget, width):
     """Fixed-size best-first tree; each node's logq is the Weaver's log-prob of its token given its own root path
-    (recomputed by teacher forcing the path in one call), so the batched rounds' cache and masks are right."""
+    (recomputed by teacher forcing the path in one call), so the batched rounds' cache and masks are right; one node
+    step per round of ``width`` new nodes and none for the nodes that fill the budget (ceil(budget / width) steps)."""
     torch.manual_seed(budget)
     weaver = make_weaver()
     embed, lm_head = torch.nn.Embedding(VOCAB, 40), torch.randn(VOCAB, 48)
     prompt = weaver.encode_prompt(torch.randn(1, 48), torch.randn(1, 5, 48))
     draft_logits = 3 * torch.randn(5, VOCAB)
+    steps, step = [], weaver.step
+    weaver.step = lambda *args: steps.append(args[3].shape[1]) or step(*args)
     with torch.no_grad():
         tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width)
+        del weaver.step
         assert len(tree) == budget + 1 and int(tree.depths.max()) <= 5
+        # the default width: the widest that leaves a round per depth
+        used = width or max(1, (budget - 1) // (min(5, weaver.config.K) - 1))
+        assert steps[0] == 1 and len(steps) == -(-budget // used) and max(steps) <= used, steps
         parents = tree.parents.tolist()
         assert all(-1 <= p < i for i, p in enumerate(parents)) and (tree.parents[1:] >= 0).all()
         pool_logits, pool_ids = draft_logits.float().topk(16, dim=-1)
