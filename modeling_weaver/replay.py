@@ -220,16 +220,21 @@ def gc_pauses():
 
 
 class FirstTokenClock:
-    """A streamer that notes when the first new token reaches the host, i.e. when the prefill (and the first token)
-    is done, in the very run whose decode rate it separates out. ``prompt_puts``: puts before it (a prompt)."""
+    """A streamer that notes when each new token reaches the host (``times``); the first one's (``first_token``)
+    says when the prefill (and the first token) is done, in the very run whose decode rate it separates out.
+    ``prompt_puts``: puts before it (a prompt)."""
 
     def __init__(self, prompt_puts: int = 0):
-        self.prompt_puts, self.puts, self.first_token = prompt_puts, 0, None
+        self.prompt_puts, self.puts, self.times = prompt_puts, 0, []
+
+    @property
+    def first_token(self) -> float | None:
+        return self.times[0] if self.times else None
 
     def put(self, value) -> None:
         self.puts += 1
-        if self.puts == self.prompt_puts + 1:
-            self.first_token = time.perf_counter()
+        if self.puts > self.prompt_puts:
+            self.times.append(time.perf_counter())
 
     def end(self) -> None:
         pass

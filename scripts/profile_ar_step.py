@@ -20,14 +20,13 @@
    inside the GDN kernels (:attr:`~modeling_weaver.target.GatedDeltaNetLayerCache.gates_in_kernel`).
 """
 import argparse
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from modeling_weaver.benchmark import autoregressive_generate
 from modeling_weaver.captured import cache_bucket, release_static_targets, static_draft, static_target
-from modeling_weaver.replay import graph_replay_ms, random_models, random_prompt
+from modeling_weaver.replay import FirstTokenClock, graph_replay_ms, random_models, random_prompt
 from modeling_weaver.target import GatedDeltaNetLayerCache
 from modeling_weaver.tree import Tree
 
@@ -44,23 +43,6 @@ def kernel_table(fn, reps: int, rows: int, title: str) -> None:
     count = sum(e.count for e in events) / reps
     print(f"\n## {title}: GPU busy {busy:.2f} ms per call, {count:.0f} kernels per call")
     print(events.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
-
-
-class TokenClock:
-    """A streamer that keeps the host time of every token after the prompt."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.prompt = True
-
-    def put(self, value):
-        if self.prompt:
-            self.prompt = False
-        else:
-            self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
 
 
 def graph_gap(target, ids, target_step: str, ar, reps: int) -> None:
@@ -94,7 +76,7 @@ def graph_gap(target, ids, target_step: str, ar, reps: int) -> None:
     restart()
     with_copies = copies_and_events(reps)
     tokens = ar.adapter.max_length - ids.shape[1] - 1
-    clock = TokenClock()
+    clock = FirstTokenClock(prompt_puts=1)
     autoregressive_generate(target, ids, tokens, eos_token_id=[], target_step=target_step, streamer=clock)
     gaps = sorted(1e3 * (b - a) for a, b in zip(clock.times[16:], clock.times[17:]))
     print(f"\n## AR step, ms per token: graph back to back {back_to_back:.3f}, with the summary copy and event "
