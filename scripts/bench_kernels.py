@@ -208,12 +208,17 @@ def bench_T(T, kind, args, fla):
         res[f"commit_{name}"]["rel_rms_state"] = rel_rms(S, Sr)
     variants = [(f"bt{bt}", dict(BT=bt)) for bt in args.verify_bt]
     variants += [(f"inv_{p}", dict(inverse_precision=p)) for p in args.verify_inverse_precision]
+    variants += [(f"res{c}", dict(impl="resident", **dict(zip(("BV", "num_warps", "num_stages", "resident_extract"),
+                                                              map(int, c.split(":"))))))
+                 for c in args.resident_configs]
     for name, kw in variants:  # side by side with the default fused verify
-        fns = [lambda x=x, ob=ob, kw=kw: gdn_tree_verify_triton(
+        kw = dict(kw)
+        impl = kw.pop("impl", "fused")
+        fns = [lambda x=x, ob=ob, kw=kw, impl=impl: gdn_tree_verify_triton(
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["S0"], mask, use_qk_l2norm_in_kernel=True, o=ob["o"],
-            u=ob["u"], gamma=ob["gamma"], impl="fused", **kw) for x, ob in zip(layers, outs)]
+            u=ob["u"], gamma=ob["gamma"], impl=impl, **kw) for x, ob in zip(layers, outs)]
         o, u, gm = gdn_tree_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["S0"], mask,
-                                          use_qk_l2norm_in_kernel=True, impl="fused", **kw)
+                                          use_qk_l2norm_in_kernel=True, impl=impl, **kw)
         res[f"verify_{name}"] = dict(timed(f"verify {name}", fns, args.reps),
                                      rel_rms=dict(o=rel_rms(o, ro), u=rel_rms(u, ru), gamma=rel_rms(gm, rg)))
     res["autotuned"] = _best_configs()
@@ -304,11 +309,10 @@ def _finish(res, T, L, args, par_t, path, mask=None, layers=None):
     return res
 
 
-def fmt_row(r):
+def fmt_row(r, impls):
     nan = float("nan")
     v, c, s = r["verify"]["us"], r["commit"]["us"], r["step"]["us"]
-    vf = r.get("verify_fused", {}).get("us", nan)
-    vs = r.get("verify_split", {}).get("us", nan)
+    per_impl = " | ".join(f"{r.get(f'verify_{i}', {}).get('us', nan):7.1f}" for i in impls)
     b = r.get("baseline") or {}
     bus = b.get("us", float("nan"))
     fr = r.get("fla_fused_recurrent", {}).get("us", float("nan"))
@@ -317,7 +321,7 @@ def fmt_row(r):
     by = r["bytes"]
     bw = by["verify"] / (v * 1e-6) / 1e12
     bwb = by["baseline"] / (bus * 1e-6) / 1e12 if bus == bus else float("nan")
-    return (f"| {r['kind']:10s} | {r['T']:3d} | {r['max_depth']:2d} | {r['path_len']:3d} | {vf:7.1f} | {vs:7.1f} | {c:6.1f} | {s:7.1f} "
+    return (f"| {r['kind']:10s} | {r['T']:3d} | {r['max_depth']:2d} | {r['path_len']:3d} | {per_impl} | {c:6.1f} | {s:7.1f} "
             f"| {bus:7.1f} (BV{b.get('BV', '-')}) | {bus / s:5.1f}x | {fr:7.1f} | {fc:7.1f} | {ref:8.0f} "
             f"| {r['conv']['us']:6.1f} | {by['verify'] / 1e6:5.2f} MB {bw:4.2f} TB/s | {by['baseline'] / 1e6:6.1f} MB "
             f"{bwb:4.2f} TB/s |")
@@ -345,6 +349,9 @@ def main():
                     help="also time the fused verify with its diagonal inverse and solve at this dot precision")
     ap.add_argument("--verify-bt", type=int, nargs="*", default=[],
                     help="also time the fused verify with this many rows per serial block (e.g. 32 64)")
+    ap.add_argument("--resident-configs", nargs="*", default=[],
+                    help="also time the resident verify at these BV:num_warps:num_stages[:extract] configs, e.g. 32:8:2 "
+                         "16:4:1:1")
     args = ap.parse_args()
     fla = None
     if not args.no_fla:
@@ -370,19 +377,21 @@ def main():
             results.append(r)
             print(json.dumps(r), flush=True)
     print("\nper layer, µs (CUDA-graph replay of", args.layers, "layers, median of", args.reps, "replays)")
-    print("| tree | T | depth | path | verify fused | verify split | commit | verify+commit (best) | baseline (a) | speedup "
-          "| fla fused_rec (chain) | fla chunk (chain) | torch ref | conv+commit | verify bytes | baseline bytes |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| tree | T | depth | path | " + " | ".join(f"verify {i}" for i in args.impls) + " | commit "
+          "| verify+commit (best) | baseline (a) | speedup | fla fused_rec (chain) | fla chunk (chain) | torch ref "
+          "| conv+commit | verify bytes | baseline bytes |")
+    print("|---" * (14 + len(args.impls)) + "|")
     for r in results:
-        print(fmt_row(r))
+        print(fmt_row(r, args.impls))
     if (args.commit_chunks or args.verify_bt or args.commit_precision or args.verify_inverse_precision
-            or args.commit_configs):
+            or args.commit_configs or args.resident_configs):
         print("\nvariants side by side (per layer, µs; default: verify BT=16, commit chunk=32):")
         for r in results:
             print(r["kind"], r["T"], f"verify fused {r.get('verify_fused', {}).get('us', float('nan')):.1f}",
                   " ".join(f"{n} {r[f'verify_{n}']['us']:.1f} (o {r[f'verify_{n}']['rel_rms']['o']:.1e})"
                            for n in [f"bt{b}" for b in args.verify_bt]
-                           + [f"inv_{p}" for p in args.verify_inverse_precision]),
+                           + [f"inv_{p}" for p in args.verify_inverse_precision]
+                           + [f"res{c}" for c in args.resident_configs]),
                   f"| commit {r['commit']['us']:.1f}",
                   " ".join(f"{n} {r[f'commit_{n}']['us']:.1f} (state {r[f'commit_{n}']['rel_rms_state']:.1e})"
                            for n in [f"chunk{c}" for c in args.commit_chunks]

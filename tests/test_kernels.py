@@ -104,7 +104,8 @@ def raw_gate_inputs(B, T, HV, dtype, device, seed, long_memory=False):
 
 
 def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu", BV=None, leaf=None, BC=None,
-                   num_warps=4, impl=None, BT=16, precision="ieee", raw_gates=False, long_memory=False):
+                   num_warps=4, impl=None, BT=16, precision="ieee", raw_gates=False, long_memory=False,
+                   num_stages=None):
     """Verify (poisoned outputs) and commit against fp64 references; return the errors. ``raw_gates``: the kernel
     forms g and β from raw projections (``raw_gate_inputs``); the references get the gates from ``gdn_gates`` on the
     same inputs."""
@@ -121,6 +122,8 @@ def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu"
     kw = {"impl": impl} if BV is None else {"BV": BV, "num_warps": num_warps, "impl": impl}
     if BC is not None:
         kw["BC"] = BC
+    if num_stages is not None:
+        kw["num_stages"] = num_stages
     if BT != 16:
         kw["BT"] = BT
     if precision != "ieee":
@@ -414,16 +417,20 @@ def test_tree_attention_reference_is_masked_attention():
         w = torch.softmax((q[0, :, i, None] @ k[0, :, visible].transpose(-1, -2))[:, 0] * 0.3, -1)
         torch.testing.assert_close(got[0, i].view(H, D), torch.einsum("ht,htd->hd", w, v[0, :, visible]))
 
-@pytest.mark.parametrize("impl", ["fused", "split"])
+@pytest.mark.parametrize("impl", ["fused", "split", "resident"])
 @pytest.mark.parametrize("case", TREE_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-B{c[2]}-H{c[3]}x{c[4]}-K{c[5]}V{c[6]}-{str(c[7])[6:]}-l2{int(c[8])}")
 def test_gdn_tree_verify_commit_interpreter(ik, case, impl):
     kind, T, B, H, HV, K, V, dtype, l2 = case
     parents = _tree(kind, T, random.Random(T * 7 + HV))
+    if impl == "resident" and T > ik.chunk.RESIDENT_MAX_NODES:
+        with pytest.raises(ValueError, match="at most"):
+            check_gdn_tree(ik.chunk, parents, B, H, HV, K, V, dtype, l2, seed=0, impl=impl)
+        return
     err = check_gdn_tree(ik.chunk, parents, B, H, HV, K, V, dtype, l2, seed=T + 31 * HV, impl=impl)
     _assert_errs(err, dtype)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split"])
+@pytest.mark.parametrize("impl", ["fused", "split", "resident"])
 def test_gdn_tree_multiple_value_blocks_interpreter(ik, impl):
     """V = 32 split into two BV = 16 programs: gamma written once, u scratch per column block."""
     rng = random.Random(5)
@@ -432,7 +439,7 @@ def test_gdn_tree_multiple_value_blocks_interpreter(ik, impl):
     _assert_errs(err, torch.float32)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split"])
+@pytest.mark.parametrize("impl", ["fused", "split", "resident"])
 def test_gdn_tree_column_chunks_interpreter(ik, impl):
     """T = 40 with 16-column inner steps: ancestors spread over several earlier blocks and column chunks."""
     rng = random.Random(8)
@@ -441,7 +448,7 @@ def test_gdn_tree_column_chunks_interpreter(ik, impl):
         _assert_errs(err, torch.float32)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split"])
+@pytest.mark.parametrize("impl", ["fused", "split", "resident"])
 def test_gdn_tree_raw_gates_interpreter(ik, impl):
     """The gates formed from the raw projections (transformers' formula) on a 20-node tree over two row blocks and
     a chain; fp32 (the interpreter truncates where the GPU rounds β to 16 bits: the GPU test at real shape). With
@@ -562,7 +569,7 @@ def test_gdn_tree_random_search_interpreter(ik):
         parents = _tree(kind, T, rng)
         leaf = rng.randrange(T)
         err = check_gdn_tree(ik.chunk, parents, B, H, HV, K, V, dtype, l2, seed=trial, leaf=leaf,
-                             BV=rng.choice([None, 16]), impl=rng.choice(["fused", "split"]))
+                             BV=rng.choice([None, 16]), impl=rng.choice(["fused", "split", "resident"]))
         try:
             _assert_errs(err, dtype)
         except AssertionError as e:
@@ -1004,11 +1011,13 @@ def test_tree_attention_dflash_block_gpu(window, block):
 @pytest.mark.parametrize("T", [16, 37, 64, 128, 129])
 @pytest.mark.parametrize("kind", ["best_first", "chain", "star", "shuffled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("impl", ["fused", "split"])
+@pytest.mark.parametrize("impl", ["fused", "split", "resident"])
 def test_gdn_tree_real_shape_gpu(T, kind, dtype, impl):
     from weaver_kernels.gdn_tree import chunk
 
     parents = _tree(kind, T, random.Random(T))
+    if impl == "resident" and T > chunk.RESIDENT_MAX_NODES:
+        pytest.skip(f"impl='resident' holds at most {chunk.RESIDENT_MAX_NODES} nodes (its CPU test checks the error)")
     # bf16 goes through the autotuner; fp32 (IEEE dots, slow to compile) is pinned to one config
     err = check_gdn_tree(chunk, parents, 1, REAL["H"], REAL["HV"], REAL["K"], REAL["V"], dtype, True, seed=T,
                          device="cuda", BV=None if dtype == torch.bfloat16 else 32, impl=impl)
@@ -1020,13 +1029,14 @@ def test_gdn_tree_real_shape_gpu(T, kind, dtype, impl):
 @gpu
 @pytest.mark.parametrize("T", [37, 65])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gdn_tree_raw_gates_gpu(T, dtype):
+@pytest.mark.parametrize("impl", ["fused", "resident"])
+def test_gdn_tree_raw_gates_gpu(T, dtype, impl):
     """The gates formed in the verify kernel from the raw projections at real shape (β rounded to 16 bits here)."""
     from weaver_kernels.gdn_tree import chunk
 
     parents = _tree("best_first", T, random.Random(T))
     err = check_gdn_tree(chunk, parents, 1, REAL["H"], REAL["HV"], REAL["K"], REAL["V"], dtype, True, seed=T,
-                         device="cuda", BV=32, impl="fused", raw_gates=True)
+                         device="cuda", BV=32, impl=impl, raw_gates=True)
     print(f"\n[gpu] gdn raw gates T={T} {dtype}: " + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
     _assert_errs(err, dtype)
 
@@ -1055,6 +1065,11 @@ def test_gdn_tree_all_configs_gpu():
     split = {(c.kwargs["BV"], c.num_warps) for c in chunk._LOCAL_CONFIGS + chunk._SOLVE_CONFIGS + chunk._OUTPUT_CONFIGS}
     for T in (64, 128):
         parents = best_first_parents(T, random.Random(T))
+        resident = {(bv, w, s) for bv in (16, 32, 64) for w in (4, 8) for s in (1, 2)}
+        for BV, nw, ns in sorted(resident):
+            err = check_gdn_tree(chunk, parents, 1, 16, 48, 128, 128, torch.bfloat16, True, seed=nw, device="cuda",
+                                 BV=BV, num_warps=nw, impl="resident", num_stages=ns)
+            _assert_errs(err, torch.bfloat16)
         for impl, configs in (("fused", fused), ("split", split)):
             for BV, nw in sorted(configs):
                 err = check_gdn_tree(chunk, parents, 1, 16, 48, 128, 128, torch.bfloat16, True, seed=nw,
