@@ -152,6 +152,17 @@ def bytes_baseline(T):
             + 2 * HV * K * V * 4)  # accepted copy
 
 
+def _resident_kw(config: str) -> dict:
+    """'BV:num_warps:num_stages[:precompute[:inverse_precision]]' → gdn_tree_verify_triton keywords."""
+    f = config.split(":")
+    kw = dict(impl="resident", BV=int(f[0]), num_warps=int(f[1]), num_stages=int(f[2]))
+    if len(f) > 3:
+        kw["resident_precompute"] = bool(int(f[3]))
+    if len(f) > 4:
+        kw["inverse_precision"] = f[4]
+    return kw
+
+
 def bench_T(T, kind, args, fla):
     parents, dep, mask, par_t, path, layers = make_layers(T, kind, args.layers, seed=T + (7 if kind == "chain" else 0))
     L = path.numel()
@@ -208,9 +219,7 @@ def bench_T(T, kind, args, fla):
         res[f"commit_{name}"]["rel_rms_state"] = rel_rms(S, Sr)
     variants = [(f"bt{bt}", dict(BT=bt)) for bt in args.verify_bt]
     variants += [(f"inv_{p}", dict(inverse_precision=p)) for p in args.verify_inverse_precision]
-    variants += [(f"res{c}", dict(impl="resident", **dict(zip(("BV", "num_warps", "num_stages", "resident_extract"),
-                                                              map(int, c.split(":"))))))
-                 for c in args.resident_configs]
+    variants += [(f"res{c}", _resident_kw(c)) for c in args.resident_configs]
     for name, kw in variants:  # side by side with the default fused verify
         kw = dict(kw)
         impl = kw.pop("impl", "fused")
@@ -350,8 +359,8 @@ def main():
     ap.add_argument("--verify-bt", type=int, nargs="*", default=[],
                     help="also time the fused verify with this many rows per serial block (e.g. 32 64)")
     ap.add_argument("--resident-configs", nargs="*", default=[],
-                    help="also time the resident verify at these BV:num_warps:num_stages[:extract] configs, e.g. 32:8:2 "
-                         "16:4:1:1")
+                    help="also time the resident verify at these BV:num_warps:num_stages[:precompute[:inverse_precision]] "
+                         "configs, e.g. 32:4:1 32:4:1:1 32:4:1:1:tf32x3")
     args = ap.parse_args()
     fla = None
     if not args.no_fla:

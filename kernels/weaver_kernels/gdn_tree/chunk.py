@@ -256,20 +256,21 @@ RESIDENT_MAX_NODES = 128
 if _INTERPRET:
     _RESIDENT_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
 else:
-    _RESIDENT_CONFIGS = [triton.Config({"BV": 32}, num_warps=8, num_stages=2)]
+    _RESIDENT_CONFIGS = [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
 
 
 @triton.jit
 def _resident_prep_kernel(
-    k, g, beta, tmask, pinv, gamma, a_log, dt_bias,
+    q, k, g, beta, tmask, pinv, amat, qdmat, gamma, a_log, dt_bias,
     T,
+    sq_b, sq_t, sq_h,
     sk_b, sk_t, sk_h,
     sg_b, sg_t, sg_h,
     sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-    TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr,
+    TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr, BC: tl.constexpr,
     L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, INV_PREC: tl.constexpr,
-    RAW_GATES: tl.constexpr,
+    RAW_GATES: tl.constexpr, PRECOMP: tl.constexpr,
 ):
     i_blk = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -313,10 +314,44 @@ def _resident_prep_kernel(
         P = P + tl.dot(P, X, input_precision=INV_PREC)
     tl.store(pinv + (i_b64 * HV + i_hv) * T * BT + t_r[:, None] * BT + o_r[None, :], P, mask=m_r[:, None])
 
+    if PRECOMP:  # this row block of A (columns before the block) and of Q Kᵀ ⊙ D (columns up to its end)
+        q_i = tl.load(q + i_b64 * sq_b + i_h * sq_h + t_r[:, None] * sq_t + o_k[None, :],
+                      mask=m_r[:, None] & m_k[None, :], other=0.0)
+        if DOT_F32:
+            q_i = q_i.to(tl.float32)
+        if L2NORM:
+            qf_i = q_i.to(tl.float32)
+            rq_i = tl.rsqrt(_rsum(qf_i * qf_i, axis=1) + 1e-6)
+        r0 = i_blk * BT
+        o_c = tl.arange(0, BC)
+        row_base = (i_b64 * HV + i_hv) * T * T + t_r[:, None] * T
+        for c in range(0, (r0 + BT + BC - 1) // BC):
+            t_c = c * BC + o_c
+            m_c = (t_c < r0 + BT) & (t_c < T)
+            KT_c = tl.load(k + i_b64 * sk_b + i_h * sk_h + t_c[None, :] * sk_t + o_k[:, None],
+                           mask=m_c[None, :] & m_k[:, None], other=0.0)
+            if DOT_F32:
+                KT_c = KT_c.to(tl.float32)
+            M_cc = tl.load(tmask + t_c[:, None] * T + o_n[None, :], mask=m_c[:, None] & m_n[None, :], other=0) != 0
+            G_c = _rsum(tl.where(M_cc, g_all[None, :], 0.0), axis=1)
+            M_c = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
+            D_c = tl.exp(tl.where(M_c, G_i[:, None] - G_c[None, :], float("-inf")))
+            if L2NORM:
+                kf_c = KT_c.to(tl.float32)
+                D_c = D_c * tl.rsqrt(_rsum(kf_c * kf_c, axis=0) + 1e-6)[None, :]
+            kk = tl.dot(k_i, KT_c, input_precision=DOT_PREC)
+            qk = tl.dot(q_i, KT_c, input_precision=DOT_PREC)
+            if L2NORM:
+                kk = kk * rk_i[:, None]
+                qk = qk * rq_i[:, None]
+            m_out = m_r[:, None] & m_c[None, :]
+            tl.store(amat + row_base + t_c[None, :], kk * D_c * b_i[:, None], mask=m_out & (t_c < r0)[None, :])
+            tl.store(qdmat + row_base + t_c[None, :], qk * D_c, mask=m_out)
+
 
 @triton.jit
 def _resident_verify_kernel(
-    q, k, v, beta, s0, tmask, pinv, gamma, o, u,
+    q, k, v, beta, s0, tmask, pinv, amat, qdmat, gamma, o, u,
     T, scale,
     sq_b, sq_t, sq_h,
     sk_b, sk_t, sk_h,
@@ -325,7 +360,7 @@ def _resident_verify_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, INV_PREC: tl.constexpr,
-    RAW_GATES: tl.constexpr, EXTRACT: tl.constexpr,
+    RAW_GATES: tl.constexpr, PRECOMP: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -346,6 +381,8 @@ def _resident_verify_kernel(
     u_base = u + i_b64 * T * HV * V + i_hv * V
     gm_base = gamma + i_b64 * T * HV + i_hv
     p_base = pinv + (i_b64 * HV + i_hv) * T * BT
+    a_base = amat + (i_b64 * HV + i_hv) * T * T
+    qd_base = qdmat + (i_b64 * HV + i_hv) * T * T
 
     # every row at once: R = β (V − e^Γ K S0), O = e^Γ Q S0 (row norms applied as scalings of the raw dots)
     m_nk = m_n[:, None] & m_k[None, :]
@@ -379,38 +416,37 @@ def _resident_verify_kernel(
         r0 = i * BT
         t_c = r0 + o_r
         m_c = t_c < T
-        # U-independent operands of this block's column (K_i, mask, Γ, P_i): prefetchable
-        KT_i = tl.load(k_base + t_c[None, :] * sk_t + o_k[:, None], mask=m_c[None, :] & m_k[:, None], other=0.0)
-        if DOT_F32:
-            KT_i = KT_i.to(tl.float32)
-        G_c = tl.load(gm_base + t_c * HV, mask=m_c, other=0.0)
-        M_col = tl.load(tmask + o_n[:, None] * T + t_c[None, :], mask=m_n[:, None] & m_c[None, :], other=0) != 0
-        if EXTRACT:
-            P_i = tl.load(p_base + t_c[:, None] * BT + o_r[None, :], mask=m_c[:, None], other=0.0)
+        # U-independent operands of this block's column (A and Q Kᵀ ⊙ D columns, or K_i to form them; P_i)
+        if PRECOMP:  # the prep launch wrote row blocks of A (columns before them) and of Q Kᵀ ⊙ D (up to them)
+            m_col = m_n[:, None] & m_c[None, :]
+            A_col = tl.load(a_base + o_n[:, None] * T + t_c[None, :], mask=m_col & (o_n >= r0 + BT)[:, None],
+                            other=0.0)
+            QD_col = tl.load(qd_base + o_n[:, None] * T + t_c[None, :], mask=m_col & (o_n >= r0)[:, None], other=0.0)
         else:
-            in_blk = (o_n >= r0) & (o_n < r0 + BT) & m_n
-            P_i = tl.load(p_base + t_c[:, None] * BT + (o_n - r0)[None, :], mask=m_c[:, None] & in_blk[None, :],
-                          other=0.0)  # [BT, TP]: P_i at block i's columns, zeros elsewhere
-        D_col = tl.exp(tl.where(M_col, G_all[:, None] - G_c[None, :], float("-inf")))
-        if L2NORM:
-            kf_c = KT_i.to(tl.float32)
-            D_col = D_col * tl.rsqrt(_rsum(kf_c * kf_c, axis=0) + 1e-6)[None, :]
-        kk = tl.dot(K_all, KT_i, input_precision=DOT_PREC)  # [TP, BT]
-        qk = tl.dot(Q_all, KT_i, input_precision=DOT_PREC)
-        if L2NORM:
-            kk = kk * rk_all[:, None]
-            qk = qk * rq_all[:, None]
-        A_col = tl.where((o_n >= r0 + BT)[:, None], kk * D_col * b_all[:, None], 0.0)
+            KT_i = tl.load(k_base + t_c[None, :] * sk_t + o_k[:, None], mask=m_c[None, :] & m_k[:, None], other=0.0)
+            if DOT_F32:
+                KT_i = KT_i.to(tl.float32)
+            G_c = tl.load(gm_base + t_c * HV, mask=m_c, other=0.0)
+            M_col = tl.load(tmask + o_n[:, None] * T + t_c[None, :], mask=m_n[:, None] & m_c[None, :], other=0) != 0
+            D_col = tl.exp(tl.where(M_col, G_all[:, None] - G_c[None, :], float("-inf")))
+            if L2NORM:
+                kf_c = KT_i.to(tl.float32)
+                D_col = D_col * tl.rsqrt(_rsum(kf_c * kf_c, axis=0) + 1e-6)[None, :]
+            kk = tl.dot(K_all, KT_i, input_precision=DOT_PREC)  # [TP, BT]
+            qk = tl.dot(Q_all, KT_i, input_precision=DOT_PREC)
+            if L2NORM:
+                kk = kk * rk_all[:, None]
+                qk = qk * rq_all[:, None]
+            A_col = tl.where((o_n >= r0 + BT)[:, None], kk * D_col * b_all[:, None], 0.0)
+            QD_col = qk * D_col
+        in_blk = (o_n >= r0) & (o_n < r0 + BT) & m_n
+        P_i = tl.load(p_base + t_c[:, None] * BT + (o_n - r0)[None, :], mask=m_c[:, None] & in_blk[None, :],
+                      other=0.0)  # [BT, TP]: P_i at block i's columns, zeros elsewhere
 
-        if EXTRACT:  # block i's rows of R, then the 16×16 product
-            sel = (tl.arange(0, TP // BT) == i)[:, None, None]
-            R_i = _rsum(tl.where(sel, tl.reshape(R, (TP // BT, BT, BV)), 0.0), axis=0)
-            U_i = tl.dot(P_i, R_i, input_precision=INV_PREC)
-        else:
-            U_i = tl.dot(P_i, R, input_precision=INV_PREC)  # [BT, BV]
+        U_i = tl.dot(P_i, R, input_precision=INV_PREC)  # [BT, BV]
         tl.store(u_base + t_c[:, None] * (HV * V) + o_v[None, :], U_i, mask=m_c[:, None] & m_v[None, :])
         R -= tl.dot(A_col, U_i, input_precision=DOT_PREC)
-        o_acc += tl.dot(qk * D_col, U_i, input_precision=DOT_PREC)
+        o_acc += tl.dot(QD_col, U_i, input_precision=DOT_PREC)
 
     tl.store(o_base + o_n[:, None] * (HV * V) + o_v[None, :], (o_acc * scale).to(o.dtype.element_ty),
              mask=m_n[:, None] & m_v[None, :])
@@ -723,7 +759,7 @@ def gdn_tree_verify_triton(
     BV: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
-    resident_extract: bool = False,
+    resident_precompute: bool = False,
     autotune: bool = False,
     BC: int | None = None,
     BT: int = 16,
@@ -806,7 +842,7 @@ def gdn_tree_verify_triton(
     if impl == "resident":
         if TP > RESIDENT_MAX_NODES or BT != 16:
             raise ValueError(f"impl='resident' takes at most {RESIDENT_MAX_NODES} nodes and BT=16, got T={T}, BT={BT}")
-        _verify_resident(args, common, raw, inverse_precision, BV, num_warps, num_stages, resident_extract)
+        _verify_resident(args, common, raw, inverse_precision, BV, num_warps, num_stages, resident_precompute)
         return o, u, gamma
     if impl != "fused":
         raise ValueError(f"impl must be 'fused', 'split', 'resident' or None, got {impl!r}")
@@ -825,25 +861,29 @@ def gdn_tree_verify_triton(
     return o, u, gamma
 
 
-def _verify_resident(args, common, raw, inverse_precision, BV, num_warps, num_stages, extract):
+def _verify_resident(args, common, raw, inverse_precision, BV, num_warps, num_stages, precompute):
     (q, k, v, g, beta, s0, mask, o, u, gamma, a_log, dt_bias, T, scale, *strides) = args
     sq, sk, sv, sg, sb = (strides[i:i + 3] for i in range(0, 15, 3))
     B, _, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = common["BT"]
     pinv = torch.empty((B, HV, T, BT), dtype=torch.float32, device=u.device)
+    # A / Q Kᵀ ⊙ D scratch: read only where the prep launch wrote it (a 1-element stand-in when not precomputed)
+    n = T * T if precompute else 1
+    amat, qdmat = (torch.empty((B, HV, n), dtype=torch.float32, device=u.device) for _ in range(2))
     c = {n: common[n] for n in ("H", "HV", "K", "TP", "BK", "BT", "L2NORM", "DOT_PREC", "DOT_F32")}
     if BV is None:
         cfg = _RESIDENT_CONFIGS[0]
         BV, num_warps, num_stages = cfg.kwargs["BV"], cfg.num_warps, cfg.num_stages
     with launch_ctx(_INTERPRET):
         _resident_prep_kernel[(triton.cdiv(T, BT), B * HV)](
-            k, g, beta, mask, pinv, gamma, a_log, dt_bias, T, *sk, *sg, *sb, **c, LOG2_BT=common["LOG2_BT"],
-            INV_PREC=inverse_precision, RAW_GATES=raw, num_warps=4, num_stages=1,
+            q, k, g, beta, mask, pinv, amat, qdmat, gamma, a_log, dt_bias, T, *sq, *sk, *sg, *sb, **c,
+            LOG2_BT=common["LOG2_BT"], BC=common["BC"], INV_PREC=inverse_precision, RAW_GATES=raw,
+            PRECOMP=precompute, num_warps=4, num_stages=1,
         )
         _resident_verify_kernel[(triton.cdiv(V, BV), B * HV)](
-            q, k, v, beta, s0, mask, pinv, gamma, o, u, T, scale, *sq, *sk, *sv, *sb, **c, V=V, BV=BV,
-            INV_PREC=inverse_precision, RAW_GATES=raw, EXTRACT=extract, num_warps=num_warps,
+            q, k, v, beta, s0, mask, pinv, amat, qdmat, gamma, o, u, T, scale, *sq, *sk, *sv, *sb, **c, V=V, BV=BV,
+            INV_PREC=inverse_precision, RAW_GATES=raw, PRECOMP=precompute, num_warps=num_warps,
             num_stages=num_stages or 1,
         )
 
