@@ -105,7 +105,7 @@ def raw_gate_inputs(B, T, HV, dtype, device, seed, long_memory=False):
 
 def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu", BV=None, leaf=None, BC=None,
                    num_warps=4, impl=None, BT=16, precision="ieee", raw_gates=False, long_memory=False,
-                   num_stages=None, precompute=False):
+                   num_stages=None):
     """Verify (poisoned outputs) and commit against fp64 references; return the errors. ``raw_gates``: the kernel
     forms g and β from raw projections (``raw_gate_inputs``); the references get the gates from ``gdn_gates`` on the
     same inputs."""
@@ -124,8 +124,6 @@ def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu"
         kw["BC"] = BC
     if num_stages is not None:
         kw["num_stages"] = num_stages
-    if precompute:
-        kw["resident_precompute"] = True
     if BT != 16:
         kw["BT"] = BT
     if precision != "ieee":
@@ -441,30 +439,42 @@ def test_gdn_tree_multiple_value_blocks_interpreter(ik, impl):
     _assert_errs(err, torch.float32)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split", "resident", "resident-precompute"])
+@pytest.mark.parametrize("impl", ["fused", "split", "resident"])
 def test_gdn_tree_column_chunks_interpreter(ik, impl):
     """T = 40 with 16-column inner steps: ancestors spread over several earlier blocks and column chunks."""
     rng = random.Random(8)
-    kw = dict(impl="resident", precompute=True) if impl == "resident-precompute" else dict(impl=impl)
     for parents in (deep_path_parents(40, rng, depth=30), shuffled_topological(best_first_parents(40, rng), rng)):
-        err = check_gdn_tree(ik.chunk, parents, 1, 1, 2, 16, 16, torch.float32, True, seed=8, BC=16, **kw)
+        err = check_gdn_tree(ik.chunk, parents, 1, 1, 2, 16, 16, torch.float32, True, seed=8, BC=16, impl=impl)
         _assert_errs(err, torch.float32)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split", "resident", "resident-precompute"])
+@pytest.mark.parametrize("impl", ["fused", "split", "resident"])
 def test_gdn_tree_raw_gates_interpreter(ik, impl):
     """The gates formed from the raw projections (transformers' formula) on a 20-node tree over two row blocks and
     a chain; fp32 (the interpreter truncates where the GPU rounds β to 16 bits: the GPU test at real shape). With
     long-memory gates (tiny softplus) the path sums Γ keep fp32 accuracy: a log(1 + e) in place of log1p fails."""
     rng = random.Random(13)
-    kw = dict(impl="resident", precompute=True) if impl == "resident-precompute" else dict(impl=impl)
     for parents in (random_parents(20, rng), chain_parents(18)):
-        err = check_gdn_tree(ik.chunk, parents, 2, 1, 2, 16, 16, torch.float32, True, seed=13, raw_gates=True, **kw)
+        err = check_gdn_tree(ik.chunk, parents, 2, 1, 2, 16, 16, torch.float32, True, seed=13, impl=impl,
+                             raw_gates=True)
         _assert_errs(err, torch.float32)
-    err = check_gdn_tree(ik.chunk, chain_parents(18), 1, 1, 2, 16, 16, torch.float32, True, seed=14,
-                         raw_gates=True, long_memory=True, **kw)
+    err = check_gdn_tree(ik.chunk, chain_parents(18), 1, 1, 2, 16, 16, torch.float32, True, seed=14, impl=impl,
+                         raw_gates=True, long_memory=True)
     assert err["gamma"] <= 1e-6, err
     _assert_errs(err, torch.float32)
+
+
+def test_gdn_tree_default_form_by_size_interpreter(ik, monkeypatch):
+    """impl=None takes the resident form for RESIDENT_NODES (where it measured faster) and the fused one around it;
+    both correct at the edges."""
+    taken = []
+    real = ik.chunk._verify_resident
+    monkeypatch.setattr(ik.chunk, "_verify_resident", lambda args, *rest: (taken.append(args[12]), real(args, *rest)))
+    rng = random.Random(3)
+    for T in (48, 49, 64, 65):
+        err = check_gdn_tree(ik.chunk, best_first_parents(T, rng), 1, 1, 2, 16, 16, torch.float32, True, seed=T)
+        _assert_errs(err, torch.float32)
+    assert taken == [49, 64] and list(ik.chunk.RESIDENT_NODES) == list(range(49, 65))
 
 
 def test_gdn_tree_every_leaf_interpreter(ik):
@@ -571,9 +581,8 @@ def test_gdn_tree_random_search_interpreter(ik):
         kind = rng.choice(kinds)
         parents = _tree(kind, T, rng)
         leaf = rng.randrange(T)
-        impl = rng.choice(["fused", "split", "resident"])
         err = check_gdn_tree(ik.chunk, parents, B, H, HV, K, V, dtype, l2, seed=trial, leaf=leaf,
-                             BV=rng.choice([None, 16]), impl=impl, precompute=impl == "resident" and rng.random() < 0.5)
+                             BV=rng.choice([None, 16]), impl=rng.choice(["fused", "split", "resident"]))
         try:
             _assert_errs(err, dtype)
         except AssertionError as e:
@@ -1043,23 +1052,6 @@ def test_gdn_tree_raw_gates_gpu(T, dtype, impl):
                          device="cuda", BV=32, impl=impl, raw_gates=True)
     print(f"\n[gpu] gdn raw gates T={T} {dtype}: " + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
     _assert_errs(err, dtype)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("raw_gates", [False, True], ids=["gates", "raw-gates"])
-def test_gdn_tree_resident_precompute_gpu(dtype, raw_gates):
-    """The resident verify with its A / Q Kᵀ ⊙ D columns from the prep launch, at real shape, up to 128 nodes."""
-    from weaver_kernels.gdn_tree import chunk
-
-    for T, kind in ((64, "chain"), (65, "best_first"), (128, "best_first"), (128, "chain"), (37, "shuffled")):
-        err = check_gdn_tree(chunk, _tree(kind, T, random.Random(T)), 1, REAL["H"], REAL["HV"], REAL["K"], REAL["V"],
-                             dtype, True, seed=T, device="cuda", impl="resident", precompute=True,
-                             raw_gates=raw_gates)
-        print(f"\n[gpu] gdn resident precompute {kind} T={T} {dtype}: "
-              + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
-        _assert_errs(err, dtype)
 
 
 @pytest.mark.gpu

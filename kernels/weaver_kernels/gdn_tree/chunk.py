@@ -24,7 +24,9 @@ budget of 128 drafts plus the root fits): the per-block Γ reduction and the rea
 (latency-bound), so time grows linearly past 128 nodes.
 
 An alternative three-launch form (``impl="split"``, below) moves all inverses and K Kᵀ products into parallel
-launches; it measured slower on the H200 and is not the default.
+launches; it measured slower on the H200 and is not the default. The resident form (``impl="resident"``, below)
+solves right-looking with every row's right-hand side in registers (no read-back, no barrier); it is the default
+for 49-64 nodes, where it measured faster.
 
 Commit (one launch, one read + one write of S): for the accepted leaf ℓ,
 ``S* = exp(Γ_ℓ) S0 + Σ_{j ∈ path(ℓ)} exp(Γ_ℓ − Γ_j) k_j u_jᵀ``, in place. ``path`` may be right-padded with -1 so
@@ -251,8 +253,12 @@ _gdn_tree_verify_autotuned = triton.autotune(
 # The serial chain per block is two dependent dots in registers: nothing of U is stored and read back (u is only
 # written, for the commit), so there is no barrier and every U-independent load (K_i, mask columns, P_i) can be
 # prefetched. The price: K and Q of all T rows stay resident ([T_pad, K] each), so T_pad ≤ 128 (RESIDENT_MAX_NODES).
+# Measured on the H200 (BENCHMARKS.md, "Kernels: the resident verify"): at T = 64 23.2-24.2 µs against the fused
+# kernel's 26.8-27.3; slower at T ≤ 32 (the prep launch costs more than 1-2 serial blocks save) and at T_pad = 128
+# (129 µs against 60: 128 resident rows of K and Q spill registers). So impl=None takes it for RESIDENT_NODES only.
 # ----------------------------------------------------------------------------------------------------------------
 RESIDENT_MAX_NODES = 128
+RESIDENT_NODES = range(49, 65)  # four row blocks, T_pad = 64: the measured case
 if _INTERPRET:
     _RESIDENT_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
 else:
@@ -261,16 +267,15 @@ else:
 
 @triton.jit
 def _resident_prep_kernel(
-    q, k, g, beta, tmask, pinv, amat, qdmat, gamma, a_log, dt_bias,
+    k, g, beta, tmask, pinv, gamma, a_log, dt_bias,
     T,
-    sq_b, sq_t, sq_h,
     sk_b, sk_t, sk_h,
     sg_b, sg_t, sg_h,
     sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-    TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr, BC: tl.constexpr,
+    TP: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr,
     L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, INV_PREC: tl.constexpr,
-    RAW_GATES: tl.constexpr, PRECOMP: tl.constexpr,
+    RAW_GATES: tl.constexpr,
 ):
     i_blk = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -314,44 +319,10 @@ def _resident_prep_kernel(
         P = P + tl.dot(P, X, input_precision=INV_PREC)
     tl.store(pinv + (i_b64 * HV + i_hv) * T * BT + t_r[:, None] * BT + o_r[None, :], P, mask=m_r[:, None])
 
-    if PRECOMP:  # this row block of A (columns before the block) and of Q Kᵀ ⊙ D (columns up to its end)
-        q_i = tl.load(q + i_b64 * sq_b + i_h * sq_h + t_r[:, None] * sq_t + o_k[None, :],
-                      mask=m_r[:, None] & m_k[None, :], other=0.0)
-        if DOT_F32:
-            q_i = q_i.to(tl.float32)
-        if L2NORM:
-            qf_i = q_i.to(tl.float32)
-            rq_i = tl.rsqrt(_rsum(qf_i * qf_i, axis=1) + 1e-6)
-        r0 = i_blk * BT
-        o_c = tl.arange(0, BC)
-        row_base = (i_b64 * HV + i_hv) * T * T + t_r[:, None] * T
-        for c in range(0, (r0 + BT + BC - 1) // BC):
-            t_c = c * BC + o_c
-            m_c = (t_c < r0 + BT) & (t_c < T)
-            KT_c = tl.load(k + i_b64 * sk_b + i_h * sk_h + t_c[None, :] * sk_t + o_k[:, None],
-                           mask=m_c[None, :] & m_k[:, None], other=0.0)
-            if DOT_F32:
-                KT_c = KT_c.to(tl.float32)
-            M_cc = tl.load(tmask + t_c[:, None] * T + o_n[None, :], mask=m_c[:, None] & m_n[None, :], other=0) != 0
-            G_c = _rsum(tl.where(M_cc, g_all[None, :], 0.0), axis=1)
-            M_c = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
-            D_c = tl.exp(tl.where(M_c, G_i[:, None] - G_c[None, :], float("-inf")))
-            if L2NORM:
-                kf_c = KT_c.to(tl.float32)
-                D_c = D_c * tl.rsqrt(_rsum(kf_c * kf_c, axis=0) + 1e-6)[None, :]
-            kk = tl.dot(k_i, KT_c, input_precision=DOT_PREC)
-            qk = tl.dot(q_i, KT_c, input_precision=DOT_PREC)
-            if L2NORM:
-                kk = kk * rk_i[:, None]
-                qk = qk * rq_i[:, None]
-            m_out = m_r[:, None] & m_c[None, :]
-            tl.store(amat + row_base + t_c[None, :], kk * D_c * b_i[:, None], mask=m_out & (t_c < r0)[None, :])
-            tl.store(qdmat + row_base + t_c[None, :], qk * D_c, mask=m_out)
-
 
 @triton.jit
 def _resident_verify_kernel(
-    q, k, v, beta, s0, tmask, pinv, amat, qdmat, gamma, o, u,
+    q, k, v, beta, s0, tmask, pinv, gamma, o, u,
     T, scale,
     sq_b, sq_t, sq_h,
     sk_b, sk_t, sk_h,
@@ -360,7 +331,7 @@ def _resident_verify_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, INV_PREC: tl.constexpr,
-    RAW_GATES: tl.constexpr, PRECOMP: tl.constexpr,
+    RAW_GATES: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -381,8 +352,6 @@ def _resident_verify_kernel(
     u_base = u + i_b64 * T * HV * V + i_hv * V
     gm_base = gamma + i_b64 * T * HV + i_hv
     p_base = pinv + (i_b64 * HV + i_hv) * T * BT
-    a_base = amat + (i_b64 * HV + i_hv) * T * T
-    qd_base = qdmat + (i_b64 * HV + i_hv) * T * T
 
     # every row at once: R = β (V − e^Γ K S0), O = e^Γ Q S0 (row norms applied as scalings of the raw dots)
     m_nk = m_n[:, None] & m_k[None, :]
@@ -416,29 +385,23 @@ def _resident_verify_kernel(
         r0 = i * BT
         t_c = r0 + o_r
         m_c = t_c < T
-        # U-independent operands of this block's column (A and Q Kᵀ ⊙ D columns, or K_i to form them; P_i)
-        if PRECOMP:  # the prep launch wrote row blocks of A (columns before them) and of Q Kᵀ ⊙ D (up to them)
-            m_col = m_n[:, None] & m_c[None, :]
-            A_col = tl.load(a_base + o_n[:, None] * T + t_c[None, :], mask=m_col & (o_n >= r0 + BT)[:, None],
-                            other=0.0)
-            QD_col = tl.load(qd_base + o_n[:, None] * T + t_c[None, :], mask=m_col & (o_n >= r0)[:, None], other=0.0)
-        else:
-            KT_i = tl.load(k_base + t_c[None, :] * sk_t + o_k[:, None], mask=m_c[None, :] & m_k[:, None], other=0.0)
-            if DOT_F32:
-                KT_i = KT_i.to(tl.float32)
-            G_c = tl.load(gm_base + t_c * HV, mask=m_c, other=0.0)
-            M_col = tl.load(tmask + o_n[:, None] * T + t_c[None, :], mask=m_n[:, None] & m_c[None, :], other=0) != 0
-            D_col = tl.exp(tl.where(M_col, G_all[:, None] - G_c[None, :], float("-inf")))
-            if L2NORM:
-                kf_c = KT_i.to(tl.float32)
-                D_col = D_col * tl.rsqrt(_rsum(kf_c * kf_c, axis=0) + 1e-6)[None, :]
-            kk = tl.dot(K_all, KT_i, input_precision=DOT_PREC)  # [TP, BT]
-            qk = tl.dot(Q_all, KT_i, input_precision=DOT_PREC)
-            if L2NORM:
-                kk = kk * rk_all[:, None]
-                qk = qk * rq_all[:, None]
-            A_col = tl.where((o_n >= r0 + BT)[:, None], kk * D_col * b_all[:, None], 0.0)
-            QD_col = qk * D_col
+        # U-independent operands of this block's column (decays, A and Q Kᵀ ⊙ D columns, P_i): prefetchable
+        G_c = tl.load(gm_base + t_c * HV, mask=m_c, other=0.0)
+        M_col = tl.load(tmask + o_n[:, None] * T + t_c[None, :], mask=m_n[:, None] & m_c[None, :], other=0) != 0
+        D_col = tl.exp(tl.where(M_col, G_all[:, None] - G_c[None, :], float("-inf")))
+        KT_i = tl.load(k_base + t_c[None, :] * sk_t + o_k[:, None], mask=m_c[None, :] & m_k[:, None], other=0.0)
+        if DOT_F32:
+            KT_i = KT_i.to(tl.float32)
+        if L2NORM:
+            kf_c = KT_i.to(tl.float32)
+            D_col = D_col * tl.rsqrt(_rsum(kf_c * kf_c, axis=0) + 1e-6)[None, :]
+        kk = tl.dot(K_all, KT_i, input_precision=DOT_PREC)  # [TP, BT]
+        qk = tl.dot(Q_all, KT_i, input_precision=DOT_PREC)
+        if L2NORM:
+            kk = kk * rk_all[:, None]
+            qk = qk * rq_all[:, None]
+        A_col = tl.where((o_n >= r0 + BT)[:, None], kk * D_col * b_all[:, None], 0.0)
+        QD_col = qk * D_col
         in_blk = (o_n >= r0) & (o_n < r0 + BT) & m_n
         P_i = tl.load(p_base + t_c[:, None] * BT + (o_n - r0)[None, :], mask=m_c[:, None] & in_blk[None, :],
                       other=0.0)  # [BT, TP]: P_i at block i's columns, zeros elsewhere
@@ -759,7 +722,6 @@ def gdn_tree_verify_triton(
     BV: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
-    resident_precompute: bool = False,
     autotune: bool = False,
     BC: int | None = None,
     BT: int = 16,
@@ -774,7 +736,8 @@ def gdn_tree_verify_triton(
 
     ``impl``: ``"fused"`` (one launch, serial over 16-row blocks), ``"split"`` (three launches, only U's block
     recurrence serial), ``"resident"`` (two launches, right-looking with every row's right-hand side in registers;
-    ≤ ``RESIDENT_MAX_NODES`` nodes; ``num_stages`` pins its pipelining) or None (by T, see ``SPLIT_MIN_NODES``). ``BV``/``num_warps`` pin a config (tests,
+    ≤ ``RESIDENT_MAX_NODES`` nodes; ``num_stages`` pins its pipelining) or None (by T: resident for
+    ``RESIDENT_NODES``, else fused; see also ``SPLIT_MIN_NODES``). ``BV``/``num_warps`` pin a config (tests,
     benchmarks; for ``"split"`` BV applies to all three kernels); by default the fused kernel launches directly with
     its measured config (``_VERIFY_CONFIGS``, no autotuner in the launch path), ``autotune=True`` sweeps
     ``_VERIFY_CANDIDATES`` with Triton's autotuner instead. ``BC`` (columns per inner
@@ -833,7 +796,7 @@ def gdn_tree_verify_triton(
         beta.stride(0), beta.stride(1), beta.stride(2),
     )
     if impl is None:
-        impl = "split" if T >= SPLIT_MIN_NODES else "fused"
+        impl = "split" if T >= SPLIT_MIN_NODES else "resident" if T in RESIDENT_NODES else "fused"
     if impl == "split":
         if raw:  # the split kernels take formed gates
             g, beta = gdn_gates(g, beta, A_log, dt_bias)
@@ -842,7 +805,7 @@ def gdn_tree_verify_triton(
     if impl == "resident":
         if TP > RESIDENT_MAX_NODES or BT != 16:
             raise ValueError(f"impl='resident' takes at most {RESIDENT_MAX_NODES} nodes and BT=16, got T={T}, BT={BT}")
-        _verify_resident(args, common, raw, inverse_precision, BV, num_warps, num_stages, resident_precompute)
+        _verify_resident(args, common, raw, inverse_precision, BV, num_warps, num_stages)
         return o, u, gamma
     if impl != "fused":
         raise ValueError(f"impl must be 'fused', 'split', 'resident' or None, got {impl!r}")
@@ -861,29 +824,25 @@ def gdn_tree_verify_triton(
     return o, u, gamma
 
 
-def _verify_resident(args, common, raw, inverse_precision, BV, num_warps, num_stages, precompute):
+def _verify_resident(args, common, raw, inverse_precision, BV, num_warps, num_stages):
     (q, k, v, g, beta, s0, mask, o, u, gamma, a_log, dt_bias, T, scale, *strides) = args
     sq, sk, sv, sg, sb = (strides[i:i + 3] for i in range(0, 15, 3))
     B, _, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BT = common["BT"]
     pinv = torch.empty((B, HV, T, BT), dtype=torch.float32, device=u.device)
-    # A / Q Kᵀ ⊙ D scratch: read only where the prep launch wrote it (a 1-element stand-in when not precomputed)
-    n = T * T if precompute else 1
-    amat, qdmat = (torch.empty((B, HV, n), dtype=torch.float32, device=u.device) for _ in range(2))
     c = {n: common[n] for n in ("H", "HV", "K", "TP", "BK", "BT", "L2NORM", "DOT_PREC", "DOT_F32")}
     if BV is None:
         cfg = _RESIDENT_CONFIGS[0]
         BV, num_warps, num_stages = cfg.kwargs["BV"], cfg.num_warps, cfg.num_stages
     with launch_ctx(_INTERPRET):
         _resident_prep_kernel[(triton.cdiv(T, BT), B * HV)](
-            q, k, g, beta, mask, pinv, amat, qdmat, gamma, a_log, dt_bias, T, *sq, *sk, *sg, *sb, **c,
-            LOG2_BT=common["LOG2_BT"], BC=common["BC"], INV_PREC=inverse_precision, RAW_GATES=raw,
-            PRECOMP=precompute, num_warps=4, num_stages=1,
+            k, g, beta, mask, pinv, gamma, a_log, dt_bias, T, *sk, *sg, *sb, **c, LOG2_BT=common["LOG2_BT"],
+            INV_PREC=inverse_precision, RAW_GATES=raw, num_warps=4, num_stages=1,
         )
         _resident_verify_kernel[(triton.cdiv(V, BV), B * HV)](
-            q, k, v, beta, s0, mask, pinv, amat, qdmat, gamma, o, u, T, scale, *sq, *sk, *sv, *sb, **c, V=V, BV=BV,
-            INV_PREC=inverse_precision, RAW_GATES=raw, PRECOMP=precompute, num_warps=num_warps,
+            q, k, v, beta, s0, mask, pinv, gamma, o, u, T, scale, *sq, *sk, *sv, *sb, **c, V=V, BV=BV,
+            INV_PREC=inverse_precision, RAW_GATES=raw, num_warps=num_warps,
             num_stages=num_stages or 1,
         )
 
