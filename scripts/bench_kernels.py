@@ -19,7 +19,7 @@ against the ≈4.3 TB/s copy bandwidth measured on these H200s.
 
     python scripts/bench_kernels.py [--T 16 32 64 128] [--layers 24] [--reps 60] [--impls fused split resident]
         [--no-fla] [--no-ref] [--no-baseline] [--commit-chunks 32 64] [--verify-bt 32 64]
-        [--commit-precision tf32x3] [--verify-inverse-precision tf32x3] [--resident-configs 32:4:2]
+        [--commit-precision tf32x3] [--verify-inverse-precision tf32x3] [--resident-configs 64:8]
         [--out bench.json]
 
 (``PYTHONPATH=kernels`` where the package is not installed, e.g. on the lent GPU machine; fla is optional.)
@@ -153,11 +153,11 @@ def bytes_baseline(T):
 
 
 def _resident_kw(config: str) -> dict:
-    """'BV:num_warps:num_stages[:inverse_precision]' → gdn_tree_verify_triton keywords."""
+    """'BV:num_warps[:inverse_precision]' → gdn_tree_verify_triton keywords."""
     f = config.split(":")
-    kw = dict(impl="resident", BV=int(f[0]), num_warps=int(f[1]), num_stages=int(f[2]))
-    if len(f) > 3:
-        kw["inverse_precision"] = f[3]
+    kw = dict(impl="resident", BV=int(f[0]), num_warps=int(f[1]))
+    if len(f) > 2:
+        kw["inverse_precision"] = f[2]
     return kw
 
 
@@ -357,8 +357,8 @@ def main():
     ap.add_argument("--verify-bt", type=int, nargs="*", default=[],
                     help="also time the fused verify with this many rows per serial block (e.g. 32 64)")
     ap.add_argument("--resident-configs", nargs="*", default=[],
-                    help="also time the resident verify at these BV:num_warps:num_stages[:inverse_precision] configs, "
-                         "e.g. 32:4:1 32:4:2 32:4:1:tf32x3")
+                    help="also time the resident verify at these BV:num_warps[:inverse_precision] configs, "
+                         "e.g. 32:4 64:8 32:4:tf32x3")
     args = ap.parse_args()
     fla = None
     if not args.no_fla:

@@ -251,11 +251,12 @@ _gdn_tree_verify_autotuned = triton.autotune(
 #             row block i: U_i = P_i R_i (one dot against R with P_i placed at block i's columns, so no row
 #             extraction), R −= A[:, i] U_i for the rows below the block, O += (Q Kᵀ ⊙ D)[:, i] U_i.
 # The serial chain per block is two dependent dots in registers: nothing of U is stored and read back (u is only
-# written, for the commit), so there is no barrier and every U-independent load (K_i, mask columns, P_i) can be
-# prefetched. The price: K and Q of all T rows stay resident ([T_pad, K] each), so T_pad ≤ 128 (RESIDENT_MAX_NODES).
-# Measured on the H200 (BENCHMARKS.md, "Kernels: the resident verify"): at T = 64 23.2-24.2 µs against the fused
-# kernel's 26.8-27.3; slower at T ≤ 32 (the prep launch costs more than 1-2 serial blocks save) and at T_pad = 128
-# (129 µs against 60: 128 resident rows of K and Q spill registers). So impl=None takes it for RESIDENT_NODES only.
+# written, for the commit), so there is no barrier, and the U-independent loads (K_i, mask columns, P_i) do not wait
+# on the solve (one pipeline stage: two measured slower). The price: K and Q of all T rows stay resident ([T_pad, K]
+# each), so T_pad ≤ 128 (RESIDENT_MAX_NODES). Measured on the H200 (BENCHMARKS.md, "Session 10: the resident
+# verify"): at T = 64 23.2-24.2 µs against the fused kernel's 26.8-27.3; slower at T ≤ 32 (the prep launch costs
+# more than 1-2 serial blocks save) and at T_pad = 128 (129 µs against 60; the fp32 P_i·R product over all 128 rows
+# is much of it: 68 µs with it in tf32x3). So impl=None takes it for RESIDENT_NODES only.
 # ----------------------------------------------------------------------------------------------------------------
 RESIDENT_MAX_NODES = 128
 RESIDENT_NODES = range(49, 65)  # four row blocks, T_pad = 64: the measured case
@@ -721,7 +722,6 @@ def gdn_tree_verify_triton(
     impl: str | None = None,
     BV: int | None = None,
     num_warps: int = 4,
-    num_stages: int | None = None,
     autotune: bool = False,
     BC: int | None = None,
     BT: int = 16,
@@ -736,7 +736,7 @@ def gdn_tree_verify_triton(
 
     ``impl``: ``"fused"`` (one launch, serial over 16-row blocks), ``"split"`` (three launches, only U's block
     recurrence serial), ``"resident"`` (two launches, right-looking with every row's right-hand side in registers;
-    ≤ ``RESIDENT_MAX_NODES`` nodes; ``num_stages`` pins its pipelining) or None (by T: resident for
+    ≤ ``RESIDENT_MAX_NODES`` nodes) or None (by T: resident for
     ``RESIDENT_NODES``, else fused; see also ``SPLIT_MIN_NODES``). ``BV``/``num_warps`` pin a config (tests,
     benchmarks; for ``"split"`` BV applies to all three kernels); by default the fused kernel launches directly with
     its measured config (``_VERIFY_CONFIGS``, no autotuner in the launch path), ``autotune=True`` sweeps
@@ -805,7 +805,7 @@ def gdn_tree_verify_triton(
     if impl == "resident":
         if TP > RESIDENT_MAX_NODES or BT != 16:
             raise ValueError(f"impl='resident' takes at most {RESIDENT_MAX_NODES} nodes and BT=16, got T={T}, BT={BT}")
-        _verify_resident(args, common, raw, inverse_precision, BV, num_warps, num_stages)
+        _verify_resident(args, common, raw, inverse_precision, BV, num_warps)
         return o, u, gamma
     if impl != "fused":
         raise ValueError(f"impl must be 'fused', 'split', 'resident' or None, got {impl!r}")
@@ -824,7 +824,7 @@ def gdn_tree_verify_triton(
     return o, u, gamma
 
 
-def _verify_resident(args, common, raw, inverse_precision, BV, num_warps, num_stages):
+def _verify_resident(args, common, raw, inverse_precision, BV, num_warps):
     (q, k, v, g, beta, s0, mask, o, u, gamma, a_log, dt_bias, T, scale, *strides) = args
     sq, sk, sv, sg, sb = (strides[i:i + 3] for i in range(0, 15, 3))
     B, _, H, K = q.shape
@@ -834,7 +834,7 @@ def _verify_resident(args, common, raw, inverse_precision, BV, num_warps, num_st
     c = {n: common[n] for n in ("H", "HV", "K", "TP", "BK", "BT", "L2NORM", "DOT_PREC", "DOT_F32")}
     if BV is None:
         cfg = _RESIDENT_CONFIGS[0]
-        BV, num_warps, num_stages = cfg.kwargs["BV"], cfg.num_warps, cfg.num_stages
+        BV, num_warps = cfg.kwargs["BV"], cfg.num_warps
     with launch_ctx(_INTERPRET):
         _resident_prep_kernel[(triton.cdiv(T, BT), B * HV)](
             k, g, beta, mask, pinv, gamma, a_log, dt_bias, T, *sk, *sg, *sb, **c, LOG2_BT=common["LOG2_BT"],
@@ -843,7 +843,7 @@ def _verify_resident(args, common, raw, inverse_precision, BV, num_warps, num_st
         _resident_verify_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, beta, s0, mask, pinv, gamma, o, u, T, scale, *sq, *sk, *sv, *sb, **c, V=V, BV=BV,
             INV_PREC=inverse_precision, RAW_GATES=raw, num_warps=num_warps,
-            num_stages=num_stages or 1,
+            num_stages=1,
         )
 
 
