@@ -83,6 +83,19 @@ def _decay(a, a_log, dt_bias, i_hv):
     log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
     return -tl.exp(tl.load(a_log + i_hv).to(tl.float32)) * (tl.maximum(x, 0.0) + log1p)
 
+@triton.jit
+def _block_inverse(kk_d, D_d, b_i, BT: tl.constexpr, LOG2_BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + A_d)^{-1} of one row block, A_d = β ⊙ (K Kᵀ ⊙ D) strictly below the diagonal:
+    Σ_{m<BT} (−A_d)^m = (I + N)(I + N²)(I + N⁴)…, N = −A_d strictly lower (N^BT = 0), i.e. 2·(LOG2_BT − 1) dots."""
+    o_r = tl.arange(0, BT)
+    X = -tl.where(o_r[:, None] > o_r[None, :], kk_d * D_d * b_i[:, None], 0.0)
+    P = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0) + X
+    for _ in tl.static_range(LOG2_BT - 1):
+        X = tl.dot(X, X, input_precision=PREC)
+        P = P + tl.dot(P, X, input_precision=PREC)
+    return P
+
+
 # Candidate configs (tests exercise all of them; scripts/bench_kernels.py can sweep them). The default is one config,
 # not an autotuner sweep: Triton's autotuner times eager launches, which at these ~5-60 µs kernels mostly measures
 # host launch overhead and picked a 2-wave config at T=16 on the H200 (12.2 µs instead of 7.6). BV=32 / 4 warps
@@ -146,8 +159,6 @@ def _gdn_tree_verify_kernel(
     # committed state tile [BK, BV], read once
     S = tl.load(s_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
 
-    eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
-    strict = o_r[:, None] > o_r[None, :]
     m_kv = m_k[None, :]
     m_vv = m_v[None, :]
 
@@ -219,14 +230,7 @@ def _gdn_tree_verify_kernel(
         if L2NORM:
             kk_d = kk_d * rk_i[:, None] * rk_i[None, :]
             qk_d = qk_d * rq_i[:, None] * rk_i[None, :]
-        A_d = tl.where(strict, kk_d * D_d * b_i[:, None], 0.0)
-
-        # (I + A_d)^{-1} = Σ_{m<BT} (−A_d)^m = (I + N)(I + N²)(I + N⁴)…, N = −A_d strictly lower (N^BT = 0)
-        X = -A_d
-        P = eye + X
-        for _ in tl.static_range(LOG2_BT - 1):
-            X = tl.dot(X, X, input_precision=INV_PREC)
-            P = P + tl.dot(P, X, input_precision=INV_PREC)
+        P = _block_inverse(kk_d, D_d, b_i, BT, LOG2_BT, INV_PREC)
         U_i = tl.dot(P, rhs, input_precision=INV_PREC)
         tl.store(u_base + t_r[:, None] * (HV * V) + o_v[None, :], U_i, mask=m_r[:, None] & m_vv)
 
@@ -313,11 +317,7 @@ def _resident_prep_kernel(
         kk_d = kk_d * rk_i[:, None] * rk_i[None, :]
     M_d = tl.load(tmask + t_r[:, None] * T + t_r[None, :], mask=m_r[:, None] & m_r[None, :], other=0) != 0
     D_d = tl.exp(tl.where(M_d, G_i[:, None] - G_i[None, :], float("-inf")))
-    X = -tl.where(o_r[:, None] > o_r[None, :], kk_d * D_d * b_i[:, None], 0.0)
-    P = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0) + X
-    for _ in tl.static_range(LOG2_BT - 1):
-        X = tl.dot(X, X, input_precision=INV_PREC)
-        P = P + tl.dot(P, X, input_precision=INV_PREC)
+    P = _block_inverse(kk_d, D_d, b_i, BT, LOG2_BT, INV_PREC)
     tl.store(pinv + (i_b64 * HV + i_hv) * T * BT + t_r[:, None] * BT + o_r[None, :], P, mask=m_r[:, None])
 
 
@@ -501,12 +501,7 @@ def _split_local_kernel(
 
     M_d = tl.load(tmask + t_r[:, None] * T + t_r[None, :], mask=m_r[:, None] & m_r[None, :], other=0) != 0
     D_d = tl.exp(tl.where(M_d, G_i[:, None] - G_i[None, :], float("-inf")))
-    A_d = tl.where(o_r[:, None] > o_r[None, :], kk_d * D_d * b_i[:, None], 0.0)
-    X = -A_d
-    P = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0) + X
-    for _ in tl.static_range(LOG2_BT - 1):
-        X = tl.dot(X, X, input_precision="ieee")
-        P = P + tl.dot(P, X, input_precision="ieee")
+    P = _block_inverse(kk_d, D_d, b_i, BT, LOG2_BT, "ieee")
     W_i = tl.dot(P, rhs, input_precision="ieee")
     tl.store(w + i_b64 * T * HV * V + i_hv * V + t_r[:, None] * (HV * V) + o_v[None, :], W_i,
              mask=m_r[:, None] & m_v[None, :])
