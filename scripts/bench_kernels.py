@@ -218,6 +218,7 @@ def bench_T(T, kind, args, fla):
     variants = [(f"bt{bt}", dict(BT=bt)) for bt in args.verify_bt]
     variants += [(f"inv_{p}", dict(inverse_precision=p)) for p in args.verify_inverse_precision]
     variants += [(f"res{c}", _resident_kw(c)) for c in args.resident_configs]
+    variants += [("peel", dict(peel_root=True))] if args.verify_peel else []
     for name, kw in variants:  # side by side with the default fused verify
         kw = dict(kw)
         impl = kw.pop("impl", "fused")
@@ -359,6 +360,8 @@ def main():
     ap.add_argument("--resident-configs", nargs="*", default=[],
                     help="also time the resident verify at these BV:num_warps[:inverse_precision] configs, "
                          "e.g. 32:4 64:8 32:4:tf32x3")
+    ap.add_argument("--verify-peel", action="store_true",
+                    help="also time the fused verify with peel_root (node 0 as a recurrent step at T = 16n + 1)")
     args = ap.parse_args()
     fla = None
     if not args.no_fla:
@@ -391,14 +394,14 @@ def main():
     for r in results:
         print(fmt_row(r, args.impls))
     if (args.commit_chunks or args.verify_bt or args.commit_precision or args.verify_inverse_precision
-            or args.commit_configs or args.resident_configs):
+            or args.commit_configs or args.resident_configs or args.verify_peel):
         print("\nvariants side by side (per layer, µs; default: verify BT=16, commit chunk=32):")
         for r in results:
             print(r["kind"], r["T"], f"verify fused {r.get('verify_fused', {}).get('us', float('nan')):.1f}",
                   " ".join(f"{n} {r[f'verify_{n}']['us']:.1f} (o {r[f'verify_{n}']['rel_rms']['o']:.1e})"
                            for n in [f"bt{b}" for b in args.verify_bt]
                            + [f"inv_{p}" for p in args.verify_inverse_precision]
-                           + [f"res{c}" for c in args.resident_configs]),
+                           + [f"res{c}" for c in args.resident_configs] + ["peel"] * args.verify_peel),
                   f"| commit {r['commit']['us']:.1f}",
                   " ".join(f"{n} {r[f'commit_{n}']['us']:.1f} (state {r[f'commit_{n}']['rel_rms_state']:.1e})"
                            for n in [f"chunk{c}" for c in args.commit_chunks]

@@ -104,7 +104,8 @@ def raw_gate_inputs(B, T, HV, dtype, device, seed, long_memory=False):
 
 
 def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu", BV=None, leaf=None, BC=None,
-                   num_warps=4, impl=None, BT=16, precision="ieee", raw_gates=False, long_memory=False):
+                   num_warps=4, impl=None, BT=16, precision="ieee", raw_gates=False, long_memory=False,
+                   peel_root=False):
     """Verify (poisoned outputs) and commit against fp64 references; return the errors. ``raw_gates``: the kernel
     forms g and β from raw projections (``raw_gate_inputs``); the references get the gates from ``gdn_gates`` on the
     same inputs."""
@@ -125,6 +126,8 @@ def check_gdn_tree(chunk, parents, B, H, HV, K, V, dtype, l2, seed, device="cpu"
         kw["BT"] = BT
     if precision != "ieee":
         kw["inverse_precision"] = precision
+    if peel_root:
+        kw["peel_root"] = True
     chunk.gdn_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=l2, o=o, u=u, gamma=gm, **kw,
                                  **gates)
     assert not o.isnan().any() and not u.isnan().any() and not gm.isnan().any(), "outputs not fully written"
@@ -459,6 +462,19 @@ def test_gdn_tree_raw_gates_interpreter(ik, impl):
                          raw_gates=True, long_memory=True)
     assert err["gamma"] <= 1e-6, err
     _assert_errs(err, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gdn_tree_peeled_root_interpreter(ik, dtype):
+    """T = 16n + 1: the fused kernel runs node 0 as a recurrent step when it is an ancestor of every node (n row
+    blocks instead of n + 1), and solves the whole tree when it is not (a forest: node 1 is a second root)."""
+    rng = random.Random(17)
+    forest = [-1, -1] + [rng.randrange(i) for i in range(2, 17)]
+    for parents in (chain_parents(17), best_first_parents(33, rng), star_parents(17), forest):
+        for raw_gates in (False, True) if dtype == torch.float32 else (False,):
+            err = check_gdn_tree(ik.chunk, parents, 2, 1, 2, 16, 32, dtype, True, seed=len(parents), BV=16,
+                                 impl="fused", raw_gates=raw_gates, peel_root=True)
+            _assert_errs(err, dtype)
 
 
 def test_gdn_tree_default_form_by_size_interpreter(ik, monkeypatch):
@@ -1049,6 +1065,25 @@ def test_gdn_tree_raw_gates_gpu(T, dtype, impl):
                          device="cuda", BV=32, impl=impl, raw_gates=True)
     print(f"\n[gpu] gdn raw gates T={T} {dtype}: " + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
     _assert_errs(err, dtype)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gdn_tree_peeled_root_gpu(dtype):
+    """peel_root at real shape: budget + root trees (17, 65, 129 nodes), and a forest that must take the whole solve."""
+    from weaver_kernels.gdn_tree import chunk
+
+    rng = random.Random(65)
+    forest = [-1, -1] + [rng.randrange(i) for i in range(2, 65)]
+    for parents in (best_first_parents(17, rng), chain_parents(65), best_first_parents(65, rng),
+                    best_first_parents(129, rng), forest):
+        for raw_gates in (False, True):
+            err = check_gdn_tree(chunk, parents, 1, REAL["H"], REAL["HV"], REAL["K"], REAL["V"], dtype, True,
+                                 seed=len(parents), device="cuda", impl="fused", raw_gates=raw_gates, peel_root=True)
+            print(f"\n[gpu] gdn peeled root T={len(parents)} {dtype}: "
+                  + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
+            _assert_errs(err, dtype)
 
 
 @pytest.mark.gpu
