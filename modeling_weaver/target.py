@@ -285,6 +285,9 @@ class GatedDeltaNetLayerCache:
     # the GDN ops get the raw gate projections and form the gates in their kernels (False: the gates as their own
     # launch; ``scripts/profile_ar_step.py --gates-ab`` times both in the AR step)
     gates_in_kernel = True
+    # the tree verify runs the root (node 0) as a recurrent step: budget + root trees solve one row block fewer
+    # (weaver_kernels' peel_root; off until timed on the GPU: ``scripts/profile_ar_step.py --peel-ab``)
+    peel_root = False
 
     def __init__(self, gdn: torch.nn.Module, device, dtype):
         self.gdn = gdn
@@ -329,7 +332,7 @@ class GatedDeltaNetLayerCache:
         q, k, v = self._heads(conv)
         g, beta, raw = self._gates(a, b)
         o, u, gamma = weaver_kernels.gdn_tree_verify(
-            q, k, v, g, beta, self.state, tree_mask, use_qk_l2norm_in_kernel=True, **raw
+            q, k, v, g, beta, self.state, tree_mask, use_qk_l2norm_in_kernel=True, peel_root=self.peel_root, **raw
         )
         self.pending = (mixed, k, u, gamma)
         return self._output(o, z)

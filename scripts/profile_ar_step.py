@@ -17,7 +17,10 @@
    ``--tree-nodes`` nodes, and each ``--proposer``'s draft + tree; each as a fraction of the AR step (issue 5's
    "verify ≤ 1.25 AR step", "draft + tree ≤ 15 % of an AR step").
 6. With ``--gates-ab``: the AR step's graph timed as in 5 with the GDN gates (g, β) as their own launch and formed
-   inside the GDN kernels (:attr:`~modeling_weaver.target.GatedDeltaNetLayerCache.gates_in_kernel`).
+   inside the GDN kernels (:attr:`~modeling_weaver.target.GatedDeltaNetLayerCache.gates_in_kernel`). Each form
+   captures through a whole generation (compile + ~1500 tokens): allow ≥ 300 s.
+7. With ``--peel-ab`` and ``--tree-nodes N``: the verify graph of an N-node chain timed as in 5 with and without the
+   GDN root step (:attr:`~modeling_weaver.target.GatedDeltaNetLayerCache.peel_root`; it applies at N = 16n + 1).
 """
 import argparse
 
@@ -99,6 +102,8 @@ def main():
     parser.add_argument("--gates-ab", action="store_true",
                         help="the AR step's graph with the GDN gates as their own launch and formed in the GDN "
                              "kernel, side by side (section 6)")
+    parser.add_argument("--peel-ab", action="store_true",
+                        help="the --tree-nodes verify graph with and without the GDN root step (section 7)")
     parser.add_argument("--graph-runs", type=int, default=7)
     parser.add_argument("--max-length", type=int, default=0,
                         help="cache capacity at least this (the replay's prompt 512 + 512 new tokens: bucket 2048)")
@@ -169,6 +174,19 @@ def main():
             times[in_kernel] = timed(captured_ar().ar_step()._graph[0])
         print(f"\n## AR step graph, GPU ms per replay: GDN gates as their own launch {times[False]:.3f}, formed in "
               f"the GDN kernel {times[True]:.3f} ({times[True] - times[False]:+.3f})")
+
+    if args.peel_ab and n:
+        times = {}
+        for peel in (False, True):
+            GatedDeltaNetLayerCache.peel_root = peel
+            release_static_targets(target)
+            tree_graph = static_target(target, max_length, n, capture=True, compile=compile)
+            tree_graph.prefill(ids[0])
+            tree_graph.verify(chain)  # captures
+            times[peel] = timed(tree_graph._graphs[0])
+        GatedDeltaNetLayerCache.peel_root = False
+        print(f"\n## {n}-node verify graph, GPU ms per replay: whole solve {times[False]:.3f}, root as a recurrent "
+              f"step {times[True]:.3f} ({times[True] - times[False]:+.3f})")
 
     if args.graphs:
         phases = [("AR step (one-token pass + argmax)", timed(captured_ar().ar_step()._graph[0]))]

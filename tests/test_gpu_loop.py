@@ -38,6 +38,24 @@ def test_greedy_identity_on_gpu(name, mode, target_step):
 
 
 @pytest.mark.parametrize("mode", ["ddtree", "weaver"])
+def test_peeled_root_identity_on_gpu(mode, monkeypatch):
+    """GDN verify with the root as a recurrent step (peel_root; budgets 16 and 32: trees of 17 and 33 nodes) keeps
+    the hybrid target's greedy output token-identical, eager and graph steps."""
+    from modeling_weaver.target import GatedDeltaNetLayerCache
+
+    monkeypatch.setattr(GatedDeltaNetLayerCache, "peel_root", True)
+    target = TINY_TARGETS["qwen3_5"]().cuda()
+    drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
+    for ids in prompts():
+        ids = ids.cuda()
+        expected = reference(target, ids, 48)
+        for budget, target_step in ((16, "eager"), (32, "graph")):
+            got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=budget,
+                                       max_new_tokens=48, target_step=target_step)
+            assert torch.equal(got, expected), (mode, budget, target_step)
+
+
+@pytest.mark.parametrize("mode", ["ddtree", "weaver"])
 def test_compiled_steps_identity_on_gpu(mode):
     """target_step="compiled" (torch.compile'd tree pass and tree build inside CUDA graphs) on the hybrid target:
     AR and the loop token-identical to transformers; one drafter pair, so five compiles in all per mode (tree pass and

@@ -48,18 +48,19 @@ def _gdn_tree_verify_op(
     use_qk_l2norm_in_kernel: bool,
     A_log: Tensor | None,
     dt_bias: Tensor | None,
+    peel_root: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     args = (q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel)
     if q.is_cuda:
         from .gdn_tree.chunk import gdn_tree_verify_triton
 
-        return gdn_tree_verify_triton(*args, A_log=A_log, dt_bias=dt_bias)
+        return gdn_tree_verify_triton(*args, A_log=A_log, dt_bias=dt_bias, peel_root=peel_root)
     o, u, gamma = gdn_tree_verify_ref(*args, A_log=A_log, dt_bias=dt_bias)
     return _contig(o), _contig(u), _contig(gamma)
 
 
 @_gdn_tree_verify_op.register_fake
-def _(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel, A_log, dt_bias):
+def _(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel, A_log, dt_bias, peel_root):
     B, T, HV, V = v.shape
     acc = torch.promote_types(v.dtype, torch.float32)
     return v.new_empty((B, T, HV, V)), v.new_empty((B, T, HV, V), dtype=acc), v.new_empty((B, T, HV), dtype=acc)
@@ -230,20 +231,23 @@ def gdn_tree_verify(
     use_qk_l2norm_in_kernel: bool = False,
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
+    peel_root: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Tree gated delta rule from the committed state; writes no state. See ``gdn_tree.naive.gdn_tree_verify_ref``.
 
     Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32, ``gamma [B, T, HV]`` fp32.
     CUDA: one Triton launch, T ≤ 256 nodes (``gdn_tree.chunk.MAX_NODES``). With ``A_log`` and ``dt_bias``
     (``[HV]``), ``g`` and ``beta`` are the raw gate projections a and b, and the gates are formed in the same launch
-    (Qwen3.5's, :func:`~weaver_kernels.gdn_gates`).
+    (Qwen3.5's, :func:`~weaver_kernels.gdn_gates`). ``peel_root``: see
+    :func:`~weaver_kernels.gdn_tree.chunk.gdn_tree_verify_triton` (CUDA only; the same result either way).
     """
     if (A_log is None) != (dt_bias is None):
         raise ValueError("gdn_tree_verify: A_log and dt_bias go together")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return torch.ops.weaver.gdn_tree_verify(
-        q, k, v, g, beta, initial_state, tree_mask, float(scale), bool(use_qk_l2norm_in_kernel), A_log, dt_bias
+        q, k, v, g, beta, initial_state, tree_mask, float(scale), bool(use_qk_l2norm_in_kernel), A_log, dt_bias,
+        bool(peel_root),
     )
 
 
