@@ -84,6 +84,12 @@ def _decay(a, a_log, dt_bias, i_hv):
     return -tl.exp(tl.load(a_log + i_hv).to(tl.float32)) * (tl.maximum(x, 0.0) + log1p)
 
 @triton.jit
+def _beta(b, dtype: tl.constexpr):
+    """β = sigmoid(b) of the raw projection, rounded to b's dtype (as the module computes it), as fp32."""
+    return (1.0 / (1.0 + tl.exp(-b))).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _block_inverse(kk_d, D_d, b_i, BT: tl.constexpr, LOG2_BT: tl.constexpr, PREC: tl.constexpr):
     """(I + A_d)^{-1} of one row block, A_d = β ⊙ (K Kᵀ ⊙ D) strictly below the diagonal:
     Σ_{m<BT} (−A_d)^m = (I + N)(I + N²)(I + N⁴)…, N = −A_d strictly lower (N^BT = 0), i.e. 2·(LOG2_BT − 1) dots."""
@@ -176,7 +182,7 @@ def _gdn_tree_verify_kernel(
         v0 = tl.load(v_base + o_v, mask=m_v, other=0.0).to(tl.float32)
         b0 = tl.load(b_base).to(tl.float32)
         if RAW_GATES:
-            b0 = (1.0 / (1.0 + tl.exp(-b0))).to(beta.dtype.element_ty).to(tl.float32)
+            b0 = _beta(b0, beta.dtype.element_ty)
         g0 = _rsum(tl.where(o_n == 0, g_all, 0.0), axis=0)
         if L2NORM:
             k0 = k0 * tl.rsqrt(_rsum(k0 * k0, axis=0) + 1e-6)
@@ -208,7 +214,7 @@ def _gdn_tree_verify_kernel(
         v_i = v_i.to(tl.float32)
         b_i = b_i.to(tl.float32)
         if RAW_GATES:  # β = sigmoid(b) in b's dtype, as the module computes it
-            b_i = tl.where(m_r, (1.0 / (1.0 + tl.exp(-b_i))).to(beta.dtype.element_ty).to(tl.float32), 0.0)
+            b_i = tl.where(m_r, _beta(b_i, beta.dtype.element_ty), 0.0)
 
         # Γ of this block's rows (path sums: ancestor-mask row · g). Every program writes the same values to
         # `gamma`; later blocks read earlier rows back from there (after the barrier at the loop end).
@@ -340,7 +346,7 @@ def _resident_prep_kernel(
         k_i = k_i.to(tl.float32)
     b_i = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
     if RAW_GATES:
-        b_i = tl.where(m_r, (1.0 / (1.0 + tl.exp(-b_i))).to(beta.dtype.element_ty).to(tl.float32), 0.0)
+        b_i = tl.where(m_r, _beta(b_i, beta.dtype.element_ty), 0.0)
     kk_d = tl.dot(k_i, tl.trans(k_i), input_precision=DOT_PREC)
     if L2NORM:
         kf_i = k_i.to(tl.float32)
@@ -396,7 +402,7 @@ def _resident_verify_kernel(
                     mask=m_n[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     b_all = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + o_n * sb_t, mask=m_n, other=0.0).to(tl.float32)
     if RAW_GATES:
-        b_all = tl.where(m_n, (1.0 / (1.0 + tl.exp(-b_all))).to(beta.dtype.element_ty).to(tl.float32), 0.0)
+        b_all = tl.where(m_n, _beta(b_all, beta.dtype.element_ty), 0.0)
     G_all = tl.load(gm_base + o_n * HV, mask=m_n, other=0.0)
     S = tl.load(s0 + (i_b64 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
                 mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
