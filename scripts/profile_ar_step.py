@@ -110,6 +110,8 @@ def main():
     parser.add_argument("--no-tables", action="store_true",
                         help="skip the AR and verify kernel tables (sections 1 and 4; each compiles its own step)")
     args = parser.parse_args()
+    if args.peel_ab and not args.tree_nodes:
+        parser.error("--peel-ab times the verify of --tree-nodes N nodes (the root step applies at N = 16n + 1)")
     compile = args.target_step == "compiled"
     target, drafter, weaver = random_models(args.shape, torch.device("cuda"), torch.bfloat16)
     ids = random_prompt(target, args.prompt_length)
@@ -175,7 +177,7 @@ def main():
         print(f"\n## AR step graph, GPU ms per replay: GDN gates as their own launch {times[False]:.3f}, formed in "
               f"the GDN kernel {times[True]:.3f} ({times[True] - times[False]:+.3f})")
 
-    if args.peel_ab and n:
+    if args.peel_ab:
         times = {}
         for peel in (False, True):
             GatedDeltaNetLayerCache.peel_root = peel
