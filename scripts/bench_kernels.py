@@ -41,7 +41,7 @@ import torch
 
 from weaver_kernels.conv_tree.conv import conv_tree_commit_triton, conv_tree_triton
 from weaver_kernels.gdn_tree.baseline import recurrent_tree_verify
-from weaver_kernels.gdn_tree.chunk import gdn_tree_commit_triton, gdn_tree_verify_triton
+from weaver_kernels.gdn_tree.chunk import RESIDENT_MAX_NODES, gdn_tree_commit_triton, gdn_tree_verify_triton
 from weaver_kernels.gdn_tree.naive import gdn_tree_commit_ref, gdn_tree_verify_ref
 from weaver_kernels.testing import (
     ancestor_mask,
@@ -196,14 +196,15 @@ def bench_T(T, kind, args, fla):
         v_, c_ = verify_fn(x, ob, impl), commit_fn(x, ob)
         return lambda: (v_(), c_())
 
-    for impl in args.impls:
+    impls = [i for i in args.impls if i != "resident" or T <= RESIDENT_MAX_NODES]  # resident: T ≤ 128
+    for impl in impls:
         o, u, gm = gdn_tree_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["S0"], mask,
                                           use_qk_l2norm_in_kernel=True, impl=impl)
         res[f"rel_rms_{impl}"] = dict(o=rel_rms(o, ro), u=rel_rms(u, ru), gamma=rel_rms(gm, rg))
         res[f"verify_{impl}"] = timed("verify", [verify_fn(x, ob, impl) for x, ob in zip(layers, outs)], args.reps)
         res[f"step_{impl}"] = timed("verify+commit", [step_fn(x, ob, impl) for x, ob in zip(layers, outs)], args.reps)
-    res["verify"] = min((res[f"verify_{i}"] for i in args.impls), key=lambda r: r["us"])
-    res["step"] = min((res[f"step_{i}"] for i in args.impls), key=lambda r: r["us"])
+    res["verify"] = min((res[f"verify_{i}"] for i in impls), key=lambda r: r["us"])
+    res["step"] = min((res[f"step_{i}"] for i in impls), key=lambda r: r["us"])
     res["commit"] = timed("commit", [commit_fn(x, ob) for x, ob in zip(layers, outs)], args.reps)
     commits = [(f"chunk{c}", dict(chunk=c)) for c in args.commit_chunks]
     commits += [(f"prec_{p}", dict(precision=p)) for p in args.commit_precision]
@@ -218,7 +219,7 @@ def bench_T(T, kind, args, fla):
     variants = [(f"bt{bt}", dict(BT=bt)) for bt in args.verify_bt]
     variants += [(f"inv_{p}", dict(inverse_precision=p)) for p in args.verify_inverse_precision]
     variants += [(f"res{c}", _resident_kw(c)) for c in args.resident_configs]
-    variants += [("peel", dict(peel_root=True))] if args.verify_peel else []
+    variants += [("peel", dict(peel_root=True))] if args.verify_peel and T % 16 == 1 else []  # where it applies
     for name, kw in variants:  # side by side with the default fused verify
         kw = dict(kw)
         impl = kw.pop("impl", "fused")
@@ -361,7 +362,8 @@ def main():
                     help="also time the resident verify at these BV:num_warps[:inverse_precision] configs, "
                          "e.g. 32:4 64:8 32:4:tf32x3")
     ap.add_argument("--verify-peel", action="store_true",
-                    help="also time the fused verify with peel_root (node 0 as a recurrent step at T = 16n + 1)")
+                    help="also time the fused verify with peel_root (node 0 as a recurrent step), at the --T of the "
+                         "form 16n + 1 (e.g. --T 17 65 129)")
     args = ap.parse_args()
     fla = None
     if not args.no_fla:
@@ -401,7 +403,8 @@ def main():
                   " ".join(f"{n} {r[f'verify_{n}']['us']:.1f} (o {r[f'verify_{n}']['rel_rms']['o']:.1e})"
                            for n in [f"bt{b}" for b in args.verify_bt]
                            + [f"inv_{p}" for p in args.verify_inverse_precision]
-                           + [f"res{c}" for c in args.resident_configs] + ["peel"] * args.verify_peel),
+                           + [f"res{c}" for c in args.resident_configs]
+                           + ["peel"] * (args.verify_peel and r["T"] % 16 == 1)),
                   f"| commit {r['commit']['us']:.1f}",
                   " ".join(f"{n} {r[f'commit_{n}']['us']:.1f} (state {r[f'commit_{n}']['rel_rms_state']:.1e})"
                            for n in [f"chunk{c}" for c in args.commit_chunks]

@@ -475,6 +475,12 @@ def test_gdn_tree_peeled_root_interpreter(ik, dtype):
             err = check_gdn_tree(ik.chunk, parents, 2, 1, 2, 16, 32, dtype, True, seed=len(parents), BV=16,
                                  impl="fused", raw_gates=raw_gates, peel_root=True)
             _assert_errs(err, dtype)
+        # which path ran: the root step rounds differently (rooted trees), the forest takes the same solve bitwise
+        x = gdn_inputs(1, len(parents), 1, 2, 16, 32, dtype, "cpu", 5, True)
+        M = ancestor_mask(parents, "cpu")
+        whole, peeled = (ik.chunk.gdn_tree_verify_triton(*x, M, use_qk_l2norm_in_kernel=True, impl="fused", BV=16,
+                                                         peel_root=p)[1] for p in (False, True))
+        assert torch.equal(whole, peeled) == (parents is forest), parents
 
 
 def test_gdn_tree_default_form_by_size_interpreter(ik, monkeypatch):
@@ -488,6 +494,14 @@ def test_gdn_tree_default_form_by_size_interpreter(ik, monkeypatch):
         err = check_gdn_tree(ik.chunk, best_first_parents(T, rng), 1, 1, 2, 16, 16, torch.float32, True, seed=T)
         _assert_errs(err, torch.float32)
     assert taken == [49, 64] and list(ik.chunk.RESIDENT_NODES) == list(range(49, 65))
+    # the fused kernel's own options send impl=None there: other row blocks, the root step where it applies
+    taken.clear()
+    for T, kw in ((50, dict(BT=32)), (49, dict(peel_root=True)), (50, dict(peel_root=True))):
+        check_gdn_tree(ik.chunk, best_first_parents(T, rng), 1, 1, 2, 16, 16, torch.float32, True, seed=T, **kw)
+    assert taken == [50]
+    with pytest.raises(ValueError, match="no root step"):
+        check_gdn_tree(ik.chunk, best_first_parents(49, rng), 1, 1, 2, 16, 16, torch.float32, True, seed=0,
+                       impl="resident", peel_root=True)
 
 
 def test_gdn_tree_every_leaf_interpreter(ik):

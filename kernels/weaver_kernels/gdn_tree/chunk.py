@@ -781,9 +781,10 @@ def gdn_tree_verify_triton(
     contiguous outputs (static buffers for CUDA graphs; poisoned buffers in tests). With ``A_log`` and ``dt_bias``
     (``[HV]``), ``g`` and ``beta`` are the raw gate projections a and b: the fused kernel forms the gates itself
     (:func:`~weaver_kernels.gdn_tree.naive.gdn_gates`' formula; the split form gets them from that function).
-    ``peel_root`` (fused form, T = 16n + 1 — a budget of 16n drafts plus the root): node 0 runs as one recurrent
-    step when the kernel finds it an ancestor of every node, and the solve covers n row blocks instead of n + 1
-    (≈ 7 µs each at Qwen3.6-27B shape). Tested under the interpreter; off by default until timed on the GPU.
+    ``peel_root`` (fused form; applies at T = BT·n + 1, e.g. a budget of 16n drafts plus the root, where impl=None
+    then takes the fused kernel): node 0 runs as one recurrent step when the kernel finds it an ancestor of every
+    node, and the solve covers n row blocks instead of n + 1 (≈ 7 µs each at Qwen3.6-27B shape). Tested under the
+    interpreter; off by default until timed on the GPU.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -831,21 +832,27 @@ def gdn_tree_verify_triton(
         g.stride(0), g.stride(1), g.stride(2),
         beta.stride(0), beta.stride(1), beta.stride(2),
     )
-    if impl is None:
-        impl = "split" if T >= SPLIT_MIN_NODES else "resident" if T in RESIDENT_NODES else "fused"
+    peel = peel_root and T > 1 and T % BT == 1  # the root as a recurrent step saves a whole row block
+    if impl is None:  # resident where it measured faster, unless a BT or the root step asks for the fused kernel
+        resident = T in RESIDENT_NODES and BT == 16 and not peel
+        impl = "split" if T >= SPLIT_MIN_NODES else "resident" if resident else "fused"
     if impl == "split":
+        if peel:
+            raise ValueError(f"impl='split' has no root step (peel_root is the fused kernel's), got T={T}")
         if raw:  # the split kernels take formed gates
             g, beta = gdn_gates(g, beta, A_log, dt_bias)
         _verify_split(q, k, v, g, beta, s0, mask, o, u, gamma, T, scale, common, BV, num_warps)
         return o, u, gamma
     if impl == "resident":
-        if TP > RESIDENT_MAX_NODES or BT != 16:
-            raise ValueError(f"impl='resident' takes at most {RESIDENT_MAX_NODES} nodes and BT=16, got T={T}, BT={BT}")
+        if TP > RESIDENT_MAX_NODES:
+            raise ValueError(f"impl='resident' takes at most {RESIDENT_MAX_NODES} nodes, got {T}")
+        if BT != 16 or peel:
+            raise ValueError("impl='resident' has 16-row blocks and no root step (BT and peel_root are the fused "
+                             f"kernel's), got BT={BT}, peel_root={peel_root} at T={T}")
         _verify_resident(args, common, raw, inverse_precision, BV, num_warps)
         return o, u, gamma
     if impl != "fused":
         raise ValueError(f"impl must be 'fused', 'split', 'resident' or None, got {impl!r}")
-    peel = peel_root and T > 1 and T % BT == 1  # the root as a recurrent step saves a whole row block
     if BV is None and (_INTERPRET or not autotune):
         BV = _VERIFY_CONFIGS[0].kwargs["BV"]
         num_warps = _VERIFY_CONFIGS[0].num_warps
