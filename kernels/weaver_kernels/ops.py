@@ -236,7 +236,8 @@ def gdn_tree_verify(
     """Tree gated delta rule from the committed state; writes no state. See ``gdn_tree.naive.gdn_tree_verify_ref``.
 
     Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32, ``gamma [B, T, HV]`` fp32.
-    CUDA: one Triton launch, T ≤ 256 nodes (``gdn_tree.chunk.MAX_NODES``). With ``A_log`` and ``dt_bias``
+    CUDA: Triton, T ≤ 256 nodes (``gdn_tree.chunk.MAX_NODES``): one launch, or two for 49-64 nodes (the resident
+    form, faster there; ``gdn_tree.chunk.RESIDENT_NODES``). With ``A_log`` and ``dt_bias``
     (``[HV]``), ``g`` and ``beta`` are the raw gate projections a and b, and the gates are formed in the same launch
     (Qwen3.5's, :func:`~weaver_kernels.gdn_gates`). ``peel_root``: see
     :func:`~weaver_kernels.gdn_tree.chunk.gdn_tree_verify_triton` (CUDA only; the same result either way).
