@@ -168,36 +168,38 @@ def main():
     def timed(graph) -> float:  # median over runs of the mean GPU ms per replay
         return sorted(graph_replay_ms(graph, 4 * args.tokens)[0] for _ in range(args.graph_runs))[args.graph_runs // 2]
 
+    def verify_graph_ms() -> float:
+        tree_graph = static_target(target, max_length, n, capture=True, compile=compile)
+        tree_graph.prefill(ids[0])
+        tree_graph.verify(chain)  # captures
+        return timed(tree_graph._graphs[0])
+
+    def both_ways(attr: str, measure) -> dict:
+        """``measure()`` with the GatedDeltaNetLayerCache switch ``attr`` off and on, each on steps compiled and
+        captured anew; the default is restored (and the steps released) after."""
+        default, times = getattr(GatedDeltaNetLayerCache, attr), {}
+        for value in (False, True):
+            setattr(GatedDeltaNetLayerCache, attr, value)
+            release_static_targets(target)
+            times[value] = measure()
+        setattr(GatedDeltaNetLayerCache, attr, default)
+        release_static_targets(target)
+        return times
+
     if args.gates_ab:
-        times = {}
-        for in_kernel in (False, True):
-            GatedDeltaNetLayerCache.gates_in_kernel = in_kernel
-            release_static_targets(target)  # a new step, compiled and captured with this form
-            times[in_kernel] = timed(captured_ar().ar_step()._graph[0])
+        times = both_ways("gates_in_kernel", lambda: timed(captured_ar().ar_step()._graph[0]))
         print(f"\n## AR step graph, GPU ms per replay: GDN gates as their own launch {times[False]:.3f}, formed in "
               f"the GDN kernel {times[True]:.3f} ({times[True] - times[False]:+.3f})")
 
     if args.peel_ab:
-        times = {}
-        for peel in (False, True):
-            GatedDeltaNetLayerCache.peel_root = peel
-            release_static_targets(target)
-            tree_graph = static_target(target, max_length, n, capture=True, compile=compile)
-            tree_graph.prefill(ids[0])
-            tree_graph.verify(chain)  # captures
-            times[peel] = timed(tree_graph._graphs[0])
-        GatedDeltaNetLayerCache.peel_root = False
-        release_static_targets(target)  # section 5 captures its own verify, with the default form
+        times = both_ways("peel_root", verify_graph_ms)
         print(f"\n## {n}-node verify graph, GPU ms per replay: whole solve {times[False]:.3f}, root as a recurrent "
               f"step {times[True]:.3f} ({times[True] - times[False]:+.3f})")
 
     if args.graphs:
         phases = [("AR step (one-token pass + argmax)", timed(captured_ar().ar_step()._graph[0]))]
         if n:
-            tree_graph = static_target(target, max_length, n, capture=True, compile=compile)
-            tree_graph.prefill(ids[0])
-            tree_graph.verify(chain)
-            phases.append((f"verify of {n} nodes", timed(tree_graph._graphs[0])))
+            phases.append((f"verify of {n} nodes", verify_graph_ms()))
         for mode, proposer in proposers.items():
             proposer.propose(1, context, args.prompt_length, last)  # captures
             phases.append((f"{mode} draft + tree at budget {args.budget}", timed(draft._graphs[proposer.key][0])))
