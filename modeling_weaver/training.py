@@ -351,6 +351,122 @@ class WeaverTeacherForcing(nn.Module):
         return pool_logits.float() + pool_projection(query, pool_ids, lm_head_weight)
 
 
+@dataclass
+class TeacherPools:
+    """Teacher-forced Weaver inputs of ``M`` valid blocks along the target's realised continuation (node t = token
+    ``x[anchor + t]`` at depth t; shapes as in :meth:`WeaverTeacherForcing.forward`)."""
+
+    u0: torch.Tensor  # [M, d_model] target final hidden state at anchor - 1
+    draft_hidden: torch.Tensor  # [M, D, d_model] DFlash hidden states at block positions 1..D
+    token_embeds: torch.Tensor  # [M, D, d_embed] the path tokens' target embeddings, root first
+    pool_ids: torch.Tensor  # [M, D, P] top-P DFlash candidates of depth t + 1, best first
+    pool_logits: torch.Tensor  # [M, D, P] their DFlash logits
+    target_pool: torch.Tensor  # [M, D, P] the target's logits of the same tokens (the teacher)
+    labels: torch.Tensor  # [M, D] the realised token at depth t + 1
+    ok: torch.Tensor  # [M, D] that token exists
+
+
+@torch.no_grad()
+def teacher_pools(target, drafting: BlockDrafting, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor,
+                  depth: int, pool: int) -> TeacherPools:
+    """One frozen target pass and DFlash pass over ``batch`` → :class:`TeacherPools` of the ``valid`` anchors."""
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    features, final = target_states(target, batch, drafting.drafter)
+    hidden = drafting(batch.input_ids, features, anchors, embed)[valid]  # [M, S, H]
+    a = anchors[valid]  # [M]
+    rows = torch.arange(anchors.shape[0], device=a.device)[:, None].expand_as(anchors)[valid]  # [M]
+    draft_hidden = hidden[:, 1 : depth + 1]
+    pool_logits, pool_ids = lm_head(draft_hidden.to(lm_head.weight.dtype)).float().topk(pool, dim=-1)
+    t = torch.arange(depth, device=a.device)
+    width = batch.input_ids.shape[1]
+    node_pos = (a[:, None] + t).clamp(max=width - 1)  # [M, D]
+    ok = (a[:, None] + t + 1) < batch.lengths[rows][:, None]
+    return TeacherPools(
+        u0=final[rows, a - 1],
+        draft_hidden=draft_hidden,
+        token_embeds=embed(batch.input_ids[rows[:, None], node_pos]),
+        pool_ids=pool_ids,
+        pool_logits=pool_logits,
+        # The target's logits at the node positions, restricted to each node's pool (the teacher p).
+        target_pool=pool_projection(final[rows[:, None], node_pos], pool_ids, lm_head.weight),
+        labels=batch.input_ids[rows[:, None], (node_pos + 1).clamp(max=width - 1)],
+        ok=ok,
+    )
+
+
+def pool_hits(scores: torch.Tensor, tp: TeacherPools) -> dict[str, torch.Tensor]:
+    """``[M, D]`` bools: Weaver's best candidate is the realised token (``weaver``), DFlash's is (``dflash``), the
+    token is in the pool at all (``pool``)."""
+    return {"weaver": tp.pool_ids.gather(-1, scores.argmax(-1, keepdim=True))[..., 0] == tp.labels,
+            "dflash": tp.pool_ids[..., 0] == tp.labels,
+            "pool": (tp.pool_ids == tp.labels[..., None]).any(-1)}
+
+
+@torch.no_grad()
+def acceptance_profile(target, drafter: DFlashDraftModel, weaver: WeaverModel | None,
+                       sequences: list[tuple[torch.Tensor, int]], anchors_per_pass: int = 64,
+                       topk: int = 8) -> list[dict]:
+    """Teacher-forced accuracy per depth at every response position of ``sequences`` (the target's own
+    continuations: prompt ids + greedy response, with the prompt length): what limits a tree built from these
+    drafters, without building one.
+
+    For each depth d = 1..D, over the anchors whose token ``x[anchor + d]`` exists:
+
+    * ``dflash`` / ``weaver``: the top candidate at depth d is the realised token (Weaver teacher-forced along the
+      realised path, DFlash's marginal);
+    * ``dflash_reach`` / ``weaver_reach``: the chain of top candidates is right at every depth ≤ d (what a chain
+      of that proposal accepts);
+    * ``dflash_given`` / ``weaver_given``: accuracy at depth d given the chain was right before it;
+    * ``dflash_topk``: the realised token is among DFlash's ``topk`` best at depth d (a tree's room to branch);
+    * ``pool``: the realised token is in the candidate pool at all (the ceiling of any Weaver tree).
+
+    Returns:
+        one dict per depth (``depth``, ``count`` and the fractions above), and a last ``depth = "τ"`` row with the
+        teacher-forced chain acceptances ``dflash`` / ``weaver`` (1 + mean leading run).
+    """
+    drafting = BlockDrafting(drafter)
+    lm_head = target.get_output_embeddings()
+    depth = drafter.block_size - 1 if weaver is None else min(drafter.block_size - 1, weaver.config.K)
+    pool = lm_head.weight.shape[0] if weaver is None else min(weaver.config.candidate_pool_size,
+                                                               lm_head.weight.shape[0])
+    forcing = WeaverTeacherForcing(weaver) if weaver is not None else None
+    device = lm_head.weight.device
+    hits: dict[str, list[torch.Tensor]] = {}
+    oks = []
+    for sequence in sequences:  # one at a time, its anchors in passes (a pass costs (context + blocks)² attention)
+        batch = collate([sequence]).to(device)
+        every, valid = sample_anchors(batch, batch.input_ids.shape[1], torch.Generator().manual_seed(0))
+        for j in range(0, every.shape[1], anchors_per_pass):
+            anchors = every[:, j : j + anchors_per_pass]
+            tp = teacher_pools(target, drafting, batch, anchors, valid[:, j : j + anchors_per_pass], depth, pool)
+            scores = (forcing(tp.u0, tp.draft_hidden, tp.token_embeds, tp.pool_ids, tp.pool_logits, lm_head.weight)
+                      if forcing is not None else tp.pool_logits)
+            row = pool_hits(scores, tp)
+            row["dflash_topk"] = (tp.pool_ids[..., :topk] == tp.labels[..., None]).any(-1)
+            for k, v in row.items():
+                hits.setdefault(k, []).append(v.cpu())
+            oks.append(tp.ok.cpu())
+    ok = torch.cat(oks)
+    hit = {k: torch.cat(v) & ok for k, v in hits.items()}
+    reach = {k: hit[k].long().cumprod(-1).bool() for k in ("dflash", "weaver")}
+    rows = []
+    for d in range(depth):
+        n = int(ok[:, d].sum())
+        if n == 0:
+            break
+        row = {"depth": d + 1, "count": n}
+        for k in ("dflash", "weaver", "dflash_topk", "pool"):
+            row[k] = float(hit[k][:, d].sum()) / n
+        for k in ("dflash", "weaver"):
+            row[f"{k}_reach"] = float(reach[k][:, d].sum()) / n
+            before = ok[:, d] & (reach[k][:, d - 1] if d else torch.ones_like(ok[:, d]))
+            row[f"{k}_given"] = float(hit[k][:, d][before].sum()) / max(1, int(before.sum()))
+        rows.append(row)
+    rows.append({"depth": "τ", "count": int(ok[:, 0].sum()), "dflash": chain_tau(hit["dflash"], ok),
+                 "weaver": chain_tau(hit["weaver"], ok)})
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Schedules, optimizers, checkpoints.
 # ----------------------------------------------------------------------------------------------------------------------
@@ -650,37 +766,23 @@ def run_train_weaver(args) -> int:
                 num_heads=args.num_heads, mlp_dim=args.mlp_dim, candidate_pool_size=args.pool,
             ))
         weaver.float()
-        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        lm_head = target.get_output_embeddings()
         drafting = BlockDrafting(drafter)
         depth = min(drafter.block_size - 1, weaver.config.K)
         pool = min(weaver.config.candidate_pool_size, lm_head.weight.shape[0])
         weights = depth_weights(depth, args.gamma, runtime.device)
 
         def step(module, batch: Batch, gen: torch.Generator):
+            anchors, valid = sample_anchors(batch, args.anchors, gen)
+            tp = teacher_pools(target, drafting, batch, anchors, valid, depth, pool)
+            scores = module(tp.u0, tp.draft_hidden, tp.token_embeds, tp.pool_ids, tp.pool_logits, lm_head.weight)
+            loss, kl, tv = lk_loss(scores, tp.target_pool, tp.ok, weights, args.tv_weight)
             with torch.no_grad():
-                features, final = target_states(target, batch, drafter)
-                anchors, valid = sample_anchors(batch, args.anchors, gen)
-                hidden = drafting(batch.input_ids, features, anchors, embed)[valid]  # [M, S, H]
-                a = anchors[valid]  # [M]
-                rows = torch.arange(anchors.shape[0], device=a.device)[:, None].expand_as(anchors)[valid]  # [M]
-                draft_hidden = hidden[:, 1 : depth + 1]  # DFlash hidden at block positions 1..D
-                pool_logits, pool_ids = lm_head(draft_hidden.to(lm_head.weight.dtype)).float().topk(pool, dim=-1)
-                t = torch.arange(depth, device=a.device)
-                node_pos = (a[:, None] + t).clamp(max=batch.input_ids.shape[1] - 1)  # [M, D] node t = x[a + t]
-                ok = (a[:, None] + t + 1) < batch.lengths[rows][:, None]  # its next token exists
-                # The target's logits at the node positions, restricted to each node's pool (the teacher p).
-                target_pool = pool_projection(final[rows[:, None], node_pos], pool_ids, lm_head.weight)
-                labels = batch.input_ids[rows[:, None], (node_pos + 1).clamp(max=batch.input_ids.shape[1] - 1)]
-                u0 = final[rows, a - 1]
-                token_embeds = embed(batch.input_ids[rows[:, None], node_pos])
-            scores = module(u0, draft_hidden, token_embeds, pool_ids, pool_logits, lm_head.weight)
-            loss, kl, tv = lk_loss(scores, target_pool, ok, weights, args.tv_weight)
-            with torch.no_grad():
-                weaver_correct = pool_ids.gather(-1, scores.argmax(-1, keepdim=True))[..., 0] == labels
-                dflash_correct = pool_ids[..., 0] == labels
-                metrics = {"kl": float(kl[ok].mean()), "tv": float(tv[ok].mean()),
-                           "tau_weaver": chain_tau(weaver_correct, ok), "tau_dflash": chain_tau(dflash_correct, ok),
-                           "pool_hit": float((pool_ids == labels[..., None]).any(-1)[ok].float().mean())}
+                hits = pool_hits(scores, tp)
+                metrics = {"kl": float(kl[tp.ok].mean()), "tv": float(tv[tp.ok].mean()),
+                           "tau_weaver": chain_tau(hits["weaver"], tp.ok),
+                           "tau_dflash": chain_tau(hits["dflash"], tp.ok),
+                           "pool_hit": float(hits["pool"][tp.ok].float().mean())}
             return loss, metrics
 
         n_params = sum(p.numel() for p in weaver.parameters())
@@ -782,6 +884,7 @@ def add_train_weaver_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
 __all__ = [
     "BlockDrafting",
     "WeaverTeacherForcing",
+    "acceptance_profile",
     "add_train_dflash_arguments",
     "add_train_weaver_arguments",
     "cosine_schedule",

@@ -37,13 +37,14 @@ def test_greedy_identity_on_gpu(name, mode, target_step):
         assert stats.mean_accepted_length > 2.5
 
 
+@pytest.mark.parametrize("peel", [True, False])
 @pytest.mark.parametrize("mode", ["ddtree", "weaver"])
-def test_peeled_root_identity_on_gpu(mode, monkeypatch):
-    """GDN verify with the root as a recurrent step (peel_root; budgets 16 and 32: trees of 17 and 33 nodes) keeps
-    the hybrid target's greedy output token-identical, eager and graph steps."""
+def test_peeled_root_identity_on_gpu(mode, peel, monkeypatch):
+    """GDN verify with the root as a recurrent step (peel_root, the default; budgets 16 and 32: trees of 17 and 33
+    nodes) and without it keeps the hybrid target's greedy output token-identical, eager and graph steps."""
     from modeling_weaver.target import GatedDeltaNetLayerCache
 
-    monkeypatch.setattr(GatedDeltaNetLayerCache, "peel_root", True)
+    monkeypatch.setattr(GatedDeltaNetLayerCache, "peel_root", peel)
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
     for ids in prompts():
