@@ -354,6 +354,11 @@ class StaticProposer:
     ``shape_logits`` (device ops only) may transform the draft logits first — the acceptance replay plants peaks.
     """
 
+    # Weaver node inputs gathered from weaver.node_input_table (computed once per proposer; 1 GB at Qwen3.6-27B
+    # shape) instead of a norm + d_embed × d_rank matmul per expansion round. Off until timed on the GPU
+    # (``scripts/profile_ar_step.py --proposer weaver --node-table-ab``); predicted ≈ −15 µs per round.
+    use_node_table = False
+
     def __init__(self, draft: StaticDraft, mode: str, budget: int, weaver=None, shape_logits=None,
                  compile: bool = False):
         if mode == "weaver" and weaver is None:
@@ -363,22 +368,24 @@ class StaticProposer:
         # Drafting and the tree build are hundreds of small ops (the drafter's layers between its matmuls, a Weaver
         # node step per expansion round): compiled, inductor fuses them (whole graph, the rounds unrolled; one
         # compile per proposer).
+        self.node_table = (weaver.node_input_table(draft.embed_tokens.weight)
+                           if mode == "weaver" and self.use_node_table else None)
         self.key = self.key_of(mode, budget, weaver, shape_logits, compile)  # of this proposer's graph as well
         self._forward = compile_static(self._draft_and_tree) if compile else self._draft_and_tree
         self.feature_layer_ids = draft.feature_layer_ids
         self.last_hidden = torch.zeros(draft.lm_head.weight.shape[1], device=draft.device,
                                        dtype=draft.lm_head.weight.dtype)
 
-    @staticmethod
-    def key_of(mode, budget, weaver, shape_logits, compile) -> tuple:
-        return (mode, budget, id(weaver), id(shape_logits), compile)
+    @classmethod
+    def key_of(cls, mode, budget, weaver, shape_logits, compile) -> tuple:
+        return (mode, budget, id(weaver), id(shape_logits), compile, cls.use_node_table and mode == "weaver")
 
     def _draft_and_tree(self):
         hidden, logits = self.draft._forward()
         if self.shape_logits is not None:
             logits = self.shape_logits(logits)
         drafts = tree_drafts(self.mode, self.draft.bonus[0], hidden, logits, self.budget, self.weaver,
-                             self.last_hidden, self.draft.embed_tokens, self.draft.lm_head.weight)
+                             self.last_hidden, self.draft.embed_tokens, self.draft.lm_head.weight, self.node_table)
         return hidden, logits, drafts
 
     @torch.no_grad()

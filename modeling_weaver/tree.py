@@ -134,11 +134,12 @@ def with_root(root, drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> 
 
 
 def tree_drafts(mode: str, root, draft_hidden: torch.Tensor, draft_logits: torch.Tensor, budget: int, weaver=None,
-                last_hidden: torch.Tensor | None = None, embed_tokens=None, lm_head_weight=None):
+                last_hidden: torch.Tensor | None = None, embed_tokens=None, lm_head_weight=None, node_table=None):
     """The draft nodes of one step's tree in ``mode`` (``chain``, ``ddtree`` or ``weaver``), on the device.
 
     Weaver trees also need the Weaver, the target's final hidden state before the block (``last_hidden``, its prompt
-    with the drafter's ``draft_hidden``), the target's embedding and lm_head weight. Returns what the
+    with the drafter's ``draft_hidden``), the target's embedding and lm_head weight (and may take the Weaver's
+    ``node_table``, see :func:`weaver_tree_tensors`). Returns what the
     ``*_tensors`` builders return; :func:`with_root` makes the :class:`Tree`.
     """
     if mode == "chain":
@@ -147,7 +148,8 @@ def tree_drafts(mode: str, root, draft_hidden: torch.Tensor, draft_logits: torch
         return ddtree_tensors(draft_logits, budget)
     depth = min(draft_hidden.shape[0], weaver.config.K)
     prompt = weaver.encode_prompt(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
-    return weaver_tree_tensors(root, weaver, prompt, draft_logits, embed_tokens, lm_head_weight, budget)
+    return weaver_tree_tensors(root, weaver, prompt, draft_logits, embed_tokens, lm_head_weight, budget,
+                               node_table=node_table)
 
 
 def chain_tree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
@@ -266,6 +268,7 @@ def weaver_tree_tensors(
     budget: int,
     children_per_node: int = 8,
     width: int | None = None,
+    node_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weaver best-first: batched expansion rounds over the frontier (DESIGN.md §4), on the device.
 
@@ -283,6 +286,8 @@ def weaver_tree_tensors(
         prompt: the Weaver prompt for this step (``weaver.encode_prompt``).
         draft_logits: ``[D, V]`` DFlash marginal logits for depths ``1..D``; depth is capped at
             ``min(D, weaver.config.K)``.
+        node_table: optional ``weaver.node_input_table(embed_tokens.weight)``: node inputs gathered from it instead
+            of computed each round.
     Returns:
         the draft nodes as :func:`ddtree_tensors` does.
     """
@@ -327,7 +332,7 @@ def weaver_tree_tensors(
     lo, hi = 0, 1
     while hi < n:
         d = depth[lo:hi]
-        x = weaver.node_inputs(embed_tokens(tokens[lo:hi]))
+        x = node_table[tokens[lo:hi]] if node_table is not None else weaver.node_inputs(embed_tokens(tokens[lo:hi]))
         query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), mask[None, lo:hi])[0]
         cand = weaver_kernels.pool_scores(query, d.clamp(max=max_depth - 1), pool_ids, pool_logits, lm_head_weight)
         take = min(width, n - hi)

@@ -21,6 +21,9 @@
    captures through a whole generation (compile + ~1500 tokens): allow ≥ 300 s.
 7. With ``--peel-ab`` and ``--tree-nodes N``: the verify graph of an N-node chain timed as in 5 with and without the
    GDN root step (:attr:`~modeling_weaver.target.GatedDeltaNetLayerCache.peel_root`; it applies at N = 16n + 1).
+8. With ``--node-table-ab`` (and ``--proposer weaver``): the Weaver draft + tree graph timed as in 5 with node inputs
+   computed each expansion round and gathered from the precomputed table
+   (:attr:`~modeling_weaver.captured.StaticProposer.use_node_table`).
 """
 import argparse
 
@@ -28,7 +31,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from modeling_weaver.benchmark import autoregressive_generate
-from modeling_weaver.captured import cache_bucket, release_static_targets, static_draft, static_target
+from modeling_weaver.captured import StaticProposer, cache_bucket, release_static_targets, static_draft, static_target
 from modeling_weaver.replay import FirstTokenClock, graph_replay_ms, random_models, random_prompt
 from modeling_weaver.target import GatedDeltaNetLayerCache
 from modeling_weaver.tree import Tree
@@ -104,12 +107,17 @@ def main():
                              "kernel, side by side (section 6)")
     parser.add_argument("--peel-ab", action="store_true",
                         help="the --tree-nodes verify graph with and without the GDN root step (section 7)")
+    parser.add_argument("--node-table-ab", action="store_true",
+                        help="the Weaver draft + tree graph with node inputs computed per round and gathered from "
+                             "the precomputed table (section 8; needs --proposer weaver)")
     parser.add_argument("--graph-runs", type=int, default=7)
     parser.add_argument("--max-length", type=int, default=0,
                         help="cache capacity at least this (the replay's prompt 512 + 512 new tokens: bucket 2048)")
     parser.add_argument("--no-tables", action="store_true",
                         help="skip the AR and verify kernel tables (sections 1 and 4; each compiles its own step)")
     args = parser.parse_args()
+    if args.node_table_ab and "weaver" not in args.proposer:
+        parser.error("--node-table-ab times the Weaver draft + tree: pass --proposer weaver")
     if args.peel_ab and not args.tree_nodes:
         parser.error("--peel-ab times the verify of --tree-nodes N nodes (the root step applies at N = 16n + 1)")
     compile = args.target_step == "compiled"
@@ -207,6 +215,17 @@ def main():
         print("| phase | ms | × AR step |\n|---|---|---|")
         for name, ms in phases:
             print(f"| {name} | {ms:.3f} | {ms / phases[0][1]:.3f} |")
+
+    if args.node_table_ab:
+        times, default = {}, StaticProposer.use_node_table
+        for value in (False, True):  # a proposer (and graph) of its own per setting: the key includes it
+            StaticProposer.use_node_table = value
+            proposer = draft.proposer("weaver", args.budget, weaver, compile=compile)
+            proposer.propose(1, context, args.prompt_length, last)  # captures
+            times[value] = timed(draft._graphs[proposer.key][0])
+        StaticProposer.use_node_table = default
+        print(f"\n## Weaver draft + tree graph at budget {args.budget}, GPU ms per replay: node inputs per round "
+              f"{times[False]:.3f}, from the table {times[True]:.3f} ({times[True] - times[False]:+.3f})")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from tiny_targets import TINY_TARGETS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from modeling_weaver import DFlashConfig, DFlashDraftModel
-from modeling_weaver.captured import StaticDraft
+from modeling_weaver.captured import StaticDraft, StaticProposer
 from modeling_weaver.generate import DFlashRunner
 from modeling_weaver.target import text_config
 
@@ -60,18 +60,26 @@ def test_static_draft_equals_the_dynamic_runner(layers, monkeypatch):
         static.draft(0, torch.randn(1, width), 130)
 
 
-@pytest.mark.parametrize("mode", ["chain", "ddtree", "weaver"])
-def test_static_proposer_gives_the_eager_draft_and_tree(mode):
+@pytest.mark.parametrize("mode,node_table", [("chain", False), ("ddtree", False), ("weaver", False), ("weaver", True)])
+def test_static_proposer_gives_the_eager_draft_and_tree(mode, node_table, monkeypatch):
+    """The fixed-shape proposer gives the eager draft and tree; Weaver trees with node inputs computed each round
+    and gathered from the Weaver's node-input table alike."""
     from test_generate import make_drafters
 
     from modeling_weaver.tree import chain_tree, ddtree, weaver_tree
 
+    monkeypatch.setattr(StaticProposer, "use_node_table", node_table)
     target = TINY_TARGETS["qwen3_5"]()
     drafter, weaver = make_drafters(target)
     hidden_size = text_config(target.config).hidden_size
     width = len(drafter.config.target_layer_ids) * hidden_size
     dynamic = DFlashRunner(drafter, target)
     proposer = StaticDraft(drafter, target, max_length=96, capture=False).proposer(mode, 10, weaver)
+    assert (proposer.node_table is not None) == node_table
+    if node_table:  # row t = node_inputs(E[t])
+        embed = target.get_input_embeddings().weight
+        assert proposer.node_table.shape == (embed.shape[0], weaver.config.d_rank)
+        assert rel(proposer.node_table[3:40:7], weaver.node_inputs(embed[3:40:7])) < 1e-6
     gen = torch.Generator().manual_seed(2)
     n = 0
     for count in (13, 2, 5):
@@ -398,7 +406,7 @@ def test_complete_output_arms_no_fused_step(monkeypatch):
     from test_generate import make_drafters, reference
 
     from modeling_weaver import speculative_generate
-    from modeling_weaver.captured import StaticDraft
+    from modeling_weaver.captured import StaticDraft, StaticProposer
 
     target = TINY_TARGETS["llama"]()
     drafter, weaver = make_drafters(target, mask_token_id=96)
