@@ -84,8 +84,8 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.", "G
 
 def test_shipped_drafters_on_real_smollm2(smollm2):
     """The shipped pair on the real target: greedy output identical to ``model.generate`` and mean accepted lengths
-    above floors set from the measured values (these 3 prompts, 48 tokens, budget 16, fp32 on CPU, 2026-11-29:
-    Weaver 2.90, DDTree 2.28, chain 1.78; floors ~12 % lower)."""
+    above floors set from the measured values (these 3 prompts, 48 tokens, budget 16, fp32 target on CPU, the pair
+    shipped 2026-12-01: Weaver 2.92, DDTree 2.475, chain 1.80; floors ~12 % lower)."""
     model, tokenizer = smollm2
     drafter = AutoModel.from_pretrained(SHIPPED / "dflash", trust_remote_code=True)
     weaver = AutoModel.from_pretrained(SHIPPED / "weaver", trust_remote_code=True)
@@ -100,4 +100,4 @@ def test_shipped_drafters_on_real_smollm2(smollm2):
             assert torch.equal(out, ref), (mode, prompt)
             lengths += stats.accepted_lengths
     mal = {mode: sum(v) / len(v) for mode, v in accepted.items()}
-    assert mal["weaver"] >= 2.55 and mal["ddtree"] >= 2.0 and mal["weaver"] > mal["ddtree"], mal
+    assert mal["weaver"] >= 2.57 and mal["ddtree"] >= 2.18 and mal["weaver"] > mal["ddtree"], mal

@@ -178,6 +178,14 @@ class WeaverModel(WeaverPreTrainedModel):
         the whole target embedding table."""
         return self.token_in(self.embed_norm(token_embeds.to(self.token_in.weight.dtype)))
 
+    @torch.no_grad()
+    def node_input_table(self, embed_weight: torch.Tensor, rows_per_pass: int = 16384) -> torch.Tensor:
+        """:meth:`node_inputs` of every row of the target embedding ``embed_weight [V, d_embed]`` → ``[V, d_rank]``:
+        a node's input is then one row gather instead of a norm and a ``d_embed × d_rank`` matmul per expansion round
+        (1 GB in bf16 at Qwen3.6-27B shape, V = 248k, d_rank 2048). Recompute it after changing the weights."""
+        return torch.cat([self.node_inputs(embed_weight[i : i + rows_per_pass])
+                          for i in range(0, embed_weight.shape[0], rows_per_pass)])
+
     def step(
         self,
         prompt: WeaverPrompt,
