@@ -244,3 +244,48 @@ def test_drafter_starts_from_the_targets_last_layers():
                                                            target_layer_ids=[1], intermediate_size=100))
     with pytest.raises(ValueError, match="cannot start the drafter from target layers"):
         init_from_target_layers(wide, target)
+
+
+def test_acceptance_profile_counts_what_the_decoding_loop_drafts(tiny, trained_dflash, trained_weaver):
+    """scripts/acceptance_profile.py's teacher-forced hits (one block-sparse pass over all anchors) equal those of
+    the decoding loop's own drafts: DFlashRunner per anchor, and Weaver's teacher-forced chain from its prompt."""
+    from modeling_weaver.generate import DFlashRunner
+    from modeling_weaver.modeling_dflash import DFlashDraftModel
+    from modeling_weaver.training import acceptance_profile, target_states
+
+    target, _ = load_target(str(tiny / "target"))
+    drafter = DFlashDraftModel.from_pretrained(trained_dflash, dtype=torch.float32).eval()
+    weaver = WeaverModel.from_pretrained(trained_weaver, dtype=torch.float32).eval()
+    with torch.no_grad():  # the Weaver term, not DFlash's logit, then decides its top-1: a misaligned path shows
+        weaver.lm_head_query_in.weight.mul_(50)
+    prompt = torch.tensor([5, 9, 2, 14, 7, 3])
+    with torch.no_grad():
+        ids = target.generate(prompt[None], attention_mask=torch.ones(1, 6, dtype=torch.long), do_sample=False,
+                              max_new_tokens=20, min_new_tokens=20)[0]
+    rows = acceptance_profile(target, drafter, weaver, [(ids, len(prompt))], anchors_per_pass=5)
+
+    depth = min(drafter.block_size - 1, weaver.config.K)
+    pool = min(weaver.config.candidate_pool_size, target.config.vocab_size)
+    lm_head, embed = target.get_output_embeddings().weight, target.get_input_embeddings()
+    batch = Batch(ids[None], torch.tensor([len(ids)]), torch.tensor([len(prompt)]))
+    with torch.no_grad():
+        features, final = target_states(target, batch, drafter)
+        counts = {k: [0] * depth for k in ("n", "dflash", "weaver")}
+        for a in range(len(prompt), len(ids) - 1):  # every anchor: x[a] is the bonus token
+            hidden, logits = DFlashRunner(drafter, target).draft(int(ids[a]), features[0, :a], a)
+            pool_logits, pool_ids = logits[:depth].float().topk(pool, dim=-1)
+            path = ids[a : a + depth]  # nodes 0..D-1 along the realised continuation
+            query = weaver(final[:, a - 1], hidden[None, :depth], embed(path)[None])[0]
+            scores = WeaverModel.candidate_logits(query[: len(path)], pool_ids[: len(path)],
+                                                  pool_logits[: len(path)], lm_head)
+            for d in range(min(depth, len(ids) - 1 - a)):
+                label = int(ids[a + d + 1])
+                counts["n"][d] += 1
+                counts["dflash"][d] += int(logits[d].argmax()) == label
+                counts["weaver"][d] += int(pool_ids[d, scores[d].argmax()]) == label
+    assert [r["count"] for r in rows[:-1]] == [n for n in counts["n"] if n]
+    for r in rows[:-1]:
+        d = r["depth"] - 1
+        for k in ("dflash", "weaver"):
+            assert r[k] == pytest.approx(counts[k][d] / counts["n"][d]), (k, d)
+    assert rows[-1]["depth"] == "τ" and rows[-1]["weaver"] >= 1.0
