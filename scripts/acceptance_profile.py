@@ -26,7 +26,7 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import torch
 from tqdm.auto import tqdm
 
-from modeling_weaver.data import DATASET_TITLES, chat_prompt_ids, load_eval_prompts, require_dir
+from modeling_weaver.data import DATASET_TITLES, chat_prompt_ids, load_eval_prompts, load_prompt_file, require_dir
 from modeling_weaver.modeling_dflash import DFlashDraftModel
 from modeling_weaver.modeling_weaver import WeaverModel
 from modeling_weaver.smollm2 import load_target, resolve_device, resolve_dtype
@@ -54,6 +54,9 @@ def main(argv=None) -> int:
     parser.add_argument("--drafter", required=True, help="DFlash drafter folder")
     parser.add_argument("--weaver", default=None, help="Weaver folder (without it the Weaver columns repeat DFlash)")
     parser.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval"], choices=sorted(DATASET_TITLES))
+    parser.add_argument("--prompts", default=None,
+                        help="JSONL of {prompt[, dataset, id]} to use instead of --datasets (e.g. make-data's "
+                             "prompts-*.jsonl of a held-out seed: the drafters' own kind of prompt)")
     parser.add_argument("--subset", type=int, default=8, help="first N prompts of each dataset")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="length of each greedy answer")
     parser.add_argument("--topk", type=int, default=8, help="the DFlash top-k column")
@@ -71,7 +74,8 @@ def main(argv=None) -> int:
     target, tokenizer = load_target(args.target, dtype=dtype, device=device)
     drafter = DFlashDraftModel.from_pretrained(args.drafter, dtype=dtype).to(device).eval()
     weaver = WeaverModel.from_pretrained(args.weaver, dtype=dtype).to(device).eval() if args.weaver else None
-    prompts = {ds: items[: args.subset] for ds, items in load_eval_prompts(args.datasets).items()}
+    prompts = load_prompt_file(args.prompts) if args.prompts else load_eval_prompts(args.datasets)
+    prompts = {ds: items[: args.subset] for ds, items in prompts.items()}
 
     start = time.time()
     sequences = {ds: [] for ds in prompts}
@@ -90,7 +94,8 @@ def main(argv=None) -> int:
     for ds, seqs in [*sequences.items(), ("all", [s for v in sequences.values() for s in v])]:
         rows = acceptance_profile(target, drafter, weaver, seqs, topk=args.topk)
         report[ds] = rows
-        text.append(f"### {DATASET_TITLES.get(ds, 'all prompts')}, {len(seqs)} answers\n\n{markdown(rows, args.topk)}")
+        title = "all prompts" if ds == "all" else DATASET_TITLES.get(ds, ds)
+        text.append(f"### {title}, {len(seqs)} answers\n\n{markdown(rows, args.topk)}")
     text.append(f"{report['date']}, {device}, {args.dtype}, {time.time() - start:.0f} s; "
                 f"`{' '.join(sys.argv)}`")
     print("\n\n".join(text))
