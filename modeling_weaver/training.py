@@ -368,10 +368,11 @@ class TeacherPools:
 
 @torch.no_grad()
 def teacher_pools(target, drafting: BlockDrafting, batch: Batch, anchors: torch.Tensor, valid: torch.Tensor,
-                  depth: int, pool: int) -> TeacherPools:
-    """One frozen target pass and DFlash pass over ``batch`` → :class:`TeacherPools` of the ``valid`` anchors."""
+                  depth: int, pool: int, states: tuple[torch.Tensor, torch.Tensor] | None = None) -> TeacherPools:
+    """One frozen target pass (or its :func:`target_states` of ``batch``, given as ``states``) and DFlash pass over
+    ``batch`` → :class:`TeacherPools` of the ``valid`` anchors."""
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    features, final = target_states(target, batch, drafting.drafter)
+    features, final = states if states is not None else target_states(target, batch, drafting.drafter)
     hidden = drafting(batch.input_ids, features, anchors, embed)[valid]  # [M, S, H]
     a = anchors[valid]  # [M]
     rows = torch.arange(anchors.shape[0], device=a.device)[:, None].expand_as(anchors)[valid]  # [M]
@@ -436,9 +437,11 @@ def acceptance_profile(target, drafter: DFlashDraftModel, weaver: WeaverModel | 
     for sequence in sequences:  # one at a time, its anchors in passes (a pass costs (context + blocks)² attention)
         batch = collate([sequence]).to(device)
         every, valid = sample_anchors(batch, batch.input_ids.shape[1], torch.Generator().manual_seed(0))
+        states = target_states(target, batch, drafter)  # once per sequence, shared by its passes
         for j in range(0, every.shape[1], anchors_per_pass):
             anchors = every[:, j : j + anchors_per_pass]
-            tp = teacher_pools(target, drafting, batch, anchors, valid[:, j : j + anchors_per_pass], depth, pool)
+            tp = teacher_pools(target, drafting, batch, anchors, valid[:, j : j + anchors_per_pass], depth, pool,
+                               states)
             scores = (forcing(tp.u0, tp.draft_hidden, tp.token_embeds, tp.pool_ids, tp.pool_logits, lm_head.weight)
                       if forcing is not None else tp.pool_logits)
             row = pool_hits(scores, tp)

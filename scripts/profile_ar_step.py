@@ -182,15 +182,15 @@ def main():
         tree_graph.verify(chain)  # captures
         return timed(tree_graph._graphs[0])
 
-    def both_ways(attr: str, measure) -> dict:
-        """``measure()`` with the GatedDeltaNetLayerCache switch ``attr`` off and on, each on steps compiled and
-        captured anew; the default is restored (and the steps released) after."""
-        default, times = getattr(GatedDeltaNetLayerCache, attr), {}
+    def both_ways(attr: str, measure, owner=GatedDeltaNetLayerCache) -> dict:
+        """``measure()`` with the class switch ``owner.attr`` off and on, each on steps compiled and captured anew
+        (target steps released; a proposer's graph key includes its switch); the default is restored after."""
+        default, times = getattr(owner, attr), {}
         for value in (False, True):
-            setattr(GatedDeltaNetLayerCache, attr, value)
+            setattr(owner, attr, value)
             release_static_targets(target)
             times[value] = measure()
-        setattr(GatedDeltaNetLayerCache, attr, default)
+        setattr(owner, attr, default)
         release_static_targets(target)
         return times
 
@@ -216,14 +216,13 @@ def main():
         for name, ms in phases:
             print(f"| {name} | {ms:.3f} | {ms / phases[0][1]:.3f} |")
 
+    def weaver_graph_ms() -> float:
+        proposer = draft.proposer("weaver", args.budget, weaver, compile=compile)
+        proposer.propose(1, context, args.prompt_length, last)  # captures
+        return timed(draft._graphs[proposer.key][0])
+
     if args.node_table_ab:
-        times, default = {}, StaticProposer.use_node_table
-        for value in (False, True):  # a proposer (and graph) of its own per setting: the key includes it
-            StaticProposer.use_node_table = value
-            proposer = draft.proposer("weaver", args.budget, weaver, compile=compile)
-            proposer.propose(1, context, args.prompt_length, last)  # captures
-            times[value] = timed(draft._graphs[proposer.key][0])
-        StaticProposer.use_node_table = default
+        times = both_ways("use_node_table", weaver_graph_ms, owner=StaticProposer)
         print(f"\n## Weaver draft + tree graph at budget {args.budget}, GPU ms per replay: node inputs per round "
               f"{times[False]:.3f}, from the table {times[True]:.3f} ({times[True] - times[False]:+.3f})")
 
