@@ -252,7 +252,7 @@ class StaticDraft:
                                    and self.cache.kernel_attends(layer.self_attn) for layer in drafter.layers)
         self.bonus = torch.zeros(1, dtype=torch.long, device=self.device)
         self._graphs: dict = {}
-        self._steps: dict = {}  # proposers and fused steps built on this drafter (their graphs read their buffers)
+        self._steps: dict = {}  # proposers, fused steps and node tables on this drafter (graphs read their buffers)
 
     def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:
         size, device = self.block_size, self.device
@@ -313,6 +313,13 @@ class StaticDraft:
         graph.replay()
         return out
 
+    def node_table(self, weaver) -> torch.Tensor:
+        """``weaver.node_input_table`` of this target's embedding, made once per Weaver (its proposers share it)."""
+        key = ("node_table", id(weaver))
+        if key not in self._steps:  # (the Weaver kept with it: its id stays its own)
+            self._steps[key] = (weaver, weaver.node_input_table(self.embed_tokens.weight))
+        return self._steps[key][1]
+
     def proposer(self, mode: str, budget: int, weaver=None, shape_logits=None, compile: bool = False
                  ) -> StaticProposer:
         """The :class:`StaticProposer` of this drafter for ``mode`` and ``budget`` (kept: its graph reads its
@@ -354,10 +361,10 @@ class StaticProposer:
     ``shape_logits`` (device ops only) may transform the draft logits first — the acceptance replay plants peaks.
     """
 
-    # Weaver node inputs gathered from weaver.node_input_table (computed once per proposer; 1 GB at Qwen3.6-27B
-    # shape) instead of a norm + d_embed × d_rank matmul per expansion round. Off until timed on the GPU
-    # (``scripts/profile_ar_step.py --proposer weaver --node-table-ab``); predicted ≈ −15 µs per round.
-    use_node_table = False
+    # Weaver node inputs gathered from weaver.node_input_table (1 GB at Qwen3.6-27B shape, one per drafter and
+    # Weaver, shared by its proposers) instead of a norm + d_embed × d_rank matmul per expansion round: −0.18 ms per
+    # Weaver@64 step in a replay on an H200 (BENCHMARKS.md, session 12; predicted −0.2).
+    use_node_table = True
 
     def __init__(self, draft: StaticDraft, mode: str, budget: int, weaver=None, shape_logits=None,
                  compile: bool = False):
@@ -368,8 +375,7 @@ class StaticProposer:
         # Drafting and the tree build are hundreds of small ops (the drafter's layers between its matmuls, a Weaver
         # node step per expansion round): compiled, inductor fuses them (whole graph, the rounds unrolled; one
         # compile per proposer).
-        self.node_table = (weaver.node_input_table(draft.embed_tokens.weight)
-                           if mode == "weaver" and self.use_node_table else None)
+        self.node_table = draft.node_table(weaver) if mode == "weaver" and self.use_node_table else None
         self.key = self.key_of(mode, budget, weaver, shape_logits, compile)  # of this proposer's graph as well
         self._forward = compile_static(self._draft_and_tree) if compile else self._draft_and_tree
         self.feature_layer_ids = draft.feature_layer_ids

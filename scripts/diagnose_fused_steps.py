@@ -1,6 +1,6 @@
 """Replay suite plus host-side timings of the fused steps and a long-generation memory check, in one process.
 
-    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096
+    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096 [--ab node_table peel_root]
 
 1. ``run_replay_suite`` (AR and every mode at ``--budget``, ``--target-step``, synthetic traces) → replay.md/json.
 2. Per mode: cProfile of one more generation (graphs and compiles in place) sorted by own time, then the fused graph
@@ -23,9 +23,14 @@ import torch
 
 from modeling_weaver.benchmark import autoregressive_generate
 from modeling_weaver.captured import (_STATIC_TARGETS, FusedGreedyStep, PipelinedSteps, StaticDraft, StaticProposer,
-                                      StaticTarget)
+                                      StaticTarget, release_static_targets)
 from modeling_weaver.replay import (ReplayedAcceptance, graph_replay_ms, memory_check, random_models, random_prompt,
                                     replay_generate, replay_table, run_replay_suite, synthetic_trace)
+from modeling_weaver.target import GatedDeltaNetLayerCache
+
+
+# --ab: settings a replay can flip (class attributes read when a step is built; flipped ones get new graphs)
+AB_SETTINGS = {"node_table": (StaticProposer, "use_node_table"), "peel_root": (GatedDeltaNetLayerCache, "peel_root")}
 
 
 def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:
@@ -104,6 +109,8 @@ def main():
     parser.add_argument("--out", default="diag")
     parser.add_argument("--timeline", action="store_true", help="host timeline per method (step 4)")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile and graph timings (step 2)")
+    parser.add_argument("--ab", nargs="+", choices=sorted(AB_SETTINGS), default=[],
+                        help="after the suite, the first mode again with each setting flipped (AR again as well)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,8 +124,22 @@ def main():
         (out / "replay.json").write_text(json.dumps(rows, indent=1))
         print(replay_table(rows).splitlines()[-1], flush=True)
 
-    run_replay_suite(target, drafter, weaver, traces, args.modes, [args.budget], 512, 512, args.target_step,
-                     on_row=save)
+    rows = run_replay_suite(target, drafter, weaver, traces, args.modes, [args.budget], 512, 512, args.target_step,
+                            on_row=save)
+    for name in args.ab:
+        owner, attr = AB_SETTINGS[name]
+        default = getattr(owner, attr)
+        setattr(owner, attr, not default)
+        release_static_targets(target)  # graphs captured with the old setting must not be replayed
+        try:
+            more = run_replay_suite(target, drafter, weaver, traces, args.modes[:1], [args.budget], 512, 512,
+                                    args.target_step)
+        finally:
+            setattr(owner, attr, default)
+            release_static_targets(target)
+        for row in more:
+            row["method"] = f"{row['method']} ({attr}={not default})"
+        save(rows := rows + more)
     print(f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB", flush=True)
     ids = random_prompt(target, 512)
     if args.timeline:

@@ -74,9 +74,11 @@ def test_static_proposer_gives_the_eager_draft_and_tree(mode, node_table, monkey
     hidden_size = text_config(target.config).hidden_size
     width = len(drafter.config.target_layer_ids) * hidden_size
     dynamic = DFlashRunner(drafter, target)
-    proposer = StaticDraft(drafter, target, max_length=96, capture=False).proposer(mode, 10, weaver)
+    static = StaticDraft(drafter, target, max_length=96, capture=False)
+    proposer = static.proposer(mode, 10, weaver)
     assert (proposer.node_table is not None) == node_table
-    if node_table:  # row t = node_inputs(E[t])
+    if node_table:  # row t = node_inputs(E[t]); one table per Weaver, shared by its proposers
+        assert static.proposer(mode, 6, weaver).node_table is proposer.node_table
         embed = target.get_input_embeddings().weight
         assert proposer.node_table.shape == (embed.shape[0], weaver.config.d_rank)
         assert rel(proposer.node_table[3:40:7], weaver.node_inputs(embed[3:40:7])) < 1e-6

@@ -3,8 +3,9 @@
 A tree of one node that is committed at once needs neither the verify's intermediates nor a separate commit: per
 value head, ``S ← exp(g) S``, ``u = β (v − kᵀS)``, ``S ← S + k uᵀ``, ``o = scale · qᵀS`` read and write the state
 once, in one launch instead of verify + commit (≈ 11 µs per layer at Qwen3.6-27B shape on the H200, 48 layers per AR
-step). With ``norm_weight`` the program owns a whole value head (BV ≥ V) and also applies the layer's gated RMSNorm
-(Qwen3.5 ``RMSNormGated``, rounding points of ``rms_norm.naive``), which saves the norm's launch as well; with
+step). With ``norm_weight`` it also applies the layer's gated RMSNorm (Qwen3.5 ``RMSNormGated``, rounding points of
+``rms_norm.naive``), which saves the norm's launch as well — in the head's program when BV ≥ V, else in the last of
+the head's programs to finish (they meet in a small scratch through atomics); with
 ``A_log`` / ``dt_bias`` it forms the gates g and β from the raw projections, which saves their launch.
 
 Grid: (V / BV, B·HV). q/k/v/gate are read through strides (views of the in_proj / conv outputs; last dim
@@ -50,10 +51,21 @@ def _decay(a, a_log, dt_bias, i_hv):
 
 
 @triton.jit
-def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_bias, scale, eps,
+def _gated_norm(h, o_v, m_v, ssq, norm_weight, gate, eps, V: tl.constexpr, dtype: tl.constexpr):
+    """Qwen3.5's gated RMSNorm of one value head's ``h`` (rounded o) with the head's sum of squares ``ssq``."""
+    h = h * (1.0 / tl.sqrt(ssq / V + eps))
+    w = tl.load(norm_weight + o_v, mask=m_v, other=0.0).to(tl.float32)
+    y = (w * h.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    zv = tl.load(gate + o_v, mask=m_v, other=0.0).to(tl.float32)
+    return y * (zv / (1.0 + tl.exp(-zv)))
+
+
+@triton.jit
+def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_bias, scale, eps, scratch,
                        sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sg_b, sb_b, sz_b, sz_h, so_b, so_h,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, L2: tl.constexpr, NORM: tl.constexpr, RAW_GATES: tl.constexpr):
+                       BV: tl.constexpr, L2: tl.constexpr, NORM: tl.constexpr, RAW_GATES: tl.constexpr,
+                       NV: tl.constexpr, BVF: tl.constexpr):
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_hv = i_bh // HV, i_bh % HV
     i_h = i_hv // (HV // H)
@@ -79,14 +91,33 @@ def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_
     S = S + kv[:, None] * u[None, :]
     tl.store(s_ptr, S, mask=m_s)
     out = scale * _rsum(qv[:, None] * S, 0)
-    if NORM:  # the whole head is here (BV ≥ V): o rounded to its dtype, then the gated RMSNorm
+    o_head = o + i_b * so_b + i_hv * so_h
+    z_head = gate + i_b * sz_b + i_hv * sz_h
+    if NORM and NV == 1:  # the whole head is here: o rounded to its dtype, then the gated RMSNorm
         h = out.to(o.dtype.element_ty).to(tl.float32)
-        h = h * (1.0 / tl.sqrt(_rsum(tl.where(m_v, h * h, 0.0), 0) / V + eps))
-        w = tl.load(norm_weight + o_v, mask=m_v, other=0.0).to(tl.float32)
-        y = (w * h.to(o.dtype.element_ty).to(tl.float32)).to(o.dtype.element_ty).to(tl.float32)
-        zv = tl.load(gate + i_b * sz_b + i_hv * sz_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-        out = y * (zv / (1.0 + tl.exp(-zv)))
-    tl.store(o + i_b * so_b + i_hv * so_h + o_v, out.to(o.dtype.element_ty), mask=m_v)
+        out = _gated_norm(h, o_v, m_v, _rsum(tl.where(m_v, h * h, 0.0), 0), norm_weight, z_head, eps, V,
+                          o.dtype.element_ty)
+        tl.store(o_head + o_v, out.to(o.dtype.element_ty), mask=m_v)
+    elif NORM:
+        # The head is split over NV programs (more of the GPU streams the state): each stores its rounded slice and
+        # adds its sum of squares; the program that arrives last (acq_rel atomics order the slices' stores before
+        # its reads) norms the whole head and zeroes the scratch for the next launch.
+        h = out.to(o.dtype.element_ty)
+        tl.store(o_head + o_v, h, mask=m_v)
+        hf = h.to(tl.float32)
+        tl.atomic_add(scratch + 2 * i_bh, _rsum(tl.where(m_v, hf * hf, 0.0), 0))
+        ticket = tl.atomic_add(scratch + 2 * i_bh + 1, 1.0)
+        if ticket == NV - 1:
+            ssq = tl.atomic_add(scratch + 2 * i_bh, 0.0)  # every slice's sum is in: plain stores reset it
+            tl.store(scratch + 2 * i_bh, 0.0)
+            tl.store(scratch + 2 * i_bh + 1, 0.0)
+            o_f = tl.arange(0, BVF)
+            m_f = o_f < V
+            hh = tl.load(o_head + o_f, mask=m_f, other=0.0, cache_modifier=".cg").to(tl.float32)
+            out = _gated_norm(hh, o_f, m_f, ssq, norm_weight, z_head, eps, V, o.dtype.element_ty)
+            tl.store(o_head + o_f, out.to(o.dtype.element_ty), mask=m_f)
+    else:
+        tl.store(o_head + o_v, out.to(o.dtype.element_ty), mask=m_v)
 
 
 def _heads(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -125,21 +156,43 @@ def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
             raise ValueError(f"norm_weight must have v's dtype {v.dtype}, got {norm_weight.dtype}")
     BK = max(16, next_pow2(K))
     if BV is None:
-        BV = max(16, next_pow2(V)) if norm else min(32, max(16, next_pow2(V)))
-    if norm and BV < V:
-        raise ValueError("the fused norm needs one program per value head (BV ≥ V)")
+        BV = DECODE_NORM_BV if norm else DECODE_BV
+        BV = min(BV, max(16, next_pow2(V)))
+    if BV < 16 or BV & (BV - 1):
+        raise ValueError(f"gdn_decode: BV must be a power of two ≥ 16, got {BV}")
+    NV = triton.cdiv(V, BV)
     if num_warps is None:
         num_warps = 8 if BK * BV >= 128 * 128 else 4
     o = torch.empty(B, 1, HV, V, device=v.device, dtype=v.dtype) if out is None else out
     z = gate if norm else v
+    scratch = _norm_scratch(v.device, B * HV) if norm and NV > 1 else state
     with launch_ctx(_INTERPRET):
-        _gdn_decode_kernel[(triton.cdiv(V, BV), B * HV)](
+        _gdn_decode_kernel[(NV, B * HV)](
             q, k, v, g, beta, state, o, z, norm_weight if norm else state,
             A_log.contiguous() if raw else state, dt_bias.contiguous() if raw else state,
-            float(K ** -0.5 if scale is None else scale), float(eps),
+            float(K ** -0.5 if scale is None else scale), float(eps), scratch,
             q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), g.stride(0),
             beta.stride(0), z.stride(0), z.stride(2), o.stride(0), o.stride(2),
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2=bool(use_qk_l2norm_in_kernel), NORM=norm, RAW_GATES=raw,
-            num_warps=num_warps,
+            NV=NV, BVF=max(16, next_pow2(V)), num_warps=num_warps,
         )
     return o
+
+
+# Value columns per program. With the gated norm, a head split over several programs meets in a per-head scratch
+# (sum of squares, arrival count) that the last program resets.
+DECODE_BV = 32
+DECODE_NORM_BV = 128
+_SCRATCH: dict = {}
+
+
+def _norm_scratch(device: torch.device, heads: int) -> torch.Tensor:
+    """Zeroed fp32 ``[heads, 2]`` kept per device (every launch leaves it zeroed). Launches on one stream only: two
+    in flight at once would share it. Inside a CUDA graph capture without one yet, a fresh buffer (zeroed in the
+    graph) rather than one the graph's pool owns."""
+    key = (device, heads)
+    if key not in _SCRATCH:
+        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(heads, 2, device=device)
+        _SCRATCH[key] = torch.zeros(heads, 2, device=device)
+    return _SCRATCH[key]
