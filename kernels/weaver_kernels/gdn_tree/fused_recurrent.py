@@ -114,8 +114,8 @@ def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_
             o_f = tl.arange(0, BVF)
             m_f = o_f < V
             hh = tl.load(o_head + o_f, mask=m_f, other=0.0, cache_modifier=".cg").to(tl.float32)
-            out = _gated_norm(hh, o_f, m_f, ssq, norm_weight, z_head, eps, V, o.dtype.element_ty)
-            tl.store(o_head + o_f, out.to(o.dtype.element_ty), mask=m_f)
+            normed = _gated_norm(hh, o_f, m_f, ssq, norm_weight, z_head, eps, V, o.dtype.element_ty)
+            tl.store(o_head + o_f, normed.to(o.dtype.element_ty), mask=m_f)
     else:
         tl.store(o_head + o_v, out.to(o.dtype.element_ty), mask=m_v)
 
