@@ -28,6 +28,7 @@ import weaver_kernels
 
 from .accept import accept_greedy_tensors
 from .target import TargetAdapter, TreeOutput, compile_static, weights_key
+from . import tree as tree_module
 from .tree import Tree, ancestor_mask_of, rooted, tree_drafts, with_root
 
 
@@ -384,7 +385,8 @@ class StaticProposer:
 
     @classmethod
     def key_of(cls, mode, budget, weaver, shape_logits, compile) -> tuple:
-        return (mode, budget, id(weaver), id(shape_logits), compile, cls.use_node_table and mode == "weaver")
+        weaver_switches = (cls.use_node_table, tree_module.FUSED_NODE_ATTENTION) if mode == "weaver" else None
+        return (mode, budget, id(weaver), id(shape_logits), compile, weaver_switches)
 
     def _draft_and_tree(self):
         hidden, logits = self.draft._forward()

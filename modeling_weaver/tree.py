@@ -242,6 +242,13 @@ def ddtree_tensors(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tenso
             torch.where(valid, logq, neg_inf))
 
 
+# Weaver node steps through weaver_kernels.node_attention (None: on CUDA, where it is one Triton launch instead of ~10
+# small kernels per round and layer; on CPU the op is the same torch ops as WeaverModel.step's own form). Off until
+# run on a GPU: tested under the Triton interpreter only (predicted ≈ −20 µs per round at Qwen3.6-27B shape; time it
+# with `scripts/diagnose_fused_steps.py --ab node_attention`, check it with `pytest -m gpu -k node_attention`).
+FUSED_NODE_ATTENTION: bool | None = False
+
+
 def weaver_tree(
     root: int,
     weaver,
@@ -307,6 +314,15 @@ def weaver_tree_tensors(
     fan = min(children_per_node, pool)
     n = budget + 1
     cache = weaver.new_node_cache(n, device=device)
+    if FUSED_NODE_ATTENTION or (FUSED_NODE_ATTENTION is None and device.type == "cuda"):
+        # each layer's RoPE, slot writes and attention in one op (one launch per round on CUDA)
+        prompt_kv = [(k[0].contiguous(), v[0].contiguous()) for k, v in zip(prompt.keys, prompt.values)]
+        scale = weaver.config.head_dim ** -0.5
+
+        def attend(i, qkv, positions, lo, rows):
+            return weaver_kernels.node_attention(qkv, positions, *prompt_kv[i], cache.keys[i][0], cache.values[i][0],
+                                                 rows, lo, weaver.config.rope_base, scale)
+        cache.attend = attend
     neg_inf = float("-inf")
 
     # No Python-number stores into device tensors below (`x[i] = 0.0` copies from the host, which a CUDA graph

@@ -1,6 +1,6 @@
 """Replay suite plus host-side timings of the fused steps and a long-generation memory check, in one process.
 
-    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096 [--ab node_table peel_root]
+    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096 [--ab node_table peel_root node_attention]
 
 1. ``run_replay_suite`` (AR and every mode at ``--budget``, ``--target-step``, synthetic traces) → replay.md/json.
 2. Per mode: cProfile of one more generation (graphs and compiles in place) sorted by own time, then the fused graph
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+import modeling_weaver.tree as tree_module
 from modeling_weaver.benchmark import autoregressive_generate
 from modeling_weaver.captured import (_STATIC_TARGETS, FusedGreedyStep, PipelinedSteps, StaticDraft, StaticProposer,
                                       StaticTarget, release_static_targets)
@@ -30,7 +31,8 @@ from modeling_weaver.target import GatedDeltaNetLayerCache
 
 
 # --ab: settings a replay can flip (class attributes read when a step is built; flipped ones get new graphs)
-AB_SETTINGS = {"node_table": (StaticProposer, "use_node_table"), "peel_root": (GatedDeltaNetLayerCache, "peel_root")}
+AB_SETTINGS = {"node_table": (StaticProposer, "use_node_table"), "peel_root": (GatedDeltaNetLayerCache, "peel_root"),
+               "node_attention": (tree_module, "FUSED_NODE_ATTENTION")}
 
 
 def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:

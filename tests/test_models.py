@@ -493,11 +493,23 @@ def test_candidate_logits_gather_pool_rows_only():
     assert logits.dtype == torch.float32
 
 
+@pytest.mark.parametrize("attention", ["torch", "op", "kernel"])
 @pytest.mark.parametrize("budget,width", [(12, None), (30, 4), (7, 3)])
-def test_weaver_drives_the_tree_builder(budget, width):
+def test_weaver_drives_the_tree_builder(budget, width, attention, monkeypatch):
     """Fixed-size best-first tree; each node's logq is the Weaver's log-prob of its token given its own root path
-    (recomputed by teacher forcing the path in one call), so the batched rounds' cache and masks are right; one node
-    step per round of ``width`` new nodes and none for the nodes that fill the budget (ceil(budget / width) steps)."""
+    (recomputed by teacher forcing the path in one call, torch attention), so the batched rounds' cache and masks are
+    right; one node step per round of ``width`` new nodes and none for the nodes that fill the budget
+    (ceil(budget / width) steps). The rounds' attention: WeaverModel.step's torch ops, the ``node_attention`` op
+    (its CPU form), and the op's Triton kernel under the interpreter."""
+    import modeling_weaver.tree as tree_module
+
+    monkeypatch.setattr(tree_module, "FUSED_NODE_ATTENTION", attention != "torch")
+    if attention == "kernel":
+        import weaver_kernels
+        from weaver_kernels.utils import load_interpreted
+
+        kernel = load_interpreted("weaver_kernels.weaver_tree.attention").node_attention_triton
+        monkeypatch.setattr(weaver_kernels, "node_attention", lambda *args: kernel(*args, BL=16))
     torch.manual_seed(budget)
     weaver = make_weaver()
     embed, lm_head = torch.nn.Embedding(VOCAB, 40), torch.randn(VOCAB, 48)

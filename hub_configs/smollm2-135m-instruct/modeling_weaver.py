@@ -15,6 +15,7 @@ Weaver turns DFlash's per-depth marginals into path-conditioned proposals. Per s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,10 +40,16 @@ class WeaverPrompt:
 
 @dataclass
 class WeaverNodeCache:
-    """Per-layer K/V slots of tree nodes, each ``[B, heads, max_nodes, head_dim]``; a node owns one slot."""
+    """Per-layer K/V slots of tree nodes, each ``[B, heads, max_nodes, head_dim]``; a node owns one slot.
+
+    ``attend`` (optional, batch 1 and slot ranges only): ``attend(layer, qkv [M, 3·d_rank], positions [M], lo,
+    mask [M, max_nodes]) → [M, d_rank]`` does a layer's RoPE, slot writes and attention in one call (the tree
+    build sets ``weaver_kernels.node_attention`` here on CUDA); without it :meth:`WeaverModel.step` runs them as
+    torch ops."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    attend: Callable | None = None
 
     @property
     def max_nodes(self) -> int:
@@ -106,7 +113,11 @@ class WeaverBlock(nn.Module):
         """Attention of ``q`` over ``keys/values [B, heads, L, head_dim]`` with bool ``mask [B, 1, T, L]``, + MLP."""
         bsz, t, d = x.shape
         attn = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask)
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(bsz, t, d))
+        return self.feed_forward(x, attn.transpose(1, 2).reshape(bsz, t, d))
+
+    def feed_forward(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual output projection of the heads' outputs ``attn [B, T, d_rank]``, then the MLP."""
+        x = x + self.o_proj(attn)
         gate, up = self.gate_up_proj(self.norm_mlp(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
@@ -214,6 +225,11 @@ class WeaverModel(WeaverPreTrainedModel):
         """
         bsz, m = depths.shape
         positions = depths + 1
+        if cache.attend is not None and bsz == 1 and isinstance(slots, slice):
+            for i, block in enumerate(self.blocks):
+                attn = cache.attend(i, block.qkv_proj(block.norm_attn(x))[0], positions[0], slots.start, mask[0])
+                x = block.feed_forward(x, attn[None])
+            return self.lm_head_query_in(self.out_norm(x))
         prompt_visible = torch.ones(bsz, m, prompt.length, dtype=torch.bool, device=x.device)
         full_mask = torch.cat([prompt_visible, mask.to(torch.bool)], dim=-1)[:, None]  # [B, 1, M, P + max_nodes]
         for i, block in enumerate(self.blocks):

@@ -13,24 +13,26 @@ For the AR step (one token, committed at once), :func:`gdn_decode` and :func:`co
 one launch each (the GDN one with the layer's gated RMSNorm). Then :func:`tree_attention` (a tree's queries over a
 static KV cache, split over the cache rows: a captured step's cost follows the used length, not the cache size) and
 :func:`rms_norm` (transformers' RMSNorm forms in one launch: the decode step runs ~200 of them). For the Weaver
-tree build, :func:`pool_scores` and :func:`weaver_expand`: one expansion round's candidate scoring and frontier
-bookkeeping in two launches.
+tree build, :func:`node_attention` (a layer's RoPE, node K/V writes and attention for a round's nodes in one launch),
+:func:`pool_scores` and :func:`weaver_expand`: one expansion round's candidate scoring and frontier bookkeeping in
+two launches.
 
 Kernels: :mod:`.gdn_tree.chunk` (verify + commit), :mod:`.conv_tree.conv`, :mod:`.tree_attention.split`,
-:mod:`.gdn_tree.fused_recurrent` (one-token decode), :mod:`.rms_norm.fused`, :mod:`.weaver_tree.expand`, and the
+:mod:`.gdn_tree.fused_recurrent` (one-token decode), :mod:`.rms_norm.fused`, :mod:`.weaver_tree.expand`,
+:mod:`.weaver_tree.attention`, and the
 mainline recurrent baseline :mod:`.gdn_tree.baseline` (benchmarks only). References: ``*.naive``.
 """
 
 from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_decode_ref, gdn_gates, gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
 from .ops import (conv_decode, conv_tree, conv_tree_commit, gdn_decode, gdn_tree_commit, gdn_tree_verify,
-                  max_tree_nodes, pool_scores, rms_norm, tree_attention, weaver_expand)
+                  max_tree_nodes, node_attention, pool_scores, rms_norm, tree_attention, weaver_expand)
 from .rms_norm.naive import GATED as RMS_GATED
 from .rms_norm.naive import ONE_PLUS as RMS_ONE_PLUS
 from .rms_norm.naive import WEIGHT as RMS_WEIGHT
 from .rms_norm.naive import rms_norm_ref
 from .tree_attention.naive import tree_attention_mask, tree_attention_ref
-from .weaver_tree.naive import pool_scores_ref, weaver_expand_ref
+from .weaver_tree.naive import node_attention_ref, pool_scores_ref, weaver_expand_ref
 
 __all__ = [
     "gdn_tree_verify",
@@ -50,6 +52,8 @@ __all__ = [
     "rms_norm_ref",
     "pool_scores",
     "weaver_expand",
+    "node_attention",
+    "node_attention_ref",
     "pool_scores_ref",
     "weaver_expand_ref",
     "RMS_WEIGHT",

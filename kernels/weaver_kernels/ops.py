@@ -18,7 +18,7 @@ from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_re
 from .gdn_tree.naive import gdn_decode_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
 from .rms_norm.naive import GATED, rms_norm_ref
 from .tree_attention.naive import tree_attention_ref
-from .weaver_tree.naive import pool_scores_ref, weaver_expand_ref
+from .weaver_tree.naive import node_attention_ref, pool_scores_ref, weaver_expand_ref
 
 
 def max_tree_nodes(device) -> int | None:
@@ -182,6 +182,22 @@ def _(query, rows, pool_ids, pool_logits, weight):
     return query.new_empty((query.shape[0], pool_ids.shape[1]), dtype=torch.float32)
 
 
+@torch.library.custom_op("weaver::node_attention", mutates_args=("node_k", "node_v"))
+def _node_attention_op(qkv: Tensor, positions: Tensor, prompt_k: Tensor, prompt_v: Tensor, node_k: Tensor,
+                       node_v: Tensor, mask: Tensor, lo: int, rope_base: float, scale: float) -> Tensor:
+    args = (qkv, positions, prompt_k, prompt_v, node_k, node_v, mask, lo, rope_base, scale)
+    if qkv.is_cuda:
+        from .weaver_tree.attention import node_attention_triton
+
+        return node_attention_triton(*args)
+    return _contig(node_attention_ref(*args))
+
+
+@_node_attention_op.register_fake
+def _(qkv, positions, prompt_k, prompt_v, node_k, node_v, mask, lo, rope_base, scale):
+    return qkv.new_empty((qkv.shape[0], node_k.shape[0] * node_k.shape[2]))
+
+
 @torch.library.custom_op("weaver::weaver_expand",
                          mutates_args=("tokens", "parents", "logq", "depth", "score", "mask", "f_score", "f_token",
                                        "f_logq"))
@@ -334,6 +350,16 @@ def pool_scores(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: Tens
                          f"{tuple(query.shape)}, {tuple(rows.shape)}, {tuple(pool_ids.shape)}, "
                          f"{tuple(pool_logits.shape)}, {tuple(weight.shape)}")
     return torch.ops.weaver.pool_scores(query, rows, pool_ids, pool_logits, weight)
+
+
+def node_attention(qkv: Tensor, positions: Tensor, prompt_k: Tensor, prompt_v: Tensor, node_k: Tensor,
+                   node_v: Tensor, mask: Tensor, lo: int, rope_base: float, scale: float) -> Tensor:
+    """One Weaver layer's attention for a round's ``M`` nodes from their ``qkv [M, 3·H·D]`` projection
+    (``weaver_tree.naive.node_attention_ref``): RoPE at ``positions``, K/V written into node slots ``lo..``, attention
+    over the prompt ``[H, P, D]`` and the node slots ``[H, n, D]`` their ``mask [M, n]`` rows allow; ``[M, H·D]``.
+    CUDA: one Triton launch instead of ~10 small kernels."""
+    return torch.ops.weaver.node_attention(qkv, positions, prompt_k, prompt_v, node_k, node_v, mask, int(lo),
+                                           float(rope_base), float(scale))
 
 
 def weaver_expand(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: Tensor, logq: Tensor, depth: Tensor,

@@ -72,3 +72,45 @@ def weaver_expand_ref(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: T
     f_score.index_fill_(0, best_indices, neg_inf)  # taken
     nodes = torch.arange(n, device=tokens.device)
     mask[new] = (mask[parent] & valid[:, None]) | (nodes[None] == nodes[new, None])
+
+
+def rope_halves(t: Tensor, positions: Tensor, base: float) -> Tensor:
+    """``t [..., M, heads, D]`` rotated as ``WeaverBlock.qkv`` does (fp32 cos/sin at ``positions [M]``, the halves of
+    the head swapped, rounded back to ``t``'s dtype)."""
+    D = t.shape[-1]
+    inv_freq = base ** (-torch.arange(0, D, 2, dtype=torch.float32, device=t.device) / D)
+    angles = positions.float()[:, None] * inv_freq  # [M, D / 2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].to(torch.promote_types(t.dtype, torch.float32))
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None].to(cos.dtype)
+    x = t.to(cos.dtype)
+    swapped = torch.cat((-x[..., D // 2 :], x[..., : D // 2]), dim=-1)
+    return (x * cos + swapped * sin).to(t.dtype)
+
+
+def node_attention_ref(qkv: Tensor, positions: Tensor, prompt_k: Tensor, prompt_v: Tensor, node_k: Tensor,
+                       node_v: Tensor, mask: Tensor, lo: int, rope_base: float, scale: float) -> Tensor:
+    """One Weaver layer's attention for the ``M`` nodes of a round, from its q/k/v projection (``WeaverModel.step``'s
+    unfused form: RoPE on q and k, the nodes' K/V written into their slots, then attention over the prompt and the
+    node slots their mask rows allow).
+
+    Args:
+        qkv: ``[M, 3 · H · D]`` the rows of ``WeaverBlock.qkv_proj`` (``[q | k | v]``, each head-major).
+        positions: ``[M]`` long RoPE positions (depth + 1).
+        prompt_k, prompt_v: ``[H, P, D]`` the prompt's K/V (rotated at encoding).
+        node_k, node_v: ``[H, n, D]`` node slots; rows ``lo .. lo + M - 1`` are written here.
+        mask: ``[M, n]`` bool: the node slots each node sees (its ancestors and itself).
+    Returns:
+        ``[M, H · D]`` in ``qkv``'s dtype, the heads' outputs side by side.
+    """
+    M = qkv.shape[0]
+    H, _, D = node_k.shape
+    q, k, v = qkv.view(M, 3, H, D).unbind(1)  # [M, H, D]
+    q, k = rope_halves(q, positions, rope_base), rope_halves(k, positions, rope_base)
+    node_k[:, lo : lo + M] = k.transpose(0, 1).to(node_k.dtype)
+    node_v[:, lo : lo + M] = v.transpose(0, 1).to(node_v.dtype)
+    keys = torch.cat([prompt_k.to(q.dtype), node_k.to(q.dtype)], dim=1)  # [H, P + n, D]
+    values = torch.cat([prompt_v.to(q.dtype), node_v.to(q.dtype)], dim=1)
+    visible = torch.cat([torch.ones(M, prompt_k.shape[1], dtype=torch.bool, device=mask.device), mask.bool()], -1)
+    attn = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible[None],
+                                                            scale=scale)  # [H, M, D]
+    return attn.transpose(0, 1).reshape(M, H * D)
