@@ -1,15 +1,21 @@
-"""Mean accepted length of Weaver trees against the expansion width, on real SmolLM2 with the shipped drafters.
+"""Mean accepted length of Weaver trees against the expansion width, or against a tempering of the Weaver's scores, on
+real SmolLM2 with the shipped drafters.
 
     python scripts/weaver_width_sweep.py --budget 64 --widths 1 4 8 16
+    python scripts/weaver_width_sweep.py --budget 64 --calibrations 1,1 0.7,1 1.5,1 1,0.5 1,1.5
 
-Greedy, the first ``--subset`` MT-Bench and HumanEval prompts, ``--max-new-tokens`` each (CPU is fine). Fewer, wider
-rounds are cheaper on a GPU; this shows what they cost in MAL. (On a replay at a larger target's depth also check
-that the trees still reach the traced depths: a node of depth d needs d rounds.)
+Greedy, the first ``--subset`` MT-Bench and HumanEval prompts, ``--max-new-tokens`` each (CPU is fine); only the
+proposal changes, every output stays the target's greedy text. Fewer, wider rounds are cheaper on a GPU; the widths
+show what they cost in MAL. (On a replay at a larger target's depth also check that the trees still reach the traced
+depths: a node of depth d needs d rounds.) ``--calibrations tau,alpha ...`` scores the candidates
+``(dflash + alpha · residual) / tau`` instead of ``dflash + residual`` (the Weaver as trained: ``1,1``): is the
+best-first allocation calibrated?
 """
 import argparse
 from pathlib import Path
 
 import torch
+import weaver_kernels
 from transformers import AutoModel
 
 import modeling_weaver.tree as tree_module
@@ -23,30 +29,46 @@ SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-in
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=int, default=64)
-    parser.add_argument("--widths", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--widths", type=int, nargs="+", default=[])
+    parser.add_argument("--calibrations", nargs="+", default=[], metavar="TAU,ALPHA")
     parser.add_argument("--subset", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
+    if not args.widths and not args.calibrations:
+        args.widths = [1, 4, 8, 16]
     model, tokenizer = load_smollm2()
     drafter = AutoModel.from_pretrained(SHIPPED / "dflash", trust_remote_code=True)
     weaver = AutoModel.from_pretrained(SHIPPED / "weaver", trust_remote_code=True)
     prompts = load_eval_prompts()
     ids = [torch.tensor([chat_prompt_ids(tokenizer, p.text)]) for name in ("mtbench", "humaneval")
            for p in prompts[name][: args.subset]]
-    build = tree_module.weaver_tree_tensors
+
+    def mal(label: str) -> None:
+        lengths = []
+        for x in ids:
+            _, stats = speculative_generate(model, x, drafter=drafter, weaver=weaver, mode="weaver",
+                                            tree_budget=args.budget, max_new_tokens=args.max_new_tokens,
+                                            return_stats=True)
+            lengths += stats.accepted_lengths
+        print(f"budget {args.budget} {label}: MAL {sum(lengths) / len(lengths):.3f} over {len(lengths)} steps",
+              flush=True)
+
+    build, scores = tree_module.weaver_tree_tensors, weaver_kernels.pool_scores
     try:
         for width in args.widths:
             tree_module.weaver_tree_tensors = lambda *a, w=width, **k: build(*a, **{**k, "width": w})
-            lengths = []
-            for x in ids:
-                _, stats = speculative_generate(model, x, drafter=drafter, weaver=weaver, mode="weaver",
-                                                tree_budget=args.budget, max_new_tokens=args.max_new_tokens,
-                                                return_stats=True)
-                lengths += stats.accepted_lengths
-            print(f"budget {args.budget} width {width}: MAL {sum(lengths) / len(lengths):.3f} over {len(lengths)} "
-                  f"steps", flush=True)
-    finally:
+            mal(f"width {width}")
         tree_module.weaver_tree_tensors = build
+        for pair in args.calibrations:
+            tau, alpha = map(float, pair.split(","))
+
+            def tempered(query, rows, pool_ids, pool_logits, weight, tau=tau, alpha=alpha):
+                base = pool_logits[rows].float()
+                return (base + alpha * (scores(query, rows, pool_ids, pool_logits, weight) - base)) / tau
+            weaver_kernels.pool_scores = tempered
+            mal(f"tau {tau} alpha {alpha}")
+    finally:
+        tree_module.weaver_tree_tensors, weaver_kernels.pool_scores = build, scores
 
 
 if __name__ == "__main__":
