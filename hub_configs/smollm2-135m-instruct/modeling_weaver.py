@@ -43,9 +43,9 @@ class WeaverNodeCache:
     """Per-layer K/V slots of tree nodes, each ``[B, heads, max_nodes, head_dim]``; a node owns one slot.
 
     ``attend`` (optional, batch 1 and slot ranges only): ``attend(layer, qkv [M, 3·d_rank], positions [M], lo,
-    mask [M, max_nodes]) → [M, d_rank]`` does a layer's RoPE, slot writes and attention in one call (the tree
-    build sets ``weaver_kernels.node_attention`` here on CUDA); without it :meth:`WeaverModel.step` runs them as
-    torch ops."""
+    mask [M, max_nodes]) → [M, d_rank]`` does a layer's RoPE, slot writes and attention in one call, over the prompt
+    it was made for (the tree build binds ``weaver_kernels.node_attention`` to its step's prompt); without it
+    :meth:`WeaverModel.step` runs them as torch ops."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
