@@ -27,7 +27,7 @@ from transformers.generation import LogitsProcessorList, MaxLengthCriteria, Stop
 
 from .accept import Acceptance, path_to_leaf
 from .benchmark import autoregressive_generate
-from .captured import static_draft, step_options
+from .captured import release_static_targets, static_draft, step_options
 from .data import cli_entry
 from .generate import MODES, PHASES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
 from .tree import Tree
@@ -199,6 +199,21 @@ def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: in
     finally:
         torch.set_default_dtype(previous)
     return tuple(m.eval() for m in (target, drafter, weaver))
+
+
+@contextlib.contextmanager
+def switched(owner, attr: str, value, target):
+    """``owner.attr = value`` inside the block (a class or module switch read when a step is built), on steps built
+    anew: ``target``'s cached steps are dropped on entry and on exit (graphs captured under the other setting must not
+    be replayed; a proposer's graph key includes its own switches); the old value is restored after."""
+    old = getattr(owner, attr)
+    setattr(owner, attr, value)
+    release_static_targets(target)
+    try:
+        yield
+    finally:
+        setattr(owner, attr, old)
+        release_static_targets(target)
 
 
 @contextlib.contextmanager
@@ -486,4 +501,4 @@ def run_replay(args) -> int:
 
 
 __all__ = ["ReplayedAcceptance", "graph_replay_ms", "load_traces", "memory_check", "random_models", "random_prompt",
-           "replay_generate", "run_replay", "synthetic_trace"]
+           "replay_generate", "run_replay", "switched", "synthetic_trace"]

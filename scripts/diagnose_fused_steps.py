@@ -24,9 +24,9 @@ import torch
 import modeling_weaver.tree as tree_module
 from modeling_weaver.benchmark import autoregressive_generate
 from modeling_weaver.captured import (_STATIC_TARGETS, FusedGreedyStep, PipelinedSteps, StaticDraft, StaticProposer,
-                                      StaticTarget, release_static_targets)
+                                      StaticTarget)
 from modeling_weaver.replay import (ReplayedAcceptance, graph_replay_ms, memory_check, random_models, random_prompt,
-                                    replay_generate, replay_table, run_replay_suite, synthetic_trace)
+                                    replay_generate, replay_table, run_replay_suite, switched, synthetic_trace)
 from modeling_weaver.target import GatedDeltaNetLayerCache
 
 
@@ -130,17 +130,12 @@ def main():
                             on_row=save)
     for name in args.ab:
         owner, attr = AB_SETTINGS[name]
-        default = getattr(owner, attr)
-        setattr(owner, attr, not default)
-        release_static_targets(target)  # graphs captured with the old setting must not be replayed
-        try:
+        flipped = not getattr(owner, attr)
+        with switched(owner, attr, flipped, target):
             more = run_replay_suite(target, drafter, weaver, traces, args.modes[:1], [args.budget], 512, 512,
                                     args.target_step)
-        finally:
-            setattr(owner, attr, default)
-            release_static_targets(target)
         for row in more:
-            row["method"] = f"{row['method']} ({attr}={not default})"
+            row["method"] = f"{row['method']} ({attr}={flipped})"
         save(rows := rows + more)
     print(f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB", flush=True)
     ids = random_prompt(target, 512)

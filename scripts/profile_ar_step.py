@@ -31,8 +31,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from modeling_weaver.benchmark import autoregressive_generate
-from modeling_weaver.captured import StaticProposer, cache_bucket, release_static_targets, static_draft, static_target
-from modeling_weaver.replay import FirstTokenClock, graph_replay_ms, random_models, random_prompt
+from modeling_weaver.captured import StaticProposer, cache_bucket, static_draft, static_target
+from modeling_weaver.replay import FirstTokenClock, graph_replay_ms, random_models, random_prompt, switched
 from modeling_weaver.target import GatedDeltaNetLayerCache
 from modeling_weaver.tree import Tree
 
@@ -183,15 +183,11 @@ def main():
         return timed(tree_graph._graphs[0])
 
     def both_ways(attr: str, measure, owner=GatedDeltaNetLayerCache) -> dict:
-        """``measure()`` with the class switch ``owner.attr`` off and on, each on steps compiled and captured anew
-        (target steps released; a proposer's graph key includes its switch); the default is restored after."""
-        default, times = getattr(owner, attr), {}
+        """``measure()`` with the class switch ``owner.attr`` off and on, each on steps compiled and captured anew."""
+        times = {}
         for value in (False, True):
-            setattr(owner, attr, value)
-            release_static_targets(target)
-            times[value] = measure()
-        setattr(owner, attr, default)
-        release_static_targets(target)
+            with switched(owner, attr, value, target):
+                times[value] = measure()
         return times
 
     if args.gates_ab:

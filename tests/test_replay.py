@@ -135,3 +135,22 @@ def test_decode_time_starts_at_the_first_new_token(target_step):
     out, _ = replay_generate(target, drafter, weaver, ids, "weaver", 8, ReplayedAcceptance([3, 1, 5]), 20,
                              target_step, streamer=clock)
     assert sum(clock.values, []) == out[0, 9:].tolist() and clock.first_token is not None
+
+
+def test_switched_flips_a_setting_on_fresh_steps_and_restores_it():
+    """The A/B helper of the replay scripts: the switch holds inside the block only, and the target's cached steps
+    (built under the other setting) are dropped on the way in and out, also when the block raises."""
+    from types import SimpleNamespace
+
+    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.replay import switched
+
+    owner, target = SimpleNamespace(flag=False), torch.nn.Linear(2, 2)
+    _STATIC_TARGETS[target] = {"stale": object()}
+    with switched(owner, "flag", True, target):
+        assert owner.flag is True and target not in _STATIC_TARGETS
+        _STATIC_TARGETS[target] = {"built inside": object()}
+    assert owner.flag is False and target not in _STATIC_TARGETS
+    with pytest.raises(RuntimeError), switched(owner, "flag", True, target):
+        raise RuntimeError
+    assert owner.flag is False

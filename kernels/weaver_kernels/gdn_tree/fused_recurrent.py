@@ -120,6 +120,15 @@ def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_
         tl.store(o_head + o_v, out.to(o.dtype.element_ty), mask=m_v)
 
 
+# Value columns per program. With the gated norm, a head split over several programs meets in a per-head scratch
+# (sum of squares, arrival count) that the last program resets. H200, Qwen3.6-27B shape, 48 layers in a graph
+# (scripts/bench_gdn_decode.py, session 12): with the norm BV 128 7.45 µs per layer, 64 7.78, 32 7.56, 16 6.96–7.00;
+# without it 5.1–5.2 — the launch is latency-bound (a chain of loads and reductions), not by the state's 6.3 MB.
+DECODE_BV = 32
+DECODE_NORM_BV = 16
+_SCRATCH: dict = {}
+
+
 def _heads(x: torch.Tensor, name: str) -> torch.Tensor:
     if x.shape[1] != 1:
         raise ValueError(f"gdn_decode: {name} must hold one token, got shape {tuple(x.shape)}")
@@ -177,15 +186,6 @@ def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
             NV=NV, BVF=max(16, next_pow2(V)), num_warps=num_warps,
         )
     return o
-
-
-# Value columns per program. With the gated norm, a head split over several programs meets in a per-head scratch
-# (sum of squares, arrival count) that the last program resets. H200, Qwen3.6-27B shape, 48 layers in a graph
-# (scripts/bench_gdn_decode.py, session 12): with the norm BV 128 7.45 µs per layer, 64 7.78, 32 7.56, 16 6.96–7.00;
-# without it 5.1–5.2 — the launch is latency-bound (a chain of loads and reductions), not by the state's 6.3 MB.
-DECODE_BV = 32
-DECODE_NORM_BV = 16
-_SCRATCH: dict = {}
 
 
 def _norm_scratch(device: torch.device, heads: int) -> torch.Tensor:
