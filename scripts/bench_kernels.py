@@ -41,12 +41,18 @@ import torch
 
 from weaver_kernels.conv_tree.conv import conv_tree_commit_triton, conv_tree_triton
 from weaver_kernels.gdn_tree.baseline import recurrent_tree_verify
-from weaver_kernels.gdn_tree.chunk import RESIDENT_MAX_NODES, gdn_tree_commit_triton, gdn_tree_verify_triton
+from weaver_kernels.gdn_tree.chunk import (
+    NEUMANN_MAX_NODES,
+    RESIDENT_MAX_NODES,
+    gdn_tree_commit_triton,
+    gdn_tree_verify_triton,
+)
 from weaver_kernels.gdn_tree.naive import gdn_tree_commit_ref, gdn_tree_verify_ref
 from weaver_kernels.testing import (
     ancestor_mask,
     best_first_parents,
     chain_parents,
+    deep_path_parents,
     depths,
     gdn_inputs,
     path_to,
@@ -124,7 +130,12 @@ def timed(name, fns, reps, graph=True):
 
 def make_layers(T, kind, n_layers, seed):
     rng = random.Random(seed)
-    parents = chain_parents(T) if kind == "chain" else best_first_parents(T, rng, max_depth=15)
+    if kind == "chain":
+        parents = chain_parents(T)
+    elif kind == "deep15":  # a depth-15 spine (a block drafter's deepest tree) with side branches
+        parents = deep_path_parents(T, rng, depth=15)
+    else:
+        parents = best_first_parents(T, rng, max_depth=15)
     dep = depths(parents)
     leaf = max(range(T), key=lambda i: (dep[i], i))
     path = torch.tensor(path_to(parents, leaf), device="cuda")
@@ -152,10 +163,10 @@ def bytes_baseline(T):
             + 2 * HV * K * V * 4)  # accepted copy
 
 
-def _resident_kw(config: str) -> dict:
-    """'BV:num_warps[:inverse_precision]' → gdn_tree_verify_triton keywords."""
+def _variant_kw(impl: str, config: str) -> dict:
+    """impl and 'BV:num_warps[:inverse_precision]' → gdn_tree_verify_triton keywords."""
     f = config.split(":")
-    kw = dict(impl="resident", BV=int(f[0]), num_warps=int(f[1]))
+    kw = dict(impl=impl, BV=int(f[0]), num_warps=int(f[1]))
     if len(f) > 2:
         kw["inverse_precision"] = f[2]
     return kw
@@ -218,7 +229,9 @@ def bench_T(T, kind, args, fla):
         res[f"commit_{name}"]["rel_rms_state"] = rel_rms(S, Sr)
     variants = [(f"bt{bt}", dict(BT=bt)) for bt in args.verify_bt]
     variants += [(f"inv_{p}", dict(inverse_precision=p)) for p in args.verify_inverse_precision]
-    variants += [(f"res{c}", _resident_kw(c)) for c in args.resident_configs]
+    variants += [(f"res{c}", _variant_kw("resident", c)) for c in args.resident_configs]
+    if T <= NEUMANN_MAX_NODES:
+        variants += [(f"neu{c}", _variant_kw("neumann", c)) for c in args.neumann_configs]
     variants += [("peel", dict(peel_root=True))] if args.verify_peel and T % 16 == 1 else []  # where it applies
     for name, kw in variants:  # side by side with the default fused verify
         kw = dict(kw)
@@ -226,10 +239,17 @@ def bench_T(T, kind, args, fla):
         fns = [lambda x=x, ob=ob, kw=kw, impl=impl: gdn_tree_verify_triton(
             x["q"], x["k"], x["v"], x["g"], x["beta"], x["S0"], mask, use_qk_l2norm_in_kernel=True, o=ob["o"],
             u=ob["u"], gamma=ob["gamma"], impl=impl, **kw) for x, ob in zip(layers, outs)]
-        o, u, gm = gdn_tree_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["S0"], mask,
-                                          use_qk_l2norm_in_kernel=True, impl=impl, **kw)
-        res[f"verify_{name}"] = dict(timed(f"verify {name}", fns, args.reps),
-                                     rel_rms=dict(o=rel_rms(o, ro), u=rel_rms(u, ru), gamma=rel_rms(gm, rg)))
+        try:
+            o, u, gm = gdn_tree_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["S0"], mask,
+                                              use_qk_l2norm_in_kernel=True, impl=impl, **kw)
+        except Exception as e:  # noqa: BLE001  (a config that does not fit: report it, time the others)
+            print(f"variant {name} at T={T} failed: {repr(e)[:200]}")
+            res[f"verify_{name}"] = dict(us=float("nan"), rel_rms=dict(o=float("nan"), state=float("nan")))
+            continue
+        S = x["S0"].clone()
+        gdn_tree_commit_triton(S, x["k"], u, gm, path, use_qk_l2norm_in_kernel=True)
+        res[f"verify_{name}"] = dict(timed(f"verify {name}", fns, args.reps), rel_rms=dict(
+            o=rel_rms(o, ro), u=rel_rms(u, ru), gamma=rel_rms(gm, rg), state=rel_rms(S, Sr)))
     res["autotuned"] = _best_configs()
 
     if args.no_baseline:
@@ -361,6 +381,9 @@ def main():
     ap.add_argument("--resident-configs", nargs="*", default=[],
                     help="also time the resident verify at these BV:num_warps[:inverse_precision] configs, "
                          "e.g. 32:4 64:8 32:4:tf32x3")
+    ap.add_argument("--neumann-configs", nargs="*", default=[],
+                    help="also time the Neumann verify (impl='neumann', T ≤ 128) at these "
+                         "BV:num_warps[:inverse_precision] configs, side by side with the fused one")
     ap.add_argument("--verify-peel", action="store_true",
                     help="also time the fused verify with peel_root (node 0 as a recurrent step), at the --T of the "
                          "form 16n + 1 (e.g. --T 17 65 129)")
@@ -396,14 +419,16 @@ def main():
     for r in results:
         print(fmt_row(r, args.impls))
     if (args.commit_chunks or args.verify_bt or args.commit_precision or args.verify_inverse_precision
-            or args.commit_configs or args.resident_configs or args.verify_peel):
+            or args.commit_configs or args.resident_configs or args.neumann_configs or args.verify_peel):
         print("\nvariants side by side (per layer, µs; default: verify BT=16, commit chunk=32):")
         for r in results:
             print(r["kind"], r["T"], f"verify fused {r.get('verify_fused', {}).get('us', float('nan')):.1f}",
-                  " ".join(f"{n} {r[f'verify_{n}']['us']:.1f} (o {r[f'verify_{n}']['rel_rms']['o']:.1e})"
+                  " ".join(f"{n} {r[f'verify_{n}']['us']:.1f} (o {r[f'verify_{n}']['rel_rms']['o']:.1e}, "
+                           f"state {r[f'verify_{n}']['rel_rms']['state']:.1e})"
                            for n in [f"bt{b}" for b in args.verify_bt]
                            + [f"inv_{p}" for p in args.verify_inverse_precision]
                            + [f"res{c}" for c in args.resident_configs]
+                           + [f"neu{c}" for c in args.neumann_configs if r["T"] <= NEUMANN_MAX_NODES]
                            + ["peel"] * (args.verify_peel and r["T"] % 16 == 1)),
                   f"| commit {r['commit']['us']:.1f}",
                   " ".join(f"{n} {r[f'commit_{n}']['us']:.1f} (state {r[f'commit_{n}']['rel_rms_state']:.1e})"

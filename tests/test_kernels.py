@@ -1143,13 +1143,14 @@ def test_tree_attention_dflash_block_gpu(window, block):
 @pytest.mark.parametrize("T", [16, 37, 64, 128, 129])
 @pytest.mark.parametrize("kind", ["best_first", "chain", "star", "shuffled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("impl", ["fused", "split", "resident"])
+@pytest.mark.parametrize("impl", ["fused", "split", "resident", "neumann"])
 def test_gdn_tree_real_shape_gpu(T, kind, dtype, impl):
     from weaver_kernels.gdn_tree import chunk
 
     parents = _tree(kind, T, random.Random(T))
-    if impl == "resident" and T > chunk.RESIDENT_MAX_NODES:
-        pytest.skip(f"impl='resident' holds at most {chunk.RESIDENT_MAX_NODES} nodes (its CPU test checks the error)")
+    limit = {"resident": chunk.RESIDENT_MAX_NODES, "neumann": chunk.NEUMANN_MAX_NODES}.get(impl, chunk.MAX_NODES)
+    if T > limit:
+        pytest.skip(f"impl={impl!r} holds at most {limit} nodes (its CPU test checks the error)")
     # bf16 goes through the autotuner; fp32 (IEEE dots, slow to compile) is pinned to one config
     err = check_gdn_tree(chunk, parents, 1, REAL["H"], REAL["HV"], REAL["K"], REAL["V"], dtype, True, seed=T,
                          device="cuda", BV=None if dtype == torch.bfloat16 else 32, impl=impl)

@@ -454,6 +454,141 @@ def _resident_verify_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Neumann verify: no serial chain of row blocks. Whole-tree tiles ([T_pad, T_pad], T_pad ≤ 128) per program:
+#   N = −β ⊙ (K Kᵀ ⊙ D ⊙ M_strict) is nilpotent with N^(d+1) = 0 for a tree of depth d (N^m links a node only to
+#   ancestors m levels up), so (I + A)^{-1} R = Σ_{m≤d} N^m R, evaluated by Horner: U ← R + N U, d times. Node i's
+#   row is exact after depth(i) steps. d is read off the mask in the kernel (max row count − 1), so any tree is
+#   solved exactly; the cost is d dense [T_pad, T_pad]·[T_pad, BV] dots instead of ⌈T/16⌉ latency-bound row
+#   blocks, which pays for shallow trees (a block drafter's trees have depth ≤ block size − 1 = 15) and loses on
+#   long chains. Same math as the fused kernel's 16×16 diagonal inverse, over the whole tree.
+# ----------------------------------------------------------------------------------------------------------------
+NEUMANN_MAX_NODES = 128
+if _INTERPRET:
+    _NEUMANN_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
+else:
+    _NEUMANN_CONFIGS = [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _halves(x):
+    """fp32 x as bf16 hi + lo (x = hi + lo to ~2^-17 relative): products of halves are exact on the tensor cores."""
+    hi = x.to(tl.bfloat16)
+    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
+def _neumann_verify_kernel(
+    q, k, v, g, beta, s0, tmask, o, u, gamma, a_log, dt_bias,
+    T, scale,
+    sq_b, sq_t, sq_h,
+    sk_b, sk_t, sk_h,
+    sv_b, sv_t, sv_h,
+    sg_b, sg_t, sg_h,
+    sb_b, sb_t, sb_h,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr, DOT_F32: tl.constexpr, SOLVE_PREC: tl.constexpr, RAW_GATES: tl.constexpr,
+):
+    # DOT_F32 (fp32 inputs, or the interpreter): fp32 dots at SOLVE_PREC. Otherwise q/k are bf16 and every product
+    # with an fp32 operand (S0, N, U, Q Kᵀ ⊙ D) runs as bf16 halves: K·S0 = K·S_hi + K·S_lo (K exact), N·U as three
+    # half products — fp32-class accuracy (~2^-16) at bf16 tensor-core speed, half the shared memory of fp32 tiles.
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b64 = (i_bh // HV).to(tl.int64)
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_n = tl.arange(0, TP)
+    m_n = o_n < T
+    m_nv = m_n[:, None] & m_v[None, :]
+
+    # the tree: ancestor-or-self mask, path sums Γ, depth
+    M = tl.load(tmask + o_n[:, None] * T + o_n[None, :], mask=m_n[:, None] & m_n[None, :], other=0) != 0
+    g_all = tl.load(g + i_b64 * sg_b + i_hv * sg_h + o_n * sg_t, mask=m_n, other=0.0).to(tl.float32)
+    if RAW_GATES:
+        g_all = tl.where(m_n, _decay(g_all, a_log, dt_bias, i_hv), 0.0)
+    G = _rsum(tl.where(M, g_all[None, :], 0.0), axis=1)
+    tl.store(gamma + i_b64 * T * HV + i_hv + o_n * HV, G, mask=m_n)
+    d_max = tl.reduce(_rsum(M.to(tl.int32), axis=1), 0, _max) - 1
+    D = tl.exp(tl.where(M, G[:, None] - G[None, :], float("-inf")))
+    eG = tl.exp(G)
+
+    m_nk = m_n[:, None] & m_k[None, :]
+    K_all = tl.load(k + i_b64 * sk_b + i_h * sk_h + o_n[:, None] * sk_t + o_k[None, :], mask=m_nk, other=0.0)
+    Q_all = tl.load(q + i_b64 * sq_b + i_h * sq_h + o_n[:, None] * sq_t + o_k[None, :], mask=m_nk, other=0.0)
+    b_all = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + o_n * sb_t, mask=m_n, other=0.0).to(tl.float32)
+    if RAW_GATES:
+        b_all = tl.where(m_n, _beta(b_all, beta.dtype.element_ty), 0.0)
+    v_all = tl.load(v + i_b64 * sv_b + i_hv * sv_h + o_n[:, None] * sv_t + o_v[None, :], mask=m_nv,
+                    other=0.0).to(tl.float32)
+    S = tl.load(s0 + (i_b64 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+                mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    if DOT_F32:
+        K_all = K_all.to(tl.float32)
+        Q_all = Q_all.to(tl.float32)
+        KT = tl.trans(K_all)
+        kk = tl.dot(K_all, KT, input_precision=SOLVE_PREC)  # [TP, TP]
+        kS = tl.dot(K_all, S, input_precision=SOLVE_PREC)  # [TP, BV]
+        qS = tl.dot(Q_all, S, input_precision=SOLVE_PREC)
+    else:
+        K_all = K_all.to(tl.bfloat16)
+        Q_all = Q_all.to(tl.bfloat16)
+        KT = tl.trans(K_all)
+        kk = tl.dot(K_all, KT)
+        S_hi, S_lo = _halves(S)
+        kS = tl.dot(K_all, S_hi) + tl.dot(K_all, S_lo)
+        qS = tl.dot(Q_all, S_hi) + tl.dot(Q_all, S_lo)
+    if L2NORM:
+        kf = K_all.to(tl.float32)
+        qf = Q_all.to(tl.float32)
+        rk = tl.rsqrt(_rsum(kf * kf, axis=1) + 1e-6)
+        rq = tl.rsqrt(_rsum(qf * qf, axis=1) + 1e-6)
+        kk = kk * rk[:, None] * rk[None, :]
+        kS = kS * rk[:, None]
+        qS = qS * rq[:, None]
+    R = b_all[:, None] * (v_all - eG[:, None] * kS)
+    N = tl.where(M & (o_n[:, None] != o_n[None, :]), -(b_all[:, None] * kk * D), 0.0)
+
+    # U = Σ_{m ≤ depth} N^m R by Horner
+    U = R
+    if DOT_F32:
+        for _ in range(0, d_max):
+            U = R + tl.dot(N, U, input_precision=SOLVE_PREC)
+    else:
+        N_hi, N_lo = _halves(N)
+        for _ in range(0, d_max):
+            U_hi, U_lo = _halves(U)
+            U = R + tl.dot(N_hi, U_hi) + tl.dot(N_hi, U_lo) + tl.dot(N_lo, U_hi)
+    tl.store(u + i_b64 * T * HV * V + i_hv * V + o_n[:, None] * (HV * V) + o_v[None, :], U, mask=m_nv)
+
+    if DOT_F32:
+        qk = tl.dot(Q_all, KT, input_precision=SOLVE_PREC)
+    else:
+        qk = tl.dot(Q_all, KT)
+    if L2NORM:
+        qk = qk * rq[:, None] * rk[None, :]
+    C = qk * D
+    if DOT_F32:
+        CU = tl.dot(C, U, input_precision=SOLVE_PREC)
+    else:
+        C_hi, C_lo = _halves(C)
+        U_hi, U_lo = _halves(U)
+        CU = tl.dot(C_hi, U_hi) + tl.dot(C_hi, U_lo) + tl.dot(C_lo, U_hi)
+    o_acc = eG[:, None] * qS + CU
+    tl.store(o + i_b64 * T * HV * V + i_hv * V + o_n[:, None] * (HV * V) + o_v[None, :],
+             (o_acc * scale).to(o.dtype.element_ty), mask=m_nv)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Split verify: the same math in three launches, so that only the truly serial part stays serial.
 #   1. local  (grid V/BV × blocks × B·HV, fully parallel): Γ, W_i = (I + A_ii)^{-1} β_i (v_i − e^{Γ_i} k_i S0) and
 #             L_i = (I + A_ii)^{-1} A_{i,<i} (written once per head) — every inverse and every K Kᵀ product.
@@ -852,8 +987,21 @@ def gdn_tree_verify_triton(
                              f"kernel's), got BT={BT}, peel_root={peel_root} at T={T}")
         _verify_resident(args, common, raw, inverse_precision, BV, num_warps)
         return o, u, gamma
+    if impl == "neumann":
+        if TP > NEUMANN_MAX_NODES or BT != 16 or peel:
+            raise ValueError(f"impl='neumann' takes at most {NEUMANN_MAX_NODES} nodes and has no row blocks or root "
+                             f"step (BT and peel_root are the fused kernel's), got T={T}, BT={BT}, "
+                             f"peel_root={peel_root}")
+        if BV is None:
+            BV, num_warps = _NEUMANN_CONFIGS[0].kwargs["BV"], _NEUMANN_CONFIGS[0].num_warps
+        c = {n: common[n] for n in ("H", "HV", "K", "V", "TP", "BK", "L2NORM", "DOT_F32")}
+        with launch_ctx(_INTERPRET):
+            _neumann_verify_kernel[(triton.cdiv(V, BV), B * HV)](
+                *args, **c, BV=BV, SOLVE_PREC=inverse_precision, RAW_GATES=raw, num_warps=num_warps, num_stages=1,
+            )
+        return o, u, gamma
     if impl != "fused":
-        raise ValueError(f"impl must be 'fused', 'split', 'resident' or None, got {impl!r}")
+        raise ValueError(f"impl must be 'fused', 'split', 'resident', 'neumann' or None, got {impl!r}")
     if BV is None and (_INTERPRET or not autotune):
         BV = _VERIFY_CONFIGS[0].kwargs["BV"]
         num_warps = _VERIFY_CONFIGS[0].num_warps
