@@ -475,13 +475,6 @@ def _max(a, b):
 
 
 @triton.jit
-def _halves(x):
-    """fp32 x as bf16 hi + lo (x = hi + lo to ~2^-17 relative): products of halves are exact on the tensor cores."""
-    hi = x.to(tl.bfloat16)
-    return hi, (x - hi.to(tl.float32)).to(tl.bfloat16)
-
-
-@triton.jit
 def _neumann_verify_kernel(
     q, k, v, g, beta, s0, tmask, o, u, gamma, a_log, dt_bias,
     T, scale,
@@ -494,9 +487,9 @@ def _neumann_verify_kernel(
     TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, DOT_F32: tl.constexpr, SOLVE_PREC: tl.constexpr, RAW_GATES: tl.constexpr,
 ):
-    # DOT_F32 (fp32 inputs, or the interpreter): fp32 dots at SOLVE_PREC. Otherwise q/k are bf16 and every product
-    # with an fp32 operand (S0, N, U, Q Kᵀ ⊙ D) runs as bf16 halves: K·S0 = K·S_hi + K·S_lo (K exact), N·U as three
-    # half products — fp32-class accuracy (~2^-16) at bf16 tensor-core speed, half the shared memory of fp32 tiles.
+    # Products of 16-bit q/k (K Kᵀ, Q Kᵀ) are exact bf16 dots; K S0, Q S0 and the output's (Q Kᵀ ⊙ D) U are tf32 as
+    # in the fused kernel; the solve's N U runs at SOLVE_PREC. DOT_F32 (fp32 inputs, or the interpreter, whose 16-bit
+    # dots are wrong): every dot fp32 at SOLVE_PREC.
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b64 = (i_bh // HV).to(tl.int64)
@@ -542,11 +535,11 @@ def _neumann_verify_kernel(
     else:
         K_all = K_all.to(tl.bfloat16)
         Q_all = Q_all.to(tl.bfloat16)
-        KT = tl.trans(K_all)
+        KT = tl.load(k + i_b64 * sk_b + i_h * sk_h + o_n[None, :] * sk_t + o_k[:, None],
+                     mask=m_k[:, None] & m_n[None, :], other=0.0).to(tl.bfloat16)
         kk = tl.dot(K_all, KT)
-        S_hi, S_lo = _halves(S)
-        kS = tl.dot(K_all, S_hi) + tl.dot(K_all, S_lo)
-        qS = tl.dot(Q_all, S_hi) + tl.dot(Q_all, S_lo)
+        kS = tl.dot(K_all.to(tl.float32), S, input_precision="tf32")  # as the fused kernel's
+        qS = tl.dot(Q_all.to(tl.float32), S, input_precision="tf32")
     if L2NORM:
         kf = K_all.to(tl.float32)
         qf = Q_all.to(tl.float32)
@@ -560,14 +553,8 @@ def _neumann_verify_kernel(
 
     # U = Σ_{m ≤ depth} N^m R by Horner
     U = R
-    if DOT_F32:
-        for _ in range(0, d_max):
-            U = R + tl.dot(N, U, input_precision=SOLVE_PREC)
-    else:
-        N_hi, N_lo = _halves(N)
-        for _ in range(0, d_max):
-            U_hi, U_lo = _halves(U)
-            U = R + tl.dot(N_hi, U_hi) + tl.dot(N_hi, U_lo) + tl.dot(N_lo, U_hi)
+    for _ in range(0, d_max):
+        U = R + tl.dot(N, U, input_precision=SOLVE_PREC)
     tl.store(u + i_b64 * T * HV * V + i_hv * V + o_n[:, None] * (HV * V) + o_v[None, :], U, mask=m_nv)
 
     if DOT_F32:
@@ -576,14 +563,7 @@ def _neumann_verify_kernel(
         qk = tl.dot(Q_all, KT)
     if L2NORM:
         qk = qk * rq[:, None] * rk[None, :]
-    C = qk * D
-    if DOT_F32:
-        CU = tl.dot(C, U, input_precision=SOLVE_PREC)
-    else:
-        C_hi, C_lo = _halves(C)
-        U_hi, U_lo = _halves(U)
-        CU = tl.dot(C_hi, U_hi) + tl.dot(C_hi, U_lo) + tl.dot(C_lo, U_hi)
-    o_acc = eG[:, None] * qS + CU
+    o_acc = eG[:, None] * qS + tl.dot(qk * D, U, input_precision=SOLVE_PREC if DOT_F32 else "tf32")
     tl.store(o + i_b64 * T * HV * V + i_hv * V + o_n[:, None] * (HV * V) + o_v[None, :],
              (o_acc * scale).to(o.dtype.element_ty), mask=m_nv)
 
