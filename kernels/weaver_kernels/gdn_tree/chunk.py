@@ -454,15 +454,19 @@ def _resident_verify_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Neumann verify: no serial chain of row blocks. Whole-tree tiles ([T_pad, T_pad], T_pad ≤ 128) per program:
-#   N = −β ⊙ (K Kᵀ ⊙ D ⊙ M_strict) is nilpotent with N^(d+1) = 0 for a tree of depth d (N^m links a node only to
-#   ancestors m levels up), so (I + A)^{-1} R = Σ_{m≤d} N^m R, evaluated by Horner: U ← R + N U, d times. Node i's
-#   row is exact after depth(i) steps. d is read off the mask in the kernel (max row count − 1), so any tree is
-#   solved exactly; the cost is d dense [T_pad, T_pad]·[T_pad, BV] dots instead of ⌈T/16⌉ latency-bound row
-#   blocks, which pays for shallow trees (a block drafter's trees have depth ≤ block size − 1 = 15) and loses on
-#   long chains. Same math as the fused kernel's 16×16 diagonal inverse, over the whole tree.
+# Neumann verify: no serial chain of row blocks. N = −β ⊙ (K Kᵀ ⊙ D ⊙ M_strict) is nilpotent with N^(d+1) = 0 for a
+# tree of depth d (N^m links a node only to ancestors m levels up), so (I + A)^{-1} R = Σ_{m≤d} N^m R, evaluated by
+# Horner: U ← R + N U, d times (node i's row is exact after depth(i) steps). Two launches:
+#   1. prep  (grid row blocks × B·HV, parallel): Γ, and the [T_pad, T_pad] coefficient matrices N and
+#            C = Q Kᵀ ⊙ D ⊙ M (fp32 scratch, L2-resident), and the depth d (read off the mask: any tree is exact).
+#   2. solve (grid V/BV × B·HV): R = β (V − e^Γ K S0), U by d dense [T_pad, T_pad]·[T_pad, BV] dots,
+#            O = e^Γ Q S0 + C U.
+# d dots instead of ⌈T/16⌉ latency-bound row blocks: it pays for shallow trees (a block drafter's trees have depth
+# ≤ block size − 1 = 15) and loses on long chains (impl=None keeps those on the fused kernel). T_pad ≤ 128.
+# Same math as the fused kernel's 16×16 diagonal inverse, over the whole tree.
 # ----------------------------------------------------------------------------------------------------------------
 NEUMANN_MAX_NODES = 128
+_NEUMANN_PREP_ROWS = 16
 if _INTERPRET:
     _NEUMANN_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
 else:
@@ -475,21 +479,84 @@ def _max(a, b):
 
 
 @triton.jit
-def _neumann_verify_kernel(
-    q, k, v, g, beta, s0, tmask, o, u, gamma, a_log, dt_bias,
+def _neumann_prep_kernel(
+    q, k, g, beta, tmask, coef, gamma, depth, a_log, dt_bias,
+    T,
+    sq_b, sq_t, sq_h,
+    sk_b, sk_t, sk_h,
+    sg_b, sg_t, sg_h,
+    sb_b, sb_t, sb_h,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, RAW_GATES: tl.constexpr,
+):
+    i_blk = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b64 = (i_bh // HV).to(tl.int64)
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_n = tl.arange(0, TP)
+    m_n = o_n < T
+    t_r = i_blk * BR + tl.arange(0, BR)
+    m_r = t_r < T
+
+    # Γ of every node (the columns' decays) from the whole mask; this block's rows of it
+    M = tl.load(tmask + o_n[:, None] * T + o_n[None, :], mask=m_n[:, None] & m_n[None, :], other=0) != 0
+    g_all = tl.load(g + i_b64 * sg_b + i_hv * sg_h + o_n * sg_t, mask=m_n, other=0.0).to(tl.float32)
+    if RAW_GATES:
+        g_all = tl.where(m_n, _decay(g_all, a_log, dt_bias, i_hv), 0.0)
+    G_c = _rsum(tl.where(M, g_all[None, :], 0.0), axis=1)
+    if i_blk == 0:
+        tl.store(gamma + i_b64 * T * HV + i_hv + o_n * HV, G_c, mask=m_n)
+        if i_bh == 0:
+            tl.store(depth, tl.reduce(_rsum(M.to(tl.int32), axis=1), 0, _max) - 1)
+    M_r = tl.load(tmask + t_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0) != 0
+    G_r = _rsum(tl.where(M_r, g_all[None, :], 0.0), axis=1)
+    D = tl.exp(tl.where(M_r, G_r[:, None] - G_c[None, :], float("-inf")))  # [BR, TP]
+
+    k_base = k + i_b64 * sk_b + i_h * sk_h
+    q_r = tl.load(q + i_b64 * sq_b + i_h * sq_h + t_r[:, None] * sq_t + o_k[None, :],
+                  mask=m_r[:, None] & m_k[None, :], other=0.0)
+    k_r = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+    KT = tl.load(k_base + o_n[None, :] * sk_t + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)
+    if DOT_F32:
+        q_r = q_r.to(tl.float32)
+        k_r = k_r.to(tl.float32)
+        KT = KT.to(tl.float32)
+    kk = tl.dot(k_r, KT, input_precision=DOT_PREC)  # [BR, TP]
+    qk = tl.dot(q_r, KT, input_precision=DOT_PREC)
+    if L2NORM:
+        kf = KT.to(tl.float32)
+        rk_c = tl.rsqrt(_rsum(kf * kf, axis=0) + 1e-6)
+        kr = k_r.to(tl.float32)
+        qr = q_r.to(tl.float32)
+        kk = kk * tl.rsqrt(_rsum(kr * kr, axis=1) + 1e-6)[:, None] * rk_c[None, :]
+        qk = qk * tl.rsqrt(_rsum(qr * qr, axis=1) + 1e-6)[:, None] * rk_c[None, :]
+    b_r = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
+    if RAW_GATES:
+        b_r = tl.where(m_r, _beta(b_r, beta.dtype.element_ty), 0.0)
+    strict = t_r[:, None] != o_n[None, :]
+    N = tl.where(strict, -(b_r[:, None] * kk * D), 0.0)
+    c_base = coef + (i_b64 * HV + i_hv) * 2 * TP * TP + t_r[:, None] * TP + o_n[None, :]
+    tl.store(c_base, N)  # rows and columns past T are zero (D is), so the solve needs no masks
+    tl.store(c_base + TP * TP, qk * D)
+
+
+@triton.jit
+def _neumann_solve_kernel(
+    q, k, v, beta, s0, coef, gamma, depth, o, u,
     T, scale,
     sq_b, sq_t, sq_h,
     sk_b, sk_t, sk_h,
     sv_b, sv_t, sv_h,
-    sg_b, sg_t, sg_h,
     sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, DOT_F32: tl.constexpr, SOLVE_PREC: tl.constexpr, RAW_GATES: tl.constexpr,
+    L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, SOLVE_PREC: tl.constexpr,
+    RAW_GATES: tl.constexpr,
 ):
-    # Products of 16-bit q/k (K Kᵀ, Q Kᵀ) are exact bf16 dots; K S0, Q S0 and the output's (Q Kᵀ ⊙ D) U are tf32 as
-    # in the fused kernel; the solve's N U runs at SOLVE_PREC. DOT_F32 (fp32 inputs, or the interpreter, whose 16-bit
-    # dots are wrong): every dot fp32 at SOLVE_PREC.
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b64 = (i_bh // HV).to(tl.int64)
@@ -502,70 +569,62 @@ def _neumann_verify_kernel(
     m_v = o_v < V
     o_n = tl.arange(0, TP)
     m_n = o_n < T
+    m_nk = m_n[:, None] & m_k[None, :]
     m_nv = m_n[:, None] & m_v[None, :]
 
-    # the tree: ancestor-or-self mask, path sums Γ, depth
-    M = tl.load(tmask + o_n[:, None] * T + o_n[None, :], mask=m_n[:, None] & m_n[None, :], other=0) != 0
-    g_all = tl.load(g + i_b64 * sg_b + i_hv * sg_h + o_n * sg_t, mask=m_n, other=0.0).to(tl.float32)
-    if RAW_GATES:
-        g_all = tl.where(m_n, _decay(g_all, a_log, dt_bias, i_hv), 0.0)
-    G = _rsum(tl.where(M, g_all[None, :], 0.0), axis=1)
-    tl.store(gamma + i_b64 * T * HV + i_hv + o_n * HV, G, mask=m_n)
-    d_max = tl.reduce(_rsum(M.to(tl.int32), axis=1), 0, _max) - 1
-    D = tl.exp(tl.where(M, G[:, None] - G[None, :], float("-inf")))
+    d_max = tl.load(depth)
+    G = tl.load(gamma + i_b64 * T * HV + i_hv + o_n * HV, mask=m_n, other=0.0)
     eG = tl.exp(G)
-
-    m_nk = m_n[:, None] & m_k[None, :]
-    K_all = tl.load(k + i_b64 * sk_b + i_h * sk_h + o_n[:, None] * sk_t + o_k[None, :], mask=m_nk, other=0.0)
-    Q_all = tl.load(q + i_b64 * sq_b + i_h * sq_h + o_n[:, None] * sq_t + o_k[None, :], mask=m_nk, other=0.0)
     b_all = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + o_n * sb_t, mask=m_n, other=0.0).to(tl.float32)
     if RAW_GATES:
         b_all = tl.where(m_n, _beta(b_all, beta.dtype.element_ty), 0.0)
+    K_all = tl.load(k + i_b64 * sk_b + i_h * sk_h + o_n[:, None] * sk_t + o_k[None, :], mask=m_nk,
+                    other=0.0).to(tl.float32)
+    Q_all = tl.load(q + i_b64 * sq_b + i_h * sq_h + o_n[:, None] * sq_t + o_k[None, :], mask=m_nk,
+                    other=0.0).to(tl.float32)
     v_all = tl.load(v + i_b64 * sv_b + i_hv * sv_h + o_n[:, None] * sv_t + o_v[None, :], mask=m_nv,
                     other=0.0).to(tl.float32)
     S = tl.load(s0 + (i_b64 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
                 mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    if DOT_F32:
-        K_all = K_all.to(tl.float32)
-        Q_all = Q_all.to(tl.float32)
-        KT = tl.trans(K_all)
-        kk = tl.dot(K_all, KT, input_precision=SOLVE_PREC)  # [TP, TP]
-        kS = tl.dot(K_all, S, input_precision=SOLVE_PREC)  # [TP, BV]
-        qS = tl.dot(Q_all, S, input_precision=SOLVE_PREC)
-    else:
-        K_all = K_all.to(tl.bfloat16)
-        Q_all = Q_all.to(tl.bfloat16)
-        KT = tl.load(k + i_b64 * sk_b + i_h * sk_h + o_n[None, :] * sk_t + o_k[:, None],
-                     mask=m_k[:, None] & m_n[None, :], other=0.0).to(tl.bfloat16)
-        kk = tl.dot(K_all, KT)
-        kS = tl.dot(K_all.to(tl.float32), S, input_precision="tf32")  # as the fused kernel's
-        qS = tl.dot(Q_all.to(tl.float32), S, input_precision="tf32")
+    kS = tl.dot(K_all, S, input_precision=DOT_PREC)  # [TP, BV]
+    qS = tl.dot(Q_all, S, input_precision=DOT_PREC)
     if L2NORM:
-        kf = K_all.to(tl.float32)
-        qf = Q_all.to(tl.float32)
-        rk = tl.rsqrt(_rsum(kf * kf, axis=1) + 1e-6)
-        rq = tl.rsqrt(_rsum(qf * qf, axis=1) + 1e-6)
-        kk = kk * rk[:, None] * rk[None, :]
-        kS = kS * rk[:, None]
-        qS = qS * rq[:, None]
+        kS = kS * tl.rsqrt(_rsum(K_all * K_all, axis=1) + 1e-6)[:, None]
+        qS = qS * tl.rsqrt(_rsum(Q_all * Q_all, axis=1) + 1e-6)[:, None]
     R = b_all[:, None] * (v_all - eG[:, None] * kS)
-    N = tl.where(M & (o_n[:, None] != o_n[None, :]), -(b_all[:, None] * kk * D), 0.0)
 
-    # U = Σ_{m ≤ depth} N^m R by Horner
+    c_base = coef + (i_b64 * HV + i_hv) * 2 * TP * TP + o_n[:, None] * TP + o_n[None, :]
+    N = tl.load(c_base)
     U = R
-    for _ in range(0, d_max):
+    for _ in range(0, d_max):  # U = Σ_{m ≤ depth} N^m R
         U = R + tl.dot(N, U, input_precision=SOLVE_PREC)
     tl.store(u + i_b64 * T * HV * V + i_hv * V + o_n[:, None] * (HV * V) + o_v[None, :], U, mask=m_nv)
-
-    if DOT_F32:
-        qk = tl.dot(Q_all, KT, input_precision=SOLVE_PREC)
-    else:
-        qk = tl.dot(Q_all, KT)
-    if L2NORM:
-        qk = qk * rq[:, None] * rk[None, :]
-    o_acc = eG[:, None] * qS + tl.dot(qk * D, U, input_precision=SOLVE_PREC if DOT_F32 else "tf32")
+    C = tl.load(c_base + TP * TP)
+    o_acc = eG[:, None] * qS + tl.dot(C, U, input_precision=DOT_PREC)
     tl.store(o + i_b64 * T * HV * V + i_hv * V + o_n[:, None] * (HV * V) + o_v[None, :],
              (o_acc * scale).to(o.dtype.element_ty), mask=m_nv)
+
+
+def _verify_neumann(args, common, raw, precision, BV, num_warps):
+    (q, k, v, g, beta, s0, mask, o, u, gamma, a_log, dt_bias, T, scale, *strides) = args
+    sq, sk, sv, sg, sb = (strides[i:i + 3] for i in range(0, 15, 3))
+    B, _, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    TP = common["TP"]
+    coef = torch.empty((B, HV, 2, TP, TP), dtype=torch.float32, device=u.device)
+    depth = torch.empty((1,), dtype=torch.int32, device=u.device)
+    c = {n: common[n] for n in ("H", "HV", "K", "TP", "BK", "L2NORM", "DOT_PREC", "DOT_F32")}
+    if BV is None:
+        BV, num_warps = _NEUMANN_CONFIGS[0].kwargs["BV"], _NEUMANN_CONFIGS[0].num_warps
+    with launch_ctx(_INTERPRET):
+        _neumann_prep_kernel[(TP // _NEUMANN_PREP_ROWS, B * HV)](
+            q, k, g, beta, mask, coef, gamma, depth, a_log, dt_bias, T, *sq, *sk, *sg, *sb, **c,
+            BR=_NEUMANN_PREP_ROWS, RAW_GATES=raw, num_warps=4, num_stages=1,
+        )
+        _neumann_solve_kernel[(triton.cdiv(V, BV), B * HV)](
+            q, k, v, beta, s0, coef, gamma, depth, o, u, T, scale, *sq, *sk, *sv, *sb, **c, V=V, BV=BV,
+            SOLVE_PREC=precision, RAW_GATES=raw, num_warps=num_warps, num_stages=1,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -972,13 +1031,7 @@ def gdn_tree_verify_triton(
             raise ValueError(f"impl='neumann' takes at most {NEUMANN_MAX_NODES} nodes and has no row blocks or root "
                              f"step (BT and peel_root are the fused kernel's), got T={T}, BT={BT}, "
                              f"peel_root={peel_root}")
-        if BV is None:
-            BV, num_warps = _NEUMANN_CONFIGS[0].kwargs["BV"], _NEUMANN_CONFIGS[0].num_warps
-        c = {n: common[n] for n in ("H", "HV", "K", "V", "TP", "BK", "L2NORM", "DOT_F32")}
-        with launch_ctx(_INTERPRET):
-            _neumann_verify_kernel[(triton.cdiv(V, BV), B * HV)](
-                *args, **c, BV=BV, SOLVE_PREC=inverse_precision, RAW_GATES=raw, num_warps=num_warps, num_stages=1,
-            )
+        _verify_neumann(args, common, raw, inverse_precision, BV, num_warps)
         return o, u, gamma
     if impl != "fused":
         raise ValueError(f"impl must be 'fused', 'split', 'resident', 'neumann' or None, got {impl!r}")
