@@ -166,7 +166,7 @@ def bytes_baseline(T):
 def _variant_kw(impl: str, config: str) -> dict:
     """impl and 'BV:num_warps[:inverse_precision]' → gdn_tree_verify_triton keywords."""
     f = config.split(":")
-    kw = dict(impl=impl, BV=int(f[0]), num_warps=int(f[1]))
+    kw = dict(impl=impl) if f[0] == "0" else dict(impl=impl, BV=int(f[0]), num_warps=int(f[1]))
     if len(f) > 2:
         kw["inverse_precision"] = f[2]
     return kw
@@ -230,8 +230,9 @@ def bench_T(T, kind, args, fla):
     variants = [(f"bt{bt}", dict(BT=bt)) for bt in args.verify_bt]
     variants += [(f"inv_{p}", dict(inverse_precision=p)) for p in args.verify_inverse_precision]
     variants += [(f"res{c}", _variant_kw("resident", c)) for c in args.resident_configs]
-    if T <= NEUMANN_MAX_NODES:
-        variants += [(f"neu{c}", _variant_kw("neumann", c)) for c in args.neumann_configs]
+    neumann_peel = args.verify_peel and T - 1 in (16, 32, 64, 128)  # the root step halves T_pad there
+    if T - neumann_peel <= NEUMANN_MAX_NODES:
+        variants += [(f"neu{c}", dict(_variant_kw("neumann", c), peel_root=neumann_peel)) for c in args.neumann_configs]
     variants += [("peel", dict(peel_root=True))] if args.verify_peel and T % 16 == 1 else []  # where it applies
     for name, kw in variants:  # side by side with the default fused verify
         kw = dict(kw)
@@ -382,8 +383,9 @@ def main():
                     help="also time the resident verify at these BV:num_warps[:inverse_precision] configs, "
                          "e.g. 32:4 64:8 32:4:tf32x3")
     ap.add_argument("--neumann-configs", nargs="*", default=[],
-                    help="also time the Neumann verify (impl='neumann', T ≤ 128) at these "
-                         "BV:num_warps[:inverse_precision] configs, side by side with the fused one")
+                    help="also time the Neumann verify (impl='neumann', T ≤ 128, or 129 with --verify-peel) at these "
+                         "BV:num_warps[:inverse_precision] configs (the default config: 0:0), side by side with the "
+                         "fused one; with --verify-peel, at T = 2^n + 1 with the root step")
     ap.add_argument("--verify-peel", action="store_true",
                     help="also time the fused verify with peel_root (node 0 as a recurrent step), at the --T of the "
                          "form 16n + 1 (e.g. --T 17 65 129)")
@@ -428,7 +430,7 @@ def main():
                            for n in [f"bt{b}" for b in args.verify_bt]
                            + [f"inv_{p}" for p in args.verify_inverse_precision]
                            + [f"res{c}" for c in args.resident_configs]
-                           + [f"neu{c}" for c in args.neumann_configs if r["T"] <= NEUMANN_MAX_NODES]
+                           + [f"neu{c}" for c in args.neumann_configs if f"verify_neu{c}" in r]
                            + ["peel"] * (args.verify_peel and r["T"] % 16 == 1)),
                   f"| commit {r['commit']['us']:.1f}",
                   " ".join(f"{n} {r[f'commit_{n}']['us']:.1f} (state {r[f'commit_{n}']['rel_rms_state']:.1e})"

@@ -471,12 +471,12 @@ def test_tree_attention_reference_is_masked_attention():
         w = torch.softmax((q[0, :, i, None] @ k[0, :, visible].transpose(-1, -2))[:, 0] * 0.3, -1)
         torch.testing.assert_close(got[0, i].view(H, D), torch.einsum("ht,htd->hd", w, v[0, :, visible]))
 
-@pytest.mark.parametrize("impl", ["fused", "split", "resident"])
+@pytest.mark.parametrize("impl", ["fused", "split", "resident", "neumann"])
 @pytest.mark.parametrize("case", TREE_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-B{c[2]}-H{c[3]}x{c[4]}-K{c[5]}V{c[6]}-{str(c[7])[6:]}-l2{int(c[8])}")
 def test_gdn_tree_verify_commit_interpreter(ik, case, impl):
     kind, T, B, H, HV, K, V, dtype, l2 = case
     parents = _tree(kind, T, random.Random(T * 7 + HV))
-    if impl == "resident" and T > ik.chunk.RESIDENT_MAX_NODES:
+    if T > {"resident": ik.chunk.RESIDENT_MAX_NODES, "neumann": ik.chunk.NEUMANN_MAX_NODES}.get(impl, T):
         with pytest.raises(ValueError, match="at most"):
             check_gdn_tree(ik.chunk, parents, B, H, HV, K, V, dtype, l2, seed=0, impl=impl)
         return
@@ -484,7 +484,7 @@ def test_gdn_tree_verify_commit_interpreter(ik, case, impl):
     _assert_errs(err, dtype)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split", "resident"])
+@pytest.mark.parametrize("impl", ["fused", "split", "resident", "neumann"])
 def test_gdn_tree_multiple_value_blocks_interpreter(ik, impl):
     """V = 32 split into two BV = 16 programs: gamma written once, u scratch per column block."""
     rng = random.Random(5)
@@ -493,7 +493,7 @@ def test_gdn_tree_multiple_value_blocks_interpreter(ik, impl):
     _assert_errs(err, torch.float32)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split", "resident"])
+@pytest.mark.parametrize("impl", ["fused", "split", "resident", "neumann"])
 def test_gdn_tree_column_chunks_interpreter(ik, impl):
     """T = 40 with 16-column inner steps: ancestors spread over several earlier blocks and column chunks."""
     rng = random.Random(8)
@@ -502,7 +502,7 @@ def test_gdn_tree_column_chunks_interpreter(ik, impl):
         _assert_errs(err, torch.float32)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split", "resident"])
+@pytest.mark.parametrize("impl", ["fused", "split", "resident", "neumann"])
 def test_gdn_tree_raw_gates_interpreter(ik, impl):
     """The gates formed from the raw projections (transformers' formula) on a 20-node tree over two row blocks and
     a chain; fp32 (the interpreter truncates where the GPU rounds β to 16 bits: the GPU test at real shape). With
@@ -535,6 +535,38 @@ def test_gdn_tree_peeled_root_interpreter(ik, dtype):
         whole, peeled = (ik.chunk.gdn_tree_verify_triton(*x, M, use_qk_l2norm_in_kernel=True, impl="fused", BV=16,
                                                          peel_root=p)[1] for p in (False, True))
         assert torch.equal(whole, peeled) == (parents is forest), parents
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gdn_tree_neumann_peeled_root_interpreter(ik, dtype, monkeypatch):
+    """T = 2^n + 1 with peel_root: the Neumann form runs node 0 as a recurrent step folded into the rows that descend
+    from it (T_pad halves: 17 nodes solve as 16); in a forest the other roots' rows keep S0. Elsewhere no root step."""
+    rng = random.Random(33)
+    forest = [-1, -1] + [rng.randrange(i) for i in range(2, 17)]
+    peels = []
+    real = ik.chunk._verify_neumann
+    monkeypatch.setattr(ik.chunk, "_verify_neumann", lambda *a: (peels.append(a[-1]), real(*a)))
+    for parents in (chain_parents(17), best_first_parents(33, rng), star_parents(17), forest, chain_parents(20)):
+        for raw_gates in (False, True) if dtype == torch.float32 else (False,):
+            err = check_gdn_tree(ik.chunk, parents, 2, 1, 2, 16, 32, dtype, True, seed=len(parents), BV=16,
+                                 impl="neumann", raw_gates=raw_gates, peel_root=True)
+            _assert_errs(err, dtype)
+    assert peels == [1] * (len(peels) - len(peels) // 5) + [0] * (len(peels) // 5), peels
+
+
+def test_gdn_tree_neumann_by_depth_bound_interpreter(ik, monkeypatch):
+    """impl=None takes the Neumann form for 33-128 nodes (after the root step) when the caller bounds the depth by
+    NEUMANN_MAX_DEPTH, and the row-block forms otherwise."""
+    taken = []
+    monkeypatch.setattr(ik.chunk, "_verify_neumann", lambda args, *rest: taken.append((args[12], rest[-1])))
+    x = gdn_inputs(1, 129, 1, 2, 16, 16, torch.float32, "cpu", 0, True)
+    for T, depth, peel in ((32, 15, False), (33, 15, False), (33, 15, True), (64, 15, True), (65, 15, True),
+                           (128, 31, False), (129, 15, True), (129, 15, False), (64, None, False), (64, 32, False)):
+        M = ancestor_mask(best_first_parents(T, random.Random(T)), "cpu")
+        ik.chunk.gdn_tree_verify_triton(*(t[:, :T] for t in x[:5]), x[5], M, use_qk_l2norm_in_kernel=True,
+                                        max_depth=depth, peel_root=peel)
+    assert taken == [(33, 0), (64, 0), (65, 1), (128, 0), (129, 1)], taken
+    assert ik.chunk.NEUMANN_MAX_DEPTH == 31 and list(ik.chunk.NEUMANN_NODES) == list(range(33, 129))
 
 
 def test_gdn_tree_default_form_by_size_interpreter(ik, monkeypatch):
@@ -663,7 +695,7 @@ def test_gdn_tree_random_search_interpreter(ik):
         parents = _tree(kind, T, rng)
         leaf = rng.randrange(T)
         err = check_gdn_tree(ik.chunk, parents, B, H, HV, K, V, dtype, l2, seed=trial, leaf=leaf,
-                             BV=rng.choice([None, 16]), impl=rng.choice(["fused", "split", "resident"]))
+                             BV=rng.choice([None, 16]), impl=rng.choice(["fused", "split", "resident", "neumann"]))
         try:
             _assert_errs(err, dtype)
         except AssertionError as e:
@@ -1162,7 +1194,7 @@ def test_gdn_tree_real_shape_gpu(T, kind, dtype, impl):
 @gpu
 @pytest.mark.parametrize("T", [37, 65])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("impl", ["fused", "resident"])
+@pytest.mark.parametrize("impl", ["fused", "resident", "neumann"])
 def test_gdn_tree_raw_gates_gpu(T, dtype, impl):
     """The gates formed in the verify kernel from the raw projections at real shape (β rounded to 16 bits here)."""
     from weaver_kernels.gdn_tree import chunk
@@ -1177,8 +1209,10 @@ def test_gdn_tree_raw_gates_gpu(T, dtype, impl):
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_gdn_tree_peeled_root_gpu(dtype):
-    """peel_root at real shape: budget + root trees (17, 65, 129 nodes), and a forest that must take the whole solve."""
+@pytest.mark.parametrize("impl", ["fused", "neumann"])
+def test_gdn_tree_peeled_root_gpu(dtype, impl):
+    """peel_root at real shape: budget + root trees (17, 65, 129 nodes), and a forest that must take the whole solve
+    (fused) or fold the root into its descendants only (Neumann)."""
     from weaver_kernels.gdn_tree import chunk
 
     rng = random.Random(65)
@@ -1187,8 +1221,8 @@ def test_gdn_tree_peeled_root_gpu(dtype):
                     best_first_parents(129, rng), forest):
         for raw_gates in (False, True):
             err = check_gdn_tree(chunk, parents, 1, REAL["H"], REAL["HV"], REAL["K"], REAL["V"], dtype, True,
-                                 seed=len(parents), device="cuda", impl="fused", raw_gates=raw_gates, peel_root=True)
-            print(f"\n[gpu] gdn peeled root T={len(parents)} {dtype}: "
+                                 seed=len(parents), device="cuda", impl=impl, raw_gates=raw_gates, peel_root=True)
+            print(f"\n[gpu] gdn {impl} peeled root T={len(parents)} {dtype}: "
                   + ", ".join(f"{n}={e:.2e}" for n, e in err.items()))
             _assert_errs(err, dtype)
 

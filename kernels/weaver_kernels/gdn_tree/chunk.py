@@ -466,11 +466,23 @@ def _resident_verify_kernel(
 # Same math as the fused kernel's 16×16 diagonal inverse, over the whole tree.
 # ----------------------------------------------------------------------------------------------------------------
 NEUMANN_MAX_NODES = 128
+# impl=None takes the Neumann form for trees of 33-128 nodes (after the root step) whose caller bounds their depth
+# by NEUMANN_MAX_DEPTH (``max_depth``): H200, Qwen3.6-27B shape, verify µs per layer, fused → Neumann: 64 nodes
+# depth 7 26.7 → 16.3, depth 17 27.0 → 19.7; 128 nodes depth 6 60.3 → 29.9, depth 17 60.2 → 39.9; a 64-chain
+# 27.0 → 40.0 (≈ 0.35 / 0.9 µs per depth step at 64 / 128 nodes: break-even near depth 38). BENCHMARKS.md.
+NEUMANN_MAX_DEPTH = 31
+NEUMANN_NODES = range(33, NEUMANN_MAX_NODES + 1)
+# the Horner products N·U in single-pass tf32 for 16-bit inputs: committed state 4.7-5.6e-5 rel. RMS from fp64 in
+# the benchmark (the fused kernel: 3.9-5.0e-5), up to 7.8e-4 on the tests' inputs — inside the 5e-3 bf16 budget and
+# under fla chunk's 3.1e-3; "tf32x3" (inverse_precision) takes it to ≤ 4e-5 at 1.3-2× the time. fp32 inputs: IEEE.
+NEUMANN_PRECISION = "tf32"
 _NEUMANN_PREP_ROWS = 16
+# the solve's config by padded node count (None: any other); measured on the H200, BENCHMARKS.md
 if _INTERPRET:
-    _NEUMANN_CONFIGS = [triton.Config({"BV": 16}, num_warps=4, num_stages=1)]
+    _NEUMANN_CONFIGS = {None: triton.Config({"BV": 16}, num_warps=4, num_stages=1)}
 else:
-    _NEUMANN_CONFIGS = [triton.Config({"BV": 32}, num_warps=4, num_stages=1)]
+    _NEUMANN_CONFIGS = {None: triton.Config({"BV": 32}, num_warps=4, num_stages=1),
+                        128: triton.Config({"BV": 64}, num_warps=8, num_stages=1)}
 
 
 @triton.jit
@@ -488,7 +500,11 @@ def _neumann_prep_kernel(
     sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
     L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, RAW_GATES: tl.constexpr,
+    PEEL: tl.constexpr,
 ):
+    # local index n is node n + PEEL: with PEEL the root is left to the solve's recurrent step, and Γ' (path sums
+    # without the root) and N, C cover nodes 1..T-1 (a forest when the root is peeled; its exclusion changes no
+    # difference Γ_i − Γ_j of nodes on one path)
     i_blk = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b64 = (i_bh // HV).to(tl.int64)
@@ -498,29 +514,40 @@ def _neumann_prep_kernel(
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_n = tl.arange(0, TP)
-    m_n = o_n < T
+    m_n = o_n < T - PEEL
     t_r = i_blk * BR + tl.arange(0, BR)
-    m_r = t_r < T
+    m_r = t_r < T - PEEL
 
-    # Γ of every node (the columns' decays) from the whole mask; this block's rows of it
-    M = tl.load(tmask + o_n[:, None] * T + o_n[None, :], mask=m_n[:, None] & m_n[None, :], other=0) != 0
-    g_all = tl.load(g + i_b64 * sg_b + i_hv * sg_h + o_n * sg_t, mask=m_n, other=0.0).to(tl.float32)
+    g_base = g + i_b64 * sg_b + i_hv * sg_h
+    M = tl.load(tmask + (o_n[:, None] + PEEL) * T + o_n[None, :] + PEEL, mask=m_n[:, None] & m_n[None, :],
+                other=0) != 0
+    g_all = tl.load(g_base + (o_n + PEEL) * sg_t, mask=m_n, other=0.0).to(tl.float32)
     if RAW_GATES:
         g_all = tl.where(m_n, _decay(g_all, a_log, dt_bias, i_hv), 0.0)
     G_c = _rsum(tl.where(M, g_all[None, :], 0.0), axis=1)
     if i_blk == 0:
-        tl.store(gamma + i_b64 * T * HV + i_hv + o_n * HV, G_c, mask=m_n)
+        gm_base = gamma + i_b64 * T * HV + i_hv
+        if PEEL:
+            g0 = tl.load(g_base).to(tl.float32)
+            if RAW_GATES:
+                g0 = _decay(g0, a_log, dt_bias, i_hv)
+            tl.store(gm_base, g0)
+            desc = tl.load(tmask + (o_n + 1) * T, mask=m_n, other=0) != 0
+            tl.store(gm_base + (o_n + 1) * HV, G_c + tl.where(desc, g0, 0.0), mask=m_n)
+        else:
+            tl.store(gm_base + o_n * HV, G_c, mask=m_n)
         if i_bh == 0:
             tl.store(depth, tl.reduce(_rsum(M.to(tl.int32), axis=1), 0, _max) - 1)
-    M_r = tl.load(tmask + t_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0) != 0
+    M_r = tl.load(tmask + (t_r[:, None] + PEEL) * T + o_n[None, :] + PEEL, mask=m_r[:, None] & m_n[None, :],
+                  other=0) != 0
     G_r = _rsum(tl.where(M_r, g_all[None, :], 0.0), axis=1)
     D = tl.exp(tl.where(M_r, G_r[:, None] - G_c[None, :], float("-inf")))  # [BR, TP]
 
     k_base = k + i_b64 * sk_b + i_h * sk_h
-    q_r = tl.load(q + i_b64 * sq_b + i_h * sq_h + t_r[:, None] * sq_t + o_k[None, :],
+    q_r = tl.load(q + i_b64 * sq_b + i_h * sq_h + (t_r[:, None] + PEEL) * sq_t + o_k[None, :],
                   mask=m_r[:, None] & m_k[None, :], other=0.0)
-    k_r = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
-    KT = tl.load(k_base + o_n[None, :] * sk_t + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)
+    k_r = tl.load(k_base + (t_r[:, None] + PEEL) * sk_t + o_k[None, :], mask=m_r[:, None] & m_k[None, :], other=0.0)
+    KT = tl.load(k_base + (o_n[None, :] + PEEL) * sk_t + o_k[:, None], mask=m_k[:, None] & m_n[None, :], other=0.0)
     if DOT_F32:
         q_r = q_r.to(tl.float32)
         k_r = k_r.to(tl.float32)
@@ -534,28 +561,29 @@ def _neumann_prep_kernel(
         qr = q_r.to(tl.float32)
         kk = kk * tl.rsqrt(_rsum(kr * kr, axis=1) + 1e-6)[:, None] * rk_c[None, :]
         qk = qk * tl.rsqrt(_rsum(qr * qr, axis=1) + 1e-6)[:, None] * rk_c[None, :]
-    b_r = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
+    b_r = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + (t_r + PEEL) * sb_t, mask=m_r, other=0.0).to(tl.float32)
     if RAW_GATES:
         b_r = tl.where(m_r, _beta(b_r, beta.dtype.element_ty), 0.0)
     strict = t_r[:, None] != o_n[None, :]
     N = tl.where(strict, -(b_r[:, None] * kk * D), 0.0)
     c_base = coef + (i_b64 * HV + i_hv) * 2 * TP * TP + t_r[:, None] * TP + o_n[None, :]
-    tl.store(c_base, N)  # rows and columns past T are zero (D is), so the solve needs no masks
+    tl.store(c_base, N)  # rows and columns past the nodes are zero (D is), so the solve needs no masks
     tl.store(c_base + TP * TP, qk * D)
 
 
 @triton.jit
 def _neumann_solve_kernel(
-    q, k, v, beta, s0, coef, gamma, depth, o, u,
+    q, k, v, g, beta, s0, tmask, coef, gamma, depth, o, u, a_log, dt_bias,
     T, scale,
     sq_b, sq_t, sq_h,
     sk_b, sk_t, sk_h,
     sv_b, sv_t, sv_h,
+    sg_b, sg_t, sg_h,
     sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     TP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, SOLVE_PREC: tl.constexpr,
-    RAW_GATES: tl.constexpr,
+    RAW_GATES: tl.constexpr, PEEL: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -568,29 +596,57 @@ def _neumann_solve_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     o_n = tl.arange(0, TP)
-    m_n = o_n < T
+    m_n = o_n < T - PEEL
     m_nk = m_n[:, None] & m_k[None, :]
     m_nv = m_n[:, None] & m_v[None, :]
+    t_n = o_n + PEEL  # node of local row n
+
+    q_base = q + i_b64 * sq_b + i_h * sq_h
+    k_base = k + i_b64 * sk_b + i_h * sk_h
+    v_base = v + i_b64 * sv_b + i_hv * sv_h
+    b_base = beta + i_b64 * sb_b + i_hv * sb_h
+    o_base = o + i_b64 * T * HV * V + i_hv * V
+    u_base = u + i_b64 * T * HV * V + i_hv * V
 
     d_max = tl.load(depth)
-    G = tl.load(gamma + i_b64 * T * HV + i_hv + o_n * HV, mask=m_n, other=0.0)
-    eG = tl.exp(G)
-    b_all = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + o_n * sb_t, mask=m_n, other=0.0).to(tl.float32)
+    G = tl.load(gamma + i_b64 * T * HV + i_hv + t_n * HV, mask=m_n, other=0.0)
+    b_all = tl.load(b_base + t_n * sb_t, mask=m_n, other=0.0).to(tl.float32)
     if RAW_GATES:
         b_all = tl.where(m_n, _beta(b_all, beta.dtype.element_ty), 0.0)
-    K_all = tl.load(k + i_b64 * sk_b + i_h * sk_h + o_n[:, None] * sk_t + o_k[None, :], mask=m_nk,
-                    other=0.0).to(tl.float32)
-    Q_all = tl.load(q + i_b64 * sq_b + i_h * sq_h + o_n[:, None] * sq_t + o_k[None, :], mask=m_nk,
-                    other=0.0).to(tl.float32)
-    v_all = tl.load(v + i_b64 * sv_b + i_hv * sv_h + o_n[:, None] * sv_t + o_v[None, :], mask=m_nv,
-                    other=0.0).to(tl.float32)
+    K_all = tl.load(k_base + t_n[:, None] * sk_t + o_k[None, :], mask=m_nk, other=0.0).to(tl.float32)
+    Q_all = tl.load(q_base + t_n[:, None] * sq_t + o_k[None, :], mask=m_nk, other=0.0).to(tl.float32)
+    v_all = tl.load(v_base + t_n[:, None] * sv_t + o_v[None, :], mask=m_nv, other=0.0).to(tl.float32)
     S = tl.load(s0 + (i_b64 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
                 mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     kS = tl.dot(K_all, S, input_precision=DOT_PREC)  # [TP, BV]
     qS = tl.dot(Q_all, S, input_precision=DOT_PREC)
+    if PEEL:
+        # the root as one recurrent step, S1 = e^{g0} S0 + k0 u0ᵀ, folded into the rows that descend from it:
+        # K S1 = e^{g0} K S0 + (K k0) u0ᵀ (likewise Q); their decays from S1 are e^{Γ − g0}
+        k0 = tl.load(k_base + o_k, mask=m_k, other=0.0).to(tl.float32)
+        q0 = tl.load(q_base + o_k, mask=m_k, other=0.0).to(tl.float32)
+        v0 = tl.load(v_base + o_v, mask=m_v, other=0.0).to(tl.float32)
+        b0 = tl.load(b_base).to(tl.float32)
+        g0 = tl.load(g + i_b64 * sg_b + i_hv * sg_h).to(tl.float32)
+        if RAW_GATES:
+            b0 = _beta(b0, beta.dtype.element_ty)
+            g0 = _decay(g0, a_log, dt_bias, i_hv)
+        if L2NORM:
+            k0 = k0 * tl.rsqrt(_rsum(k0 * k0, axis=0) + 1e-6)
+            q0 = q0 * tl.rsqrt(_rsum(q0 * q0, axis=0) + 1e-6)
+        e0 = tl.exp(g0)
+        u0 = b0 * (v0 - e0 * _rsum(k0[:, None] * S, axis=0))
+        o0 = e0 * _rsum(q0[:, None] * S, axis=0) + _rsum(q0 * k0, axis=0) * u0
+        tl.store(u_base + o_v, u0, mask=m_v)
+        tl.store(o_base + o_v, (o0 * scale).to(o.dtype.element_ty), mask=m_v)
+        desc = tl.load(tmask + t_n * T, mask=m_n, other=0) != 0
+        kS = tl.where(desc[:, None], e0 * kS + _rsum(K_all * k0[None, :], axis=1)[:, None] * u0[None, :], kS)
+        qS = tl.where(desc[:, None], e0 * qS + _rsum(Q_all * k0[None, :], axis=1)[:, None] * u0[None, :], qS)
+        G = G - tl.where(desc, g0, 0.0)
     if L2NORM:
         kS = kS * tl.rsqrt(_rsum(K_all * K_all, axis=1) + 1e-6)[:, None]
         qS = qS * tl.rsqrt(_rsum(Q_all * Q_all, axis=1) + 1e-6)[:, None]
+    eG = tl.exp(G)
     R = b_all[:, None] * (v_all - eG[:, None] * kS)
 
     c_base = coef + (i_b64 * HV + i_hv) * 2 * TP * TP + o_n[:, None] * TP + o_n[None, :]
@@ -598,32 +654,33 @@ def _neumann_solve_kernel(
     U = R
     for _ in range(0, d_max):  # U = Σ_{m ≤ depth} N^m R
         U = R + tl.dot(N, U, input_precision=SOLVE_PREC)
-    tl.store(u + i_b64 * T * HV * V + i_hv * V + o_n[:, None] * (HV * V) + o_v[None, :], U, mask=m_nv)
+    tl.store(u_base + t_n[:, None] * (HV * V) + o_v[None, :], U, mask=m_nv)
     C = tl.load(c_base + TP * TP)
     o_acc = eG[:, None] * qS + tl.dot(C, U, input_precision=DOT_PREC)
-    tl.store(o + i_b64 * T * HV * V + i_hv * V + o_n[:, None] * (HV * V) + o_v[None, :],
-             (o_acc * scale).to(o.dtype.element_ty), mask=m_nv)
+    tl.store(o_base + t_n[:, None] * (HV * V) + o_v[None, :], (o_acc * scale).to(o.dtype.element_ty), mask=m_nv)
 
 
-def _verify_neumann(args, common, raw, precision, BV, num_warps):
+def _verify_neumann(args, common, raw, precision, BV, num_warps, peel):
     (q, k, v, g, beta, s0, mask, o, u, gamma, a_log, dt_bias, T, scale, *strides) = args
     sq, sk, sv, sg, sb = (strides[i:i + 3] for i in range(0, 15, 3))
     B, _, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    TP = common["TP"]
+    TP = max(16, next_pow2(T - peel))
     coef = torch.empty((B, HV, 2, TP, TP), dtype=torch.float32, device=u.device)
     depth = torch.empty((1,), dtype=torch.int32, device=u.device)
-    c = {n: common[n] for n in ("H", "HV", "K", "TP", "BK", "L2NORM", "DOT_PREC", "DOT_F32")}
+    c = {n: common[n] for n in ("H", "HV", "K", "BK", "L2NORM", "DOT_PREC", "DOT_F32")}
     if BV is None:
-        BV, num_warps = _NEUMANN_CONFIGS[0].kwargs["BV"], _NEUMANN_CONFIGS[0].num_warps
+        cfg = _NEUMANN_CONFIGS.get(TP, _NEUMANN_CONFIGS[None])
+        BV, num_warps = cfg.kwargs["BV"], cfg.num_warps
     with launch_ctx(_INTERPRET):
         _neumann_prep_kernel[(TP // _NEUMANN_PREP_ROWS, B * HV)](
-            q, k, g, beta, mask, coef, gamma, depth, a_log, dt_bias, T, *sq, *sk, *sg, *sb, **c,
-            BR=_NEUMANN_PREP_ROWS, RAW_GATES=raw, num_warps=4, num_stages=1,
+            q, k, g, beta, mask, coef, gamma, depth, a_log, dt_bias, T, *sq, *sk, *sg, *sb, **c, TP=TP,
+            BR=_NEUMANN_PREP_ROWS, RAW_GATES=raw, PEEL=peel, num_warps=4, num_stages=1,
         )
         _neumann_solve_kernel[(triton.cdiv(V, BV), B * HV)](
-            q, k, v, beta, s0, coef, gamma, depth, o, u, T, scale, *sq, *sk, *sv, *sb, **c, V=V, BV=BV,
-            SOLVE_PREC=precision, RAW_GATES=raw, num_warps=num_warps, num_stages=1,
+            q, k, v, g, beta, s0, mask, coef, gamma, depth, o, u, a_log, dt_bias, T, scale, *sq, *sk, *sv, *sg, *sb,
+            **c, V=V, TP=TP, BV=BV, SOLVE_PREC=precision, RAW_GATES=raw, PEEL=peel, num_warps=num_warps,
+            num_stages=1,
         )
 
 
@@ -931,13 +988,14 @@ def gdn_tree_verify_triton(
     autotune: bool = False,
     BC: int | None = None,
     BT: int = 16,
-    inverse_precision: str = "ieee",
+    inverse_precision: str | None = None,
     o: torch.Tensor | None = None,
     u: torch.Tensor | None = None,
     gamma: torch.Tensor | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     peel_root: bool = False,
+    max_depth: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`~weaver_kernels.gdn_tree.naive.gdn_tree_verify_ref` (same shapes and outputs).
 
@@ -991,7 +1049,6 @@ def gdn_tree_verify_triton(
     TP = max(16, next_pow2(T))
     if BT not in (16, 32, 64) or (impl == "split" and BT != 16):
         raise ValueError(f"BT must be 16, 32 or 64 (16 for impl='split'), got {BT}")
-    _check_precision(inverse_precision)
     common = dict(
         H=H, HV=HV, K=K, V=V, TP=TP, BK=max(16, next_pow2(K)), BT=BT, LOG2_BT=BT.bit_length() - 1, BC=min(TP, 64) if BC is None else BC,
         L2NORM=bool(use_qk_l2norm_in_kernel), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
@@ -1008,9 +1065,17 @@ def gdn_tree_verify_triton(
         beta.stride(0), beta.stride(1), beta.stride(2),
     )
     peel = peel_root and T > 1 and T % BT == 1  # the root as a recurrent step saves a whole row block
-    if impl is None:  # resident where it measured faster, unless a BT or the root step asks for the fused kernel
+    peel_n = int(peel_root and T > 1 and next_pow2(T - 1) < next_pow2(T))  # ... and halves the Neumann form's T_pad
+    if impl is None:  # Neumann for shallow trees where it measured faster, else resident/fused by T
+        shallow = max_depth is not None and max_depth <= NEUMANN_MAX_DEPTH
         resident = T in RESIDENT_NODES and BT == 16 and not peel
-        impl = "split" if T >= SPLIT_MIN_NODES else "resident" if resident else "fused"
+        if shallow and BT == 16 and T - peel_n in NEUMANN_NODES:
+            impl = "neumann"
+        else:
+            impl = "split" if T >= SPLIT_MIN_NODES else "resident" if resident else "fused"
+    if inverse_precision is None:  # the Neumann solve in tf32 for 16-bit inputs (NEUMANN_PRECISION), else IEEE
+        inverse_precision = NEUMANN_PRECISION if impl == "neumann" and q.dtype != torch.float32 else "ieee"
+    _check_precision(inverse_precision)
     if impl == "split":
         if peel:
             raise ValueError(f"impl='split' has no root step (peel_root is the fused kernel's), got T={T}")
@@ -1027,11 +1092,10 @@ def gdn_tree_verify_triton(
         _verify_resident(args, common, raw, inverse_precision, BV, num_warps)
         return o, u, gamma
     if impl == "neumann":
-        if TP > NEUMANN_MAX_NODES or BT != 16 or peel:
-            raise ValueError(f"impl='neumann' takes at most {NEUMANN_MAX_NODES} nodes and has no row blocks or root "
-                             f"step (BT and peel_root are the fused kernel's), got T={T}, BT={BT}, "
-                             f"peel_root={peel_root}")
-        _verify_neumann(args, common, raw, inverse_precision, BV, num_warps)
+        if next_pow2(T - peel_n) > NEUMANN_MAX_NODES or BT != 16:
+            raise ValueError(f"impl='neumann' takes at most {NEUMANN_MAX_NODES} nodes ({NEUMANN_MAX_NODES} + 1 with "
+                             f"peel_root) and has no row blocks (BT is the fused kernel's), got T={T}, BT={BT}")
+        _verify_neumann(args, common, raw, inverse_precision, BV, num_warps, peel_n)
         return o, u, gamma
     if impl != "fused":
         raise ValueError(f"impl must be 'fused', 'split', 'resident', 'neumann' or None, got {impl!r}")
