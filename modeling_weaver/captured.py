@@ -379,7 +379,7 @@ class StaticProposer:
         self.node_table = draft.node_table(weaver) if mode == "weaver" and self.use_node_table else None
         self.key = self.key_of(mode, budget, weaver, shape_logits, compile)  # of this proposer's graph as well
         self._forward = compile_static(self._draft_and_tree) if compile else self._draft_and_tree
-        self.feature_layer_ids = draft.feature_layer_ids
+        self.feature_layer_ids, self.block_size = draft.feature_layer_ids, draft.block_size
         self.last_hidden = torch.zeros(draft.lm_head.weight.shape[1], device=draft.device,
                                        dtype=draft.lm_head.weight.dtype)
 
@@ -584,8 +584,9 @@ def step_options(target_step: str, device) -> dict:
 
 
 def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), capture: bool | None = None,
-                  compile: bool = False) -> StaticTarget:
+                  compile: bool = False, max_tree_depth: int | None = None) -> StaticTarget:
     """The :class:`StaticTarget` of ``model`` for this capacity bucket and tree size, reset for a new generation.
+    ``max_tree_depth``: as :class:`~modeling_weaver.target.TargetAdapter`'s.
 
     Capacity is ``max_length`` rounded up to a power of two (at least 256), so prompts of any length up to it share
     one set of graphs (and, with ``compile``, one compiled tree pass). The buffers live as long as the model
@@ -593,10 +594,10 @@ def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), 
     """
     capacity = cache_bucket(max_length)
     steps = _STATIC_TARGETS.setdefault(model, {})
-    key = (capacity, num_nodes, tuple(feature_layer_ids), capture, compile)
+    key = (capacity, num_nodes, tuple(feature_layer_ids), capture, compile, max_tree_depth)
 
     def build() -> StaticTarget:
-        adapter = TargetAdapter(model, capacity, feature_layer_ids)
+        adapter = TargetAdapter(model, capacity, feature_layer_ids, max_tree_depth)
         if compile:
             adapter.compile_tree_step()
         return StaticTarget(adapter, num_nodes, capture=capture)

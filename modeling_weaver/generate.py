@@ -263,11 +263,14 @@ def _decode(
     embed_tokens = target.get_input_embeddings()
     lm_head = target.get_output_embeddings()
     max_length = prompt.shape[0] + max_new_tokens + tree_budget + 2
+    depth = runner.block_size - 1  # every tree drafts within one block: it picks the GDN layers' verify kernel
     if target_step == "eager":
-        target_cache = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids)
+        target_cache = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids,
+                                     max_tree_depth=depth)
     else:  # kept per target and drafter: later generations replay the same graphs
         options = step_options(target_step, prompt.device)
-        target_cache = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, **options)
+        target_cache = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, **options,
+                                     max_tree_depth=depth)
         if type(runner) is DFlashRunner:  # draft + tree build as one fixed-shape step
             runner = static_draft(runner.drafter, target, max_length, capture=options["capture"]).proposer(
                 mode, tree_budget, weaver if mode == "weaver" else None, compile=options["compile"])

@@ -132,7 +132,7 @@ class PlantedRunner:
 
     def __init__(self, runner, planter: PeakPlanter):
         self.runner, self.planter = runner, planter
-        self.feature_layer_ids = runner.feature_layer_ids
+        self.feature_layer_ids, self.block_size = runner.feature_layer_ids, runner.block_size
 
     def draft(self, bonus, context, n):
         hidden, logits = self.runner.draft(bonus, context, n)

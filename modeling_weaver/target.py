@@ -324,7 +324,9 @@ class GatedDeltaNetLayerCache:
         V = self.gdn.head_v_dim
         return self.gdn.out_proj(self.norm(o.reshape(-1, V), z.reshape(-1, V)).reshape(1, o.shape[1], -1))
 
-    def forward_tree(self, h: torch.Tensor, tree_mask: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    def forward_tree(self, h: torch.Tensor, tree_mask: torch.Tensor, parents: torch.Tensor,
+                     max_depth: int | None = None) -> torch.Tensor:
+        """``max_depth``: a bound on the tree's depth that the caller knows (it picks the verify kernel's form)."""
         gdn = self.gdn
         mixed, z, b, a = self._inputs(h)
         conv = weaver_kernels.conv_tree(
@@ -333,7 +335,8 @@ class GatedDeltaNetLayerCache:
         q, k, v = self._heads(conv)
         g, beta, raw = self._gates(a, b)
         o, u, gamma = weaver_kernels.gdn_tree_verify(
-            q, k, v, g, beta, self.state, tree_mask, use_qk_l2norm_in_kernel=True, peel_root=self.peel_root, **raw
+            q, k, v, g, beta, self.state, tree_mask, use_qk_l2norm_in_kernel=True, peel_root=self.peel_root,
+            max_depth=max_depth, **raw
         )
         self.pending = (mixed, k, u, gamma)
         return self._output(o, z)
@@ -370,9 +373,12 @@ class TargetAdapter:
             (:class:`SharedInputLinears`).
         max_length: committed cache capacity in tokens (prompt + generated + one tree).
         feature_layer_ids: target layers whose outputs the drafter reads (DFlash ``target_layer_ids``).
+        max_tree_depth: a bound on the depth of every tree it will verify, where the caller knows one (a block
+            drafter's trees: block size − 1); Gated DeltaNet layers pick their verify kernel by it (a deeper tree is
+            still verified exactly).
     """
 
-    def __init__(self, model, max_length: int, feature_layer_ids=()):
+    def __init__(self, model, max_length: int, feature_layer_ids=(), max_tree_depth: int | None = None):
         config = text_config(model.config)
         model_type = getattr(model.config, "model_type", None)
         if model_type not in SUPPORTED:
@@ -388,6 +394,7 @@ class TargetAdapter:
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
         self.max_length = max_length
+        self.max_tree_depth = max_tree_depth
         self.feature_layer_ids = list(feature_layer_ids)
         num_layers = len(decoder.layers)
         bad = [i for i in self.feature_layer_ids if not 0 <= i < num_layers]
@@ -486,7 +493,8 @@ class TargetAdapter:
         for i, (mlp, cache, (norm1, norm2)) in enumerate(zip(self.mlps, self.layer_caches, self.layer_norms)):
             h = norm1(x)
             if isinstance(cache, GatedDeltaNetLayerCache):
-                x = x + (cache.forward_token(h) if advance else cache.forward_tree(h, tree_mask, parents))
+                x = x + (cache.forward_token(h) if advance
+                         else cache.forward_tree(h, tree_mask, parents, self.max_tree_depth))
             else:
                 x = x + cache.forward_tree(h, rope, tree_mask, self.length_t, slots, bound)
             x = x + mlp(norm2(x))

@@ -213,8 +213,10 @@ def fake_graphs(monkeypatch):
     monkeypatch.setattr(captured, "capture_graph", fake_capture_graph)
     real_target, real_draft = captured.static_target, captured.static_draft
 
-    def forced_target(model, max_length, num_nodes, feature_layer_ids=(), capture=None, compile=False):
-        return real_target(model, max_length, num_nodes, feature_layer_ids, capture=True, compile=compile)
+    def forced_target(model, max_length, num_nodes, feature_layer_ids=(), capture=None, compile=False,
+                      max_tree_depth=None):
+        return real_target(model, max_length, num_nodes, feature_layer_ids, capture=True, compile=compile,
+                           max_tree_depth=max_tree_depth)
 
     def forced_draft(drafter, target, max_length, capture=None):
         return real_draft(drafter, target, max_length, capture=True)

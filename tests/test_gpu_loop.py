@@ -57,6 +57,27 @@ def test_peeled_root_identity_on_gpu(mode, peel, monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["ddtree", "weaver"])
+def test_neumann_verify_identity_on_gpu(mode, monkeypatch):
+    """Budget 64 (65 nodes: the root step, then 64 nodes of depth ≤ block size − 1): the GDN layers take the Neumann
+    verify, and the hybrid target's greedy output stays token-identical, eager and graph steps."""
+    from weaver_kernels.gdn_tree import chunk
+
+    taken = []
+    real = chunk._verify_neumann
+    monkeypatch.setattr(chunk, "_verify_neumann", lambda *a: (taken.append(a[-1]), real(*a)))
+    target = TINY_TARGETS["qwen3_5"]().cuda()
+    drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
+    for ids in prompts():
+        ids = ids.cuda()
+        expected = reference(target, ids, 48)
+        for target_step in ("eager", "graph"):
+            got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=64,
+                                       max_new_tokens=48, target_step=target_step)
+            assert torch.equal(got, expected), (mode, target_step)
+    assert taken and set(taken) == {1}  # the Neumann form with the root step
+
+
+@pytest.mark.parametrize("mode", ["ddtree", "weaver"])
 def test_compiled_steps_identity_on_gpu(mode):
     """target_step="compiled" (torch.compile'd tree pass and tree build inside CUDA graphs) on the hybrid target:
     AR and the loop token-identical to transformers; one drafter pair, so five compiles in all per mode (tree pass and

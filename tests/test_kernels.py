@@ -905,9 +905,9 @@ def test_custom_ops_opcheck():
     a = _op_inputs()
     o, u, gm = wk.gdn_tree_verify(a.q, a.k, a.v, a.g, a.beta, a.S0, a.M, use_qk_l2norm_in_kernel=True)
     torch.library.opcheck(torch.ops.weaver.gdn_tree_verify.default,
-                          (a.q, a.k, a.v, a.g, a.beta, a.S0, a.M, 0.25, True, None, None, False))
+                          (a.q, a.k, a.v, a.g, a.beta, a.S0, a.M, 0.25, True, None, None, False, -1))
     torch.library.opcheck(torch.ops.weaver.gdn_tree_verify.default,
-                          (a.q, a.k, a.v, a.g, a.beta, a.S0, a.M, 0.25, True, torch.randn(2), torch.randn(2), True))
+                          (a.q, a.k, a.v, a.g, a.beta, a.S0, a.M, 0.25, True, torch.randn(2), torch.randn(2), True, 15))
     torch.library.opcheck(torch.ops.weaver.gdn_tree_commit.default, (a.S0.clone(), a.k, u, gm, a.path, True))
     torch.library.opcheck(torch.ops.weaver.conv_tree.default, (a.x, a.window, a.weight, a.bias, a.parents, "silu"))
     torch.library.opcheck(torch.ops.weaver.conv_tree.default, (a.x, a.window, a.weight, None, a.parents, None))

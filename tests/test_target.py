@@ -424,7 +424,8 @@ def test_static_draft_follows_reallocated_weights():
         return [v.target for d in _STATIC_TARGETS[drafter].values() for v in d._steps.values() if hasattr(v, "target")]
 
     speculative_generate(model, ids, **kwargs)
-    old_target = static_target(model, 9 + 10 + 6 + 2, 7, list(drafter.config.target_layer_ids), capture=False)
+    old_target = static_target(model, 9 + 10 + 6 + 2, 7, list(drafter.config.target_layer_ids), capture=False,
+                               max_tree_depth=drafter.config.block_size - 1)
     assert any(t is old_target for t in held())
     gdn = model.model.layers[0].linear_attn
     gdn.in_proj_z.weight = torch.nn.Parameter(gdn.in_proj_z.weight.detach().clone())

@@ -49,18 +49,20 @@ def _gdn_tree_verify_op(
     A_log: Tensor | None,
     dt_bias: Tensor | None,
     peel_root: bool,
+    max_depth: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     args = (q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel)
     if q.is_cuda:
         from .gdn_tree.chunk import gdn_tree_verify_triton
 
-        return gdn_tree_verify_triton(*args, A_log=A_log, dt_bias=dt_bias, peel_root=peel_root)
+        return gdn_tree_verify_triton(*args, A_log=A_log, dt_bias=dt_bias, peel_root=peel_root,
+                                      max_depth=max_depth if max_depth >= 0 else None)
     o, u, gamma = gdn_tree_verify_ref(*args, A_log=A_log, dt_bias=dt_bias)
     return _contig(o), _contig(u), _contig(gamma)
 
 
 @_gdn_tree_verify_op.register_fake
-def _(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel, A_log, dt_bias, peel_root):
+def _(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel, A_log, dt_bias, peel_root, max_depth):
     B, T, HV, V = v.shape
     acc = torch.promote_types(v.dtype, torch.float32)
     return v.new_empty((B, T, HV, V)), v.new_empty((B, T, HV, V), dtype=acc), v.new_empty((B, T, HV), dtype=acc)
@@ -248,12 +250,16 @@ def gdn_tree_verify(
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
     peel_root: bool = False,
+    max_depth: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Tree gated delta rule from the committed state; writes no state. See ``gdn_tree.naive.gdn_tree_verify_ref``.
 
     Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32, ``gamma [B, T, HV]`` fp32.
     CUDA: Triton, T ≤ 256 nodes (``gdn_tree.chunk.MAX_NODES``): one launch, or two for 49-64 nodes (the resident
-    form, faster there; ``gdn_tree.chunk.RESIDENT_NODES``). With ``A_log`` and ``dt_bias``
+    form, faster there; ``gdn_tree.chunk.RESIDENT_NODES``), or, where ``max_depth`` bounds the tree's depth by
+    ``gdn_tree.chunk.NEUMANN_MAX_DEPTH`` (a block drafter's trees: block size − 1), two for 33-128 nodes after the
+    root (the Neumann form, no serial row blocks). ``max_depth`` only picks the form: a deeper tree is still solved
+    exactly. With ``A_log`` and ``dt_bias``
     (``[HV]``), ``g`` and ``beta`` are the raw gate projections a and b, and the gates are formed in the same launch
     (Qwen3.5's, :func:`~weaver_kernels.gdn_gates`). ``peel_root``: see
     :func:`~weaver_kernels.gdn_tree.chunk.gdn_tree_verify_triton` (CUDA only; the same result either way).
@@ -264,7 +270,7 @@ def gdn_tree_verify(
         scale = q.shape[-1] ** -0.5
     return torch.ops.weaver.gdn_tree_verify(
         q, k, v, g, beta, initial_state, tree_mask, float(scale), bool(use_qk_l2norm_in_kernel), A_log, dt_bias,
-        bool(peel_root),
+        bool(peel_root), -1 if max_depth is None else int(max_depth),
     )
 
 

@@ -471,6 +471,7 @@ NEUMANN_MAX_NODES = 128
 # depth 7 26.7 → 16.3, depth 17 27.0 → 19.7; 128 nodes depth 6 60.3 → 29.9, depth 17 60.2 → 39.9; a 64-chain
 # 27.0 → 40.0 (≈ 0.35 / 0.9 µs per depth step at 64 / 128 nodes: break-even near depth 38). BENCHMARKS.md.
 NEUMANN_MAX_DEPTH = 31
+USE_NEUMANN = True  # False: impl=None never takes it (an A/B switch for replays: diagnose_fused_steps --ab neumann)
 NEUMANN_NODES = range(33, NEUMANN_MAX_NODES + 1)
 # the Horner products N·U in single-pass tf32 for 16-bit inputs: committed state 4.7-5.6e-5 rel. RMS from fp64 in
 # the benchmark (the fused kernel: 3.9-5.0e-5), up to 7.8e-4 on the tests' inputs — inside the 5e-3 bf16 budget and
@@ -1067,7 +1068,7 @@ def gdn_tree_verify_triton(
     peel = peel_root and T > 1 and T % BT == 1  # the root as a recurrent step saves a whole row block
     peel_n = int(peel_root and T > 1 and next_pow2(T - 1) < next_pow2(T))  # ... and halves the Neumann form's T_pad
     if impl is None:  # Neumann for shallow trees where it measured faster, else resident/fused by T
-        shallow = max_depth is not None and max_depth <= NEUMANN_MAX_DEPTH
+        shallow = USE_NEUMANN and max_depth is not None and max_depth <= NEUMANN_MAX_DEPTH
         resident = T in RESIDENT_NODES and BT == 16 and not peel
         if shallow and BT == 16 and T - peel_n in NEUMANN_NODES:
             impl = "neumann"
