@@ -23,6 +23,10 @@ budget of 128 drafts plus the root fits): the per-block Γ reduction and the rea
 [16, T_pad] / [T_pad, BV] tiles, and the serial chain of ⌈T/16⌉ row blocks costs ~7-8 µs per block on the H200
 (latency-bound), so time grows linearly past 128 nodes.
 
+For shallow trees of 33-128 nodes (a block drafter's: depth ≤ block size − 1) the Neumann form (``impl="neumann"``,
+below) has no serial row blocks at all: U = Σ_{m ≤ depth} N^m R by ``depth`` dense Horner steps, from coefficients a
+parallel prep launch writes; it is what ``impl=None`` takes when the caller bounds the depth (``max_depth``).
+
 An alternative three-launch form (``impl="split"``, below) moves all inverses and K Kᵀ products into parallel
 launches; it measured slower on the H200 and is not the default. The resident form (``impl="resident"``, below)
 solves right-looking with every row's right-hand side in registers (no read-back, no barrier); it is the default
@@ -1002,15 +1006,19 @@ def gdn_tree_verify_triton(
 
     ``impl``: ``"fused"`` (one launch, serial over 16-row blocks), ``"split"`` (three launches, only U's block
     recurrence serial), ``"resident"`` (two launches, right-looking with every row's right-hand side in registers;
-    ≤ ``RESIDENT_MAX_NODES`` nodes) or None (by T: resident for
-    ``RESIDENT_NODES``, else fused; see also ``SPLIT_MIN_NODES``). ``BV``/``num_warps`` pin a config (tests,
+    ≤ ``RESIDENT_MAX_NODES`` nodes), ``"neumann"`` (two launches, no row blocks: ``depth`` dense Horner steps;
+    ≤ ``NEUMANN_MAX_NODES`` nodes, one more with ``peel_root``) or None: Neumann for ``NEUMANN_NODES`` nodes (after
+    the root step) when ``max_depth`` — a bound on the tree's depth that the caller knows, e.g. a block drafter's
+    block size − 1 — is at most ``NEUMANN_MAX_DEPTH``, else by T: resident for ``RESIDENT_NODES``, else fused (see
+    also ``SPLIT_MIN_NODES``). ``max_depth`` only picks the form: every form solves any tree exactly. ``BV``/``num_warps`` pin a config (tests,
     benchmarks; for ``"split"`` BV applies to all three kernels); by default the fused kernel launches directly with
     its measured config (``_VERIFY_CONFIGS``, no autotuner in the launch path), ``autotune=True`` sweeps
     ``_VERIFY_CANDIDATES`` with Triton's autotuner instead. ``BC`` (columns per inner
     step, default min(T_pad, 64)) is exposed for tests. ``BT``: rows per serial block of the fused kernel (16, 32 or
     64; fewer, larger blocks shorten the serial chain at the cost of a larger diagonal inverse). ``inverse_precision``: of
     the fused kernel's diagonal inverse and solve dots (``"ieee"``: fp32 FMAs; ``"tf32x3"``: fp32-accurate on tensor
-    cores; ``"tf32"``). ``o``/``u``/``gamma`` may be given as preallocated
+    cores; ``"tf32"``); of the Neumann form's Horner products (default ``NEUMANN_PRECISION`` for 16-bit inputs,
+    ``"ieee"`` for fp32 ones). ``o``/``u``/``gamma`` may be given as preallocated
     contiguous outputs (static buffers for CUDA graphs; poisoned buffers in tests). With ``A_log`` and ``dt_bias``
     (``[HV]``), ``g`` and ``beta`` are the raw gate projections a and b: the fused kernel forms the gates itself
     (:func:`~weaver_kernels.gdn_tree.naive.gdn_gates`' formula; the split form gets them from that function).

@@ -144,5 +144,8 @@ def node_attention_triton(qkv: torch.Tensor, positions: torch.Tensor, prompt_k: 
             float(math.log2(rope_base)), float(scale), qkv.stride(0), mask_u8.stride(0), out.stride(0),
             H=H, D=D, HALF=D // 2, BM=16, BH=max(16, next_pow2(D // 2)), BL=BL,
             DOT_F32=dot_f32, num_warps=num_warps,
+            # fp32 tiles in a 3-stage pipeline overflow shared memory at SmolLM2's padded heads (313 KB of 227 on
+            # the H200, budget 128): one stage there (the 16-bit path keeps Triton's default)
+            num_stages=1 if node_k.dtype == torch.float32 else 3,
         )
     return out
