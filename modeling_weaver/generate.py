@@ -263,7 +263,8 @@ def _decode(
     embed_tokens = target.get_input_embeddings()
     lm_head = target.get_output_embeddings()
     max_length = prompt.shape[0] + max_new_tokens + tree_budget + 2
-    depth = runner.block_size - 1  # every tree drafts within one block: it picks the GDN layers' verify kernel
+    # every tree drafts within one block: the bound picks the GDN layers' verify kernel (None: no bound known)
+    depth = runner.block_size - 1 if getattr(runner, "block_size", None) else None
     if target_step == "eager":
         target_cache = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids,
                                      max_tree_depth=depth)

@@ -285,9 +285,9 @@ class GatedDeltaNetLayerCache:
     # the GDN ops get the raw gate projections and form the gates in their kernels (False: the gates as their own
     # launch; ``scripts/profile_ar_step.py --gates-ab`` times both in the AR step)
     gates_in_kernel = True
-    # the tree verify runs the root (node 0) as a recurrent step: budget + root trees solve one row block fewer
-    # (weaver_kernels' peel_root; H200, 16 layers in a graph: 65 nodes 35.3 → 30.7 µs per layer, 17 nodes 12.5 → 8.7,
-    # BENCHMARKS.md)
+    # the tree verify runs the root (node 0) as a recurrent step: budget + root trees solve one row block fewer, or,
+    # in the Neumann form, at half the padded size (weaver_kernels' peel_root; H200, 16 layers in a graph: 65 nodes
+    # 35.3 → 30.7 µs per layer fused, 20.1 Neumann; 17 nodes 12.5 → 8.7; BENCHMARKS.md)
     peel_root = True
 
     def __init__(self, gdn: torch.nn.Module, device, dtype):

@@ -11,7 +11,9 @@
 3. With ``--proposer MODE [MODE ...]``: one DFlash draft + tree build of each mode at ``--budget`` (compiled when
    the target step is), its kernel table.
 4. With ``--tree-nodes N``: the verify of an N-node tree (a chain: the GEMMs cost the same for any shape) and the
-   commit of a 4-node path, without graphs: what a speculative step's target pass spends beyond the AR step.
+   commit of a 4-node path, without graphs: what a speculative step's target pass spends beyond the AR step. No
+   depth bound is given, so the GDN layers take the row-block verify (the loop's shallow trees take the Neumann
+   form at 65 nodes: time that in a replay, ``diagnose_fused_steps.py --ab neumann``).
 5. With ``--graphs``: each phase alone as the decoding loop runs it, one CUDA graph replayed back to back (GPU ms per
    replay, median of ``--graph-runs`` timings of ``4 * --tokens`` replays): the fused AR step, the verify of
    ``--tree-nodes`` nodes, and each ``--proposer``'s draft + tree; each as a fraction of the AR step (issue 5's

@@ -555,18 +555,20 @@ def test_gdn_tree_neumann_peeled_root_interpreter(ik, dtype, monkeypatch):
 
 
 def test_gdn_tree_neumann_by_depth_bound_interpreter(ik, monkeypatch):
-    """impl=None takes the Neumann form for 33-128 nodes (after the root step) when the caller bounds the depth by
-    NEUMANN_MAX_DEPTH, and the row-block forms otherwise."""
+    """impl=None takes the Neumann form for NEUMANN_NODES nodes (after the root step) when the caller bounds the
+    depth by NEUMANN_MAX_DEPTH, and the row-block forms otherwise."""
     taken = []
     monkeypatch.setattr(ik.chunk, "_verify_neumann", lambda args, *rest: taken.append((args[12], rest[-1])))
     x = gdn_inputs(1, 129, 1, 2, 16, 16, torch.float32, "cpu", 0, True)
-    for T, depth, peel in ((32, 15, False), (33, 15, False), (33, 15, True), (64, 15, True), (65, 15, True),
-                           (128, 31, False), (129, 15, True), (129, 15, False), (64, None, False), (64, 32, False)):
+    for T, depth, peel in ((48, 15, False), (49, 15, False), (33, 15, True), (64, 15, True), (65, 15, True),
+                           (80, 15, False), (97, 15, False), (128, 31, False), (129, 15, True), (129, 15, False),
+                           (64, None, False), (64, 32, False)):
         M = ancestor_mask(best_first_parents(T, random.Random(T)), "cpu")
         ik.chunk.gdn_tree_verify_triton(*(t[:, :T] for t in x[:5]), x[5], M, use_qk_l2norm_in_kernel=True,
                                         max_depth=depth, peel_root=peel)
-    assert taken == [(33, 0), (64, 0), (65, 1), (128, 0), (129, 1)], taken
-    assert ik.chunk.NEUMANN_MAX_DEPTH == 31 and list(ik.chunk.NEUMANN_NODES) == list(range(33, 129))
+    assert taken == [(49, 0), (64, 0), (65, 1), (97, 0), (128, 0), (129, 1)], taken
+    assert ik.chunk.NEUMANN_MAX_DEPTH == 31
+    assert list(ik.chunk.NEUMANN_NODES) == [*range(49, 65), *range(97, 129)]
 
 
 def test_gdn_tree_default_form_by_size_interpreter(ik, monkeypatch):

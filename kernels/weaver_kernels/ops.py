@@ -257,8 +257,9 @@ def gdn_tree_verify(
     Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32, ``gamma [B, T, HV]`` fp32.
     CUDA: Triton, T ≤ 256 nodes (``gdn_tree.chunk.MAX_NODES``): one launch, or two for 49-64 nodes (the resident
     form, faster there; ``gdn_tree.chunk.RESIDENT_NODES``), or, where ``max_depth`` bounds the tree's depth by
-    ``gdn_tree.chunk.NEUMANN_MAX_DEPTH`` (a block drafter's trees: block size − 1), two for 33-128 nodes after the
-    root (the Neumann form, no serial row blocks). ``max_depth`` only picks the form: a deeper tree is still solved
+    ``gdn_tree.chunk.NEUMANN_MAX_DEPTH`` (a block drafter's trees: block size − 1), two for 49-64 and 97-128 nodes
+    after the root (``gdn_tree.chunk.NEUMANN_NODES``: the Neumann form, no serial row blocks). ``tree_mask``: the
+    ancestor-or-self mask (transitively closed). ``max_depth`` only picks the form: a deeper tree is still solved
     exactly. With ``A_log`` and ``dt_bias``
     (``[HV]``), ``g`` and ``beta`` are the raw gate projections a and b, and the gates are formed in the same launch
     (Qwen3.5's, :func:`~weaver_kernels.gdn_gates`). ``peel_root``: see

@@ -30,7 +30,7 @@ parallel prep launch writes; it is what ``impl=None`` takes when the caller boun
 An alternative three-launch form (``impl="split"``, below) moves all inverses and K Kᵀ products into parallel
 launches; it measured slower on the H200 and is not the default. The resident form (``impl="resident"``, below)
 solves right-looking with every row's right-hand side in registers (no read-back, no barrier); it is the default
-for 49-64 nodes, where it measured faster.
+for 49-64 nodes when no depth bound selects the Neumann form.
 
 Commit (one launch, one read + one write of S): for the accepted leaf ℓ,
 ``S* = exp(Γ_ℓ) S0 + Σ_{j ∈ path(ℓ)} exp(Γ_ℓ − Γ_j) k_j u_jᵀ``, in place. ``path`` may be right-padded with -1 so
@@ -38,7 +38,8 @@ a fixed-size buffer works under CUDA graphs.
 
 Precision: accumulation is fp32. Products of 16-bit inputs are exact; dots with an fp32 operand (S0, U) use tf32
 when q/k/v are 16-bit and IEEE fp32 when they are fp32; the diagonal inverse and the commit are IEEE fp32 by default
-(``inverse_precision`` / ``precision`` = ``"tf32x3"`` run them on tensor cores at about fp32 accuracy).
+(``inverse_precision`` / ``precision`` = ``"tf32x3"`` run them on tensor cores at about fp32 accuracy); the Neumann
+form's Horner products are tf32 for 16-bit inputs (``NEUMANN_PRECISION``) and IEEE for fp32 ones.
 With ``use_qk_l2norm_in_kernel`` the norms are applied as fp32 row/column scalings of the raw dots (no
 re-rounding of normalised vectors).
 """
@@ -470,13 +471,16 @@ def _resident_verify_kernel(
 # Same math as the fused kernel's 16×16 diagonal inverse, over the whole tree.
 # ----------------------------------------------------------------------------------------------------------------
 NEUMANN_MAX_NODES = 128
-# impl=None takes the Neumann form for trees of 33-128 nodes (after the root step) whose caller bounds their depth
+# impl=None takes the Neumann form for trees of NEUMANN_NODES nodes (after the root step) whose caller bounds their depth
 # by NEUMANN_MAX_DEPTH (``max_depth``): H200, Qwen3.6-27B shape, verify µs per layer, fused → Neumann: 64 nodes
 # depth 7 26.7 → 16.3, depth 17 27.0 → 19.7; 128 nodes depth 6 60.3 → 29.9, depth 17 60.2 → 39.9; a 64-chain
 # 27.0 → 40.0 (≈ 0.35 / 0.9 µs per depth step at 64 / 128 nodes: break-even near depth 38). BENCHMARKS.md.
 NEUMANN_MAX_DEPTH = 31
 USE_NEUMANN = True  # False: impl=None never takes it (an A/B switch for replays: diagnose_fused_steps --ab neumann)
-NEUMANN_NODES = range(33, NEUMANN_MAX_NODES + 1)
+# node counts (after the root step) where it measured or, between the measured 64 and 128, is bound to be faster:
+# not 65-96 (T_pad 128 for five or six row blocks: 65 nodes without the root step 40.6 against fused 34.8) nor ≤ 48
+# (≈ 14 µs of fixed cost against two or three row blocks)
+NEUMANN_NODES = [*range(49, 65), *range(97, NEUMANN_MAX_NODES + 1)]
 # the Horner products N·U in single-pass tf32 for 16-bit inputs: committed state 4.7-5.6e-5 rel. RMS from fp64 in
 # the benchmark (the fused kernel: 3.9-5.0e-5), up to 7.8e-4 on the tests' inputs — inside the 5e-3 bf16 budget and
 # under fla chunk's 3.1e-3; "tf32x3" (inverse_precision) takes it to ≤ 4e-5 at 1.3-2× the time. fp32 inputs: IEEE.
@@ -1010,7 +1014,8 @@ def gdn_tree_verify_triton(
     ≤ ``NEUMANN_MAX_NODES`` nodes, one more with ``peel_root``) or None: Neumann for ``NEUMANN_NODES`` nodes (after
     the root step) when ``max_depth`` — a bound on the tree's depth that the caller knows, e.g. a block drafter's
     block size − 1 — is at most ``NEUMANN_MAX_DEPTH``, else by T: resident for ``RESIDENT_NODES``, else fused (see
-    also ``SPLIT_MIN_NODES``). ``max_depth`` only picks the form: every form solves any tree exactly. ``BV``/``num_warps`` pin a config (tests,
+    also ``SPLIT_MIN_NODES``). ``max_depth`` only picks the form: every form solves any tree exactly (``tree_mask`` is the
+    ancestor-or-self mask, transitively closed: the Neumann form reads the depth off its row counts). ``BV``/``num_warps`` pin a config (tests,
     benchmarks; for ``"split"`` BV applies to all three kernels); by default the fused kernel launches directly with
     its measured config (``_VERIFY_CONFIGS``, no autotuner in the launch path), ``autotune=True`` sweeps
     ``_VERIFY_CANDIDATES`` with Triton's autotuner instead. ``BC`` (columns per inner
@@ -1022,10 +1027,11 @@ def gdn_tree_verify_triton(
     contiguous outputs (static buffers for CUDA graphs; poisoned buffers in tests). With ``A_log`` and ``dt_bias``
     (``[HV]``), ``g`` and ``beta`` are the raw gate projections a and b: the fused kernel forms the gates itself
     (:func:`~weaver_kernels.gdn_tree.naive.gdn_gates`' formula; the split form gets them from that function).
-    ``peel_root`` (fused form; applies at T = BT·n + 1, e.g. a budget of 16n drafts plus the root, where impl=None
-    then takes the fused kernel): node 0 runs as one recurrent step when the kernel finds it an ancestor of every
-    node, and the solve covers n row blocks instead of n + 1 (H200, Qwen3.6-27B shape: 65 nodes 35.3 → 30.7 µs,
-    17 nodes 12.5 → 8.7). Off here by default; the decoding loop's GDN layers turn it on
+    ``peel_root`` (fused form at T = BT·n + 1, Neumann form at T = 2^n + 1, e.g. a budget of 16n drafts plus the
+    root): node 0 runs as one recurrent step. The fused kernel does so when it finds node 0 an ancestor of every node
+    and then solves n row blocks instead of n + 1 (H200, Qwen3.6-27B shape: 65 nodes 35.3 → 30.7 µs, 17 nodes
+    12.5 → 8.7); the Neumann form folds it into the rows that descend from it (any forest), halving T_pad (65 nodes:
+    20.1 µs). Off here by default; the decoding loop's GDN layers turn it on
     (``GatedDeltaNetLayerCache.peel_root``).
     """
     B, T, H, K = q.shape
