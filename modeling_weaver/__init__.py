@@ -11,6 +11,7 @@ from .configuration_weaver import WeaverConfig
 from .generate import SpeculativeStats, generate, speculative_generate
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
+from .packed import pack_cpu_linears, unpack_cpu_linears
 from .target import TargetAdapter
 from .tree import Tree, chain_tree, ddtree, weaver_tree
 
@@ -31,6 +32,8 @@ __all__ = [
     "chain_tree",
     "ddtree",
     "generate",
+    "pack_cpu_linears",
     "speculative_generate",
+    "unpack_cpu_linears",
     "weaver_tree",
 ]

@@ -99,6 +99,9 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
                                                    "avx512_bf16/AMX, but near-tie argmaxes may then flip")
     p.add_argument("--drafter-dtype", default="auto", help="auto (bf16 where bf16 matmuls are native, else the "
                                                            "target's), float32 or bfloat16 — never changes the output")
+    p.add_argument("--packed-linears", choices=("auto", "on", "off"), default="auto",
+                   help="run the CPU models' linears on prepacked oneDNN weights (pack_cpu_linears: AR and the "
+                        "speculative loop alike, 1.5-4x faster GEMMs, one packed copy of the weights); auto: on CPU")
 
 
 _DEMO_PROMPTS = (
@@ -175,6 +178,11 @@ def run_demo(args) -> int:
     if args.tree_budget < 1:
         raise CLIError(f"--tree-budget must be >= 1, got {args.tree_budget}")
     target, drafter, weaver, tokenizer, prompts = _tiny_setup() if args.tiny else _real_setup(args)
+    packed = 0
+    if args.packed_linears == "on" or (args.packed_linears == "auto" and not prompts[0].is_cuda):
+        from .packed import pack_cpu_linears
+
+        packed = pack_cpu_linears(*(m for m in (target, drafter, weaver) if m is not None))
     if args.mode == "weaver" and weaver is None:
         raise CLIError("--mode weaver needs a Weaver (weaver/ folder); use --mode ddtree or chain")
     max_new = args.max_new_tokens or (48 if args.tiny else 128)
@@ -211,7 +219,8 @@ def run_demo(args) -> int:
             new = out[0, ids.shape[1]:]
             shown = tokenizer.decode(new, skip_special_tokens=True) if tokenizer is not None else str(new.tolist())
     label = "tiny random target" if args.tiny else "target"
-    print(f"[{label}, {args.mode} trees, budget {args.tree_budget}] first output:\n{shown}\n")
+    linears = f", {packed} linears packed" if packed else ""
+    print(f"[{label}, {args.mode} trees, budget {args.tree_budget}{linears}] first output:\n{shown}\n")
     ar_rate, spec_rate = ar_tokens / max(ar_time, 1e-9), spec_tokens / max(spec_time, 1e-9)
     print(f"prompts: {len(prompts)}   new tokens: {spec_tokens}")
     print(f"mean accepted length (MAL): {committed / max(steps, 1):.2f} tokens per target forward")

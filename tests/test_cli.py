@@ -93,6 +93,7 @@ def test_demo_tiny_runs_end_to_end(capsys):
     code, out, err = run(capsys, "demo", "--tiny", "--max-new-tokens", "12", "--tree-budget", "8")
     assert code == 0, err
     assert "identical to AR: yes" in out and "mean accepted length (MAL)" in out and "speed-up" in out
+    assert "linears packed" in out  # on CPU the demo runs both paths on prepacked linears (pack_cpu_linears)
 
 
 def test_demo_without_shipped_drafters_fails_in_one_line(tmp_path, capsys):

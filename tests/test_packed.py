@@ -1,0 +1,68 @@
+"""pack_cpu_linears: prepacked oneDNN CPU linears, the same models' outputs, a lossless loop on them, and the ways
+back to F.linear (other devices/dtypes, autograd, changed weights, unpacking)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_generate import make_drafters, prompts, reference
+from tiny_targets import TINY_TARGETS
+
+from modeling_weaver import pack_cpu_linears, speculative_generate, unpack_cpu_linears
+from modeling_weaver.packed import _PACKED
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
+
+
+def _linears(*models):
+    return [m for model in models for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_TARGETS))
+def test_packed_models_keep_their_outputs_and_the_loop_stays_lossless(kind):
+    target = TINY_TARGETS[kind]()
+    drafter, weaver = make_drafters(target)
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = target(ids).logits
+    n = pack_cpu_linears(target, drafter, weaver)
+    assert n == len(_linears(target, drafter, weaver)) > 0
+    assert all("forward" in m.__dict__ for m in _linears(target, drafter, weaver))
+    with torch.no_grad():
+        torch.testing.assert_close(target(ids).logits, before, rtol=1e-5, atol=1e-5)
+    for ids in prompts():
+        expected = reference(target, ids, 24)  # transformers' generate on the same (packed) model
+        for mode in ("chain", "ddtree", "weaver"):
+            got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=8,
+                                       max_new_tokens=24)
+            assert torch.equal(got, expected), mode
+    assert pack_cpu_linears(target) == 0  # already packed
+    assert unpack_cpu_linears(target, drafter, weaver) == n
+    assert not any("forward" in m.__dict__ or hasattr(m, _PACKED) for m in _linears(target, drafter, weaver))
+
+
+def test_packed_linear_follows_its_weight_and_falls_back():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 48)
+    ref = torch.nn.Linear(32, 48)
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(5, 32)
+    assert pack_cpu_linears(lin) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), ref(x))
+        lin.weight.mul_(2.0)  # changed in place: re-packed at the next call
+        ref.weight.mul_(2.0)
+        torch.testing.assert_close(lin(x), ref(x))
+    lin.weight = torch.nn.Parameter(torch.randn(48, 32))  # replaced
+    ref.weight = torch.nn.Parameter(lin.weight.detach().clone())
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), ref(x))
+    # autograd takes F.linear: gradients reach the weight
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None and torch.equal(lin.weight.grad, x.sum(0).expand(48, 32))
+    # another dtype than the weight's: F.linear (and its error), not the packed form
+    with pytest.raises(RuntimeError):
+        lin(x.double())
+    # not packed: float64 weights, subclasses of Linear
+    assert pack_cpu_linears(torch.nn.Linear(4, 4).double()) == 0
+    assert pack_cpu_linears(torch.nn.LazyLinear(4)) == 0
