@@ -473,7 +473,7 @@ def _resident_verify_kernel(
 NEUMANN_MAX_NODES = 128
 # impl=None takes the Neumann form for trees of NEUMANN_NODES nodes (after the root step) whose caller bounds their depth
 # by NEUMANN_MAX_DEPTH (``max_depth``): H200, Qwen3.6-27B shape, verify µs per layer, fused → Neumann: 64 nodes
-# depth 7 26.7 → 16.3, depth 17 27.0 → 19.7; 128 nodes depth 6 60.3 → 29.9, depth 17 60.2 → 39.9; a 64-chain
+# depth 7 26.7 → 16.3, depth 17 27.0 → 19.7; 128 nodes depth 6 60.3 → 29.9, depth 18 60.2 → 39.9; a 64-chain
 # 27.0 → 40.0 (≈ 0.35 / 0.9 µs per depth step at 64 / 128 nodes: break-even near depth 38). BENCHMARKS.md.
 NEUMANN_MAX_DEPTH = 31
 USE_NEUMANN = True  # False: impl=None never takes it (an A/B switch for replays: diagnose_fused_steps --ab neumann)
