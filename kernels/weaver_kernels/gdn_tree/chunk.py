@@ -23,7 +23,7 @@ budget of 128 drafts plus the root fits): the per-block Γ reduction and the rea
 [16, T_pad] / [T_pad, BV] tiles, and the serial chain of ⌈T/16⌉ row blocks costs ~7-8 µs per block on the H200
 (latency-bound), so time grows linearly past 128 nodes.
 
-For shallow trees of 33-128 nodes (a block drafter's: depth ≤ block size − 1) the Neumann form (``impl="neumann"``,
+For shallow trees (a block drafter's: depth ≤ block size − 1) of 49-64 or 97-128 nodes the Neumann form (``impl="neumann"``,
 below) has no serial row blocks at all: U = Σ_{m ≤ depth} N^m R by ``depth`` dense Horner steps, from coefficients a
 parallel prep launch writes; it is what ``impl=None`` takes when the caller bounds the depth (``max_depth``).
 
@@ -92,6 +92,25 @@ def _decay(a, a_log, dt_bias, i_hv):
 def _beta(b, dtype: tl.constexpr):
     """β = sigmoid(b) of the raw projection, rounded to b's dtype (as the module computes it), as fp32."""
     return (1.0 / (1.0 + tl.exp(-b))).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _root_step(q_base, k_base, v_base, b_base, o_k, m_k, o_v, m_v, S, g0, beta_dtype: tl.constexpr,
+               L2NORM: tl.constexpr, RAW_GATES: tl.constexpr):
+    """Node 0 as one recurrent step from the committed tile ``S [BK, BV]`` (the root step of both forms): its q0
+    and k0 (unit with L2NORM), e^{g0}, and u0 = β0 (v0 − e^{g0} k0ᵀ S) — the state after it is e^{g0} S + k0 u0ᵀ."""
+    k0 = tl.load(k_base + o_k, mask=m_k, other=0.0).to(tl.float32)
+    q0 = tl.load(q_base + o_k, mask=m_k, other=0.0).to(tl.float32)
+    v0 = tl.load(v_base + o_v, mask=m_v, other=0.0).to(tl.float32)
+    b0 = tl.load(b_base).to(tl.float32)
+    if RAW_GATES:
+        b0 = _beta(b0, beta_dtype)
+    if L2NORM:
+        k0 = k0 * tl.rsqrt(_rsum(k0 * k0, axis=0) + 1e-6)
+        q0 = q0 * tl.rsqrt(_rsum(q0 * q0, axis=0) + 1e-6)
+    e0 = tl.exp(g0)
+    u0 = b0 * (v0 - e0 * _rsum(k0[:, None] * S, axis=0))
+    return q0, k0, e0, u0
 
 
 @triton.jit
@@ -182,18 +201,9 @@ def _gdn_tree_verify_kernel(
         col0 = tl.load(tmask + o_n * T, mask=m_n, other=1)
         missing = _rsum(tl.where(col0 != 0, 0, 1), axis=0)  # nodes that do not descend from node 0
         rooted = missing == 0
-        k0 = tl.load(k_base + o_k, mask=m_k, other=0.0).to(tl.float32)
-        q0 = tl.load(q_base + o_k, mask=m_k, other=0.0).to(tl.float32)
-        v0 = tl.load(v_base + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b0 = tl.load(b_base).to(tl.float32)
-        if RAW_GATES:
-            b0 = _beta(b0, beta.dtype.element_ty)
         g0 = _rsum(tl.where(o_n == 0, g_all, 0.0), axis=0)
-        if L2NORM:
-            k0 = k0 * tl.rsqrt(_rsum(k0 * k0, axis=0) + 1e-6)
-            q0 = q0 * tl.rsqrt(_rsum(q0 * q0, axis=0) + 1e-6)
-        e0 = tl.exp(g0)
-        u0 = b0 * (v0 - e0 * _rsum(k0[:, None] * S, axis=0))
+        q0, k0, e0, u0 = _root_step(q_base, k_base, v_base, b_base, o_k, m_k, o_v, m_v, S, g0,
+                                    beta.dtype.element_ty, L2NORM, RAW_GATES)
         S_root = e0 * S + k0[:, None] * u0[None, :]
         o0 = _rsum(q0[:, None] * S_root, axis=0) * scale
         m_root = m_v & (o_v * 0 + missing == 0)  # (a vector test: the interpreter mishandles bool-scalar masks)
@@ -632,19 +642,11 @@ def _neumann_solve_kernel(
     if PEEL:
         # the root as one recurrent step, S1 = e^{g0} S0 + k0 u0ᵀ, folded into the rows that descend from it:
         # K S1 = e^{g0} K S0 + (K k0) u0ᵀ (likewise Q); their decays from S1 are e^{Γ − g0}
-        k0 = tl.load(k_base + o_k, mask=m_k, other=0.0).to(tl.float32)
-        q0 = tl.load(q_base + o_k, mask=m_k, other=0.0).to(tl.float32)
-        v0 = tl.load(v_base + o_v, mask=m_v, other=0.0).to(tl.float32)
-        b0 = tl.load(b_base).to(tl.float32)
         g0 = tl.load(g + i_b64 * sg_b + i_hv * sg_h).to(tl.float32)
         if RAW_GATES:
-            b0 = _beta(b0, beta.dtype.element_ty)
             g0 = _decay(g0, a_log, dt_bias, i_hv)
-        if L2NORM:
-            k0 = k0 * tl.rsqrt(_rsum(k0 * k0, axis=0) + 1e-6)
-            q0 = q0 * tl.rsqrt(_rsum(q0 * q0, axis=0) + 1e-6)
-        e0 = tl.exp(g0)
-        u0 = b0 * (v0 - e0 * _rsum(k0[:, None] * S, axis=0))
+        q0, k0, e0, u0 = _root_step(q_base, k_base, v_base, b_base, o_k, m_k, o_v, m_v, S, g0,
+                                    beta.dtype.element_ty, L2NORM, RAW_GATES)
         o0 = e0 * _rsum(q0[:, None] * S, axis=0) + _rsum(q0 * k0, axis=0) * u0
         tl.store(u_base + o_v, u0, mask=m_v)
         tl.store(o_base + o_v, (o0 * scale).to(o.dtype.element_ty), mask=m_v)
