@@ -248,6 +248,10 @@ def ddtree_tensors(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tenso
 # with `scripts/diagnose_fused_steps.py --ab node_attention`, check it with `pytest -m gpu -k node_attention`).
 FUSED_NODE_ATTENTION: bool | None = False
 
+# Weaver trees start from DFlash's chain (see weaver_tree_tensors), with SPINE_ROUNDS rounds after it.
+WEAVER_SPINE: bool = False
+SPINE_ROUNDS: int = 4
+
 
 def weaver_tree(
     root: int,
@@ -259,10 +263,12 @@ def weaver_tree(
     budget: int,
     children_per_node: int = 8,
     width: int | None = None,
+    spine: bool | None = None,
+    rounds: int | None = None,
 ) -> Tree:
     """Weaver best-first tree (see :func:`weaver_tree_tensors`)."""
     return with_root(root, weaver_tree_tensors(root, weaver, prompt, draft_logits, embed_tokens, lm_head_weight,
-                                               budget, children_per_node, width))
+                                               budget, children_per_node, width, spine=spine, rounds=rounds))
 
 
 def weaver_tree_tensors(
@@ -276,6 +282,8 @@ def weaver_tree_tensors(
     children_per_node: int = 8,
     width: int | None = None,
     node_table: torch.Tensor | None = None,
+    spine: bool | None = None,
+    rounds: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weaver best-first: batched expansion rounds over the frontier (DESIGN.md §4), on the device.
 
@@ -287,6 +295,14 @@ def weaver_tree_tensors(
     reach the maximum depth); missing nodes (an exhausted frontier) are padding roots. Every shape is fixed by
     ``budget`` and ``width`` and nothing waits for the host, so a captured step can include the whole build.
 
+    With ``spine`` (default :data:`WEAVER_SPINE`) the depth comes first and the rounds are few: the first round
+    runs the root together with the chain of DFlash's top-1 tokens (the pool's first candidate at every depth, as a
+    plain DFlash chain), all in one batched node step, since a node's step needs only its ancestors' tokens. Then
+    ``rounds`` rounds (default :data:`SPINE_ROUNDS`) of ``width`` (default ``ceil(budget / 8)``) frontier entries
+    each; the tree is the ``budget`` most probable paths among every node stepped and every frontier candidate
+    (:func:`best_known`), so spine nodes the Weaver finds unlikely are left out. Depth no longer costs rounds: a
+    budget-64 tree takes 1 + 4 node steps instead of 16.
+
     Args:
         root: the bonus token (an int, or a 0-d or one-element tensor on the device).
         weaver: a :class:`~modeling_weaver.modeling_weaver.WeaverModel`.
@@ -295,6 +311,7 @@ def weaver_tree_tensors(
             ``min(D, weaver.config.K)``.
         node_table: optional ``weaver.node_input_table(embed_tokens.weight)``: node inputs gathered from it instead
             of computed each round.
+        spine, rounds: see above.
     Returns:
         the draft nodes as :func:`ddtree_tensors` does.
     """
@@ -307,12 +324,18 @@ def weaver_tree_tensors(
     # (8 rounds cut a replayed MAL of 7.2 to 5.5 at Qwen3.6-27B shape); as wide as that allows (the largest width
     # with ceil(budget / width) >= max_depth): each round is a chain of small dependent kernels (≈ 0.12 ms of GPU
     # time on an H200 at that shape, BENCHMARKS.md).
+    spine = WEAVER_SPINE if spine is None else spine
+    spine_nodes = max_depth if spine else 0
     if width is None:
-        width = budget if max_depth == 1 else max(1, (budget - 1) // (max_depth - 1))
+        if spine:
+            width = -(-budget // 8)
+        else:
+            width = budget if max_depth == 1 else max(1, (budget - 1) // (max_depth - 1))
+    rounds = (SPINE_ROUNDS if rounds is None else rounds) if spine else None
     pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])
     pool_logits, pool_ids = draft_logits[:max_depth].float().topk(pool, dim=-1)  # [D, pool]: children of depth d+1
     fan = min(children_per_node, pool)
-    n = budget + 1
+    n = 1 + spine_nodes + rounds * width if spine else budget + 1
     cache = weaver.new_node_cache(n, device=device)
     if FUSED_NODE_ATTENTION or (FUSED_NODE_ATTENTION is None and device.type == "cuda"):
         # each layer's RoPE, slot writes and attention in one op (one launch per round on CUDA)
@@ -344,15 +367,61 @@ def weaver_tree_tensors(
     # so reads and writes of per-node rows are slices (views and plain copies instead of gathers and scatters). Its
     # bookkeeping — candidate scores, children to the frontier, the next nodes — is two weaver_kernels ops (two
     # Triton launches on CUDA instead of ~25 small kernels; the torch reference elsewhere).
-    # The nodes of the last round need no node step: no children of theirs can join a full tree.
     lo, hi = 0, 1
-    while hi < n:
+    if spine:  # nodes 1..max_depth: DFlash's chain, stepped with the root in the first round
+        tokens[1:hi + spine_nodes].copy_(pool_ids[:, 0])
+        parents[1:hi + spine_nodes].copy_(torch.arange(spine_nodes, device=device))
+        depth[:hi + spine_nodes].copy_(torch.arange(hi + spine_nodes, device=device))
+        mask[:hi + spine_nodes, :hi + spine_nodes].copy_(
+            torch.ones(hi + spine_nodes, hi + spine_nodes, dtype=torch.bool, device=device).tril())
+        hi += spine_nodes
+    # (with a spine every stepped node's children are candidates, the last round's too: the tree is picked after)
+    while lo < hi:
         d = depth[lo:hi]
         x = node_table[tokens[lo:hi]] if node_table is not None else weaver.node_inputs(embed_tokens(tokens[lo:hi]))
         query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), mask[None, lo:hi])[0]
         cand = weaver_kernels.pool_scores(query, d.clamp(max=max_depth - 1), pool_ids, pool_logits, lm_head_weight)
         take = min(width, n - hi)
         weaver_kernels.weaver_expand(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token,
-                                     f_logq, lo, hi, take, max_depth)
+                                     f_logq, lo, hi, take, max_depth, spine_nodes if lo == 0 else 0)
+        if not spine and hi + take >= n:  # the last nodes need no step: no children of theirs can join a full tree
+            break
         lo, hi = hi, hi + take
+    if spine:
+        return best_known(tokens, parents, logq, depth, score, f_score, f_token, f_logq, budget)
     return tokens[1:], parents[1:], logq[1:]
+
+
+def best_known(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, depth: torch.Tensor,
+               score: torch.Tensor, f_score: torch.Tensor, f_token: torch.Tensor, f_logq: torch.Tensor,
+               budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``budget`` most probable paths among a Weaver build's nodes (``[n]`` buffers of
+    :func:`~weaver_kernels.weaver_expand_ref`, node 0 the root) and its frontier (``[n · fan]``), as draft nodes
+    (see :func:`ddtree_tensors`), most probable first. Fixed shapes, no host sync.
+
+    A path's score never exceeds its parent's, and ties go to the shallower node, so the set is prefix-closed and in
+    topological order.
+    """
+    n = tokens.shape[0]
+    fan = f_score.shape[0] // n
+    neg_inf = float("-inf")
+    keys = torch.cat([torch.where(parents[1:] >= 0, score[1:], neg_inf), f_score]).double()
+    deep = torch.cat([depth[1:], (depth + 1).repeat_interleave(fan)])
+    k = min(budget, keys.shape[0])
+    picked = (keys - 1e-12 * deep).topk(k)
+    valid = picked.values > neg_inf
+    is_node = picked.indices < n - 1
+    node = (picked.indices + 1).clamp(max=n - 1)
+    slot = (picked.indices - (n - 1)).clamp(min=0)
+    parent = torch.where(is_node, parents[node], slot // fan)
+    # node number in the tree (1-based, root 0) of every node picked; slot n takes the rest
+    number = torch.zeros(n + 1, dtype=torch.long, device=tokens.device)
+    number.scatter_(0, torch.where(is_node & valid, node, n), torch.arange(1, k + 1, device=tokens.device))
+    drafts = (torch.where(valid, torch.where(is_node, tokens[node], f_token[slot]), 0),
+              torch.where(valid, number[parent.clamp(min=0)], -1),
+              torch.where(valid, torch.where(is_node, logq[node], f_logq[slot]), neg_inf))
+    if k == budget:
+        return drafts
+    pad = budget - k  # fewer candidates than the budget: padding roots
+    return (torch.cat([drafts[0], drafts[0].new_zeros(pad)]), torch.cat([drafts[1], drafts[1].new_full((pad,), -1)]),
+            torch.cat([drafts[2], drafts[2].new_full((pad,), neg_inf)]))

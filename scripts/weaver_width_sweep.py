@@ -3,13 +3,15 @@ real SmolLM2 with the shipped drafters.
 
     python scripts/weaver_width_sweep.py --budget 64 --widths 1 4 8 16
     python scripts/weaver_width_sweep.py --budget 64 --calibrations 1,1 0.7,1 1.5,1 1,0.5 1,1.5
+    python scripts/weaver_width_sweep.py --budget 64 --widths 4 --spines 4,8 2,8 3,4
 
 Greedy, the first ``--subset`` MT-Bench and HumanEval prompts, ``--max-new-tokens`` each (CPU is fine); only the
 proposal changes, every output stays the target's greedy text. Fewer, wider rounds are cheaper on a GPU; the widths
 show what they cost in MAL. (On a replay at a larger target's depth also check that the trees still reach the traced
 depths: a node of depth d needs d rounds.) ``--calibrations tau,alpha ...`` scores the candidates
 ``(dflash + alpha · residual) / tau`` instead of ``dflash + residual`` (the Weaver as trained: ``1,1``): is the
-best-first allocation calibrated?
+best-first allocation calibrated? ``--spines rounds,width ...`` builds the trees from DFlash's chain first
+(``tree.WEAVER_SPINE``) with that many rounds of that width after it.
 """
 import argparse
 from pathlib import Path
@@ -31,10 +33,12 @@ def main():
     parser.add_argument("--budget", type=int, default=64)
     parser.add_argument("--widths", type=int, nargs="+", default=[])
     parser.add_argument("--calibrations", nargs="+", default=[], metavar="TAU,ALPHA")
+    parser.add_argument("--spines", nargs="+", default=[], metavar="ROUNDS,WIDTH",
+                        help="trees from DFlash's chain first, then ROUNDS rounds of WIDTH (tree.WEAVER_SPINE)")
     parser.add_argument("--subset", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
-    if not args.widths and not args.calibrations:
+    if not args.widths and not args.calibrations and not args.spines:
         args.widths = [1, 4, 8, 16]
     model, tokenizer = load_smollm2()
     drafter = AutoModel.from_pretrained(SHIPPED / "dflash", trust_remote_code=True)
@@ -58,6 +62,11 @@ def main():
         for width in args.widths:
             tree_module.weaver_tree_tensors = lambda *a, w=width, **k: build(*a, **{**k, "width": w})
             mal(f"width {width}")
+        for pair in args.spines:
+            rounds, width = map(int, pair.split(","))
+            tree_module.weaver_tree_tensors = lambda *a, r=rounds, w=width, **k: build(
+                *a, **{**k, "width": w, "spine": True, "rounds": r})
+            mal(f"spine + {rounds} rounds of {width}")
         tree_module.weaver_tree_tensors = build
         for pair in args.calibrations:
             tau, alpha = map(float, pair.split(","))

@@ -403,18 +403,32 @@ def _expand_buffers(n: int, fan: int, root: int = 5) -> dict:
     return b
 
 
+def _spine_buffers(b: dict, pool_ids: torch.Tensor, spine: int) -> None:
+    """Nodes 1..spine: the chain of each depth's first pool candidate, as ``weaver_tree_tensors`` lays it out."""
+    b["tokens"][1 : spine + 1] = pool_ids[:spine, 0]
+    b["parents"][1 : spine + 1] = torch.arange(spine)
+    b["depth"][: spine + 1] = torch.arange(spine + 1)
+    b["mask"][: spine + 1, : spine + 1] = torch.ones(spine + 1, spine + 1, dtype=torch.bool).tril()
+
+
+@pytest.mark.parametrize("spine", [False, True])
 @pytest.mark.parametrize("scores", ["random", "ties", "sparse"])
 @pytest.mark.parametrize("budget,fan,P,max_depth,width", [(12, 3, 5, 3, 2), (10, 3, 5, 1, 3), (20, 4, 9, 6, 1)])
-def test_weaver_expand_interpreter(ik, budget, fan, P, max_depth, width, scores):
+def test_weaver_expand_interpreter(ik, budget, fan, P, max_depth, width, scores, spine):
     """Whole tree builds, round by round from pool scores: the kernel's buffers equal the reference's (tokens,
     parents, depths, masks exactly; scores and log-probabilities to fp32 rounding) — with nodes at the maximum depth
     (they publish nothing), at max depth 1 an exhausted frontier (padding roots after it), integer scores (ties
-    everywhere: the lowest index first in both) and mostly -inf scores (fewer finite children than ``fan``)."""
+    everywhere: the lowest index first in both) and mostly -inf scores (fewer finite children than ``fan``); and with
+    a spine (nodes 1..max_depth made before the first round, which fills in their scores and publishes the rest)."""
     gen = torch.Generator().manual_seed(budget)
     n = budget + 1
     pool_ids = torch.randint(1000, (max_depth, P), generator=gen)
     ref, got = _expand_buffers(n, fan), _expand_buffers(n, fan)
     lo, hi = 0, 1
+    if spine:
+        for b in (ref, got):
+            _spine_buffers(b, pool_ids, max_depth)
+        hi = max_depth + 1
     while True:
         cand = torch.randn(hi - lo, P, generator=gen) * 3
         if scores == "ties":
@@ -422,10 +436,18 @@ def test_weaver_expand_interpreter(ik, budget, fan, P, max_depth, width, scores)
         elif scores == "sparse":  # fewer finite candidates than fan (2 of 5, 3 of 9)
             cand = torch.where(torch.arange(P) % 3 == 1, cand, float("-inf"))
         take = min(width, n - hi)
-        wk.weaver_expand_ref(cand, pool_ids, *ref.values(), lo, hi, take, max_depth)
-        ik.expand.weaver_expand_triton(cand, pool_ids, *got.values(), lo, hi, take, max_depth)
+        wk.weaver_expand_ref(cand, pool_ids, *ref.values(), lo, hi, take, max_depth, max_depth * spine * (lo == 0))
+        ik.expand.weaver_expand_triton(cand, pool_ids, *got.values(), lo, hi, take, max_depth,
+                                       max_depth * spine * (lo == 0))
         for name in ref:
             torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6, msg=f"{name} after round {lo}")
+        if spine and lo == 0:  # the spine's scores: its parents' first candidates, summed down the chain
+            first = torch.log_softmax(cand, -1)[:max_depth, 0]
+            torch.testing.assert_close(ref["logq"][1 : max_depth + 1], first)
+            torch.testing.assert_close(ref["score"][1 : max_depth + 1], first.cumsum(0))
+            published = ref["f_token"][: max_depth * fan].view(max_depth, fan)
+            finite = ref["f_score"][: max_depth * fan].view(max_depth, fan) > float("-inf")
+            assert not (finite & (published == pool_ids[:, :1])).any()  # no spine child twice
         if hi >= n:
             break
         lo, hi = hi, hi + take

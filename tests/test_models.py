@@ -540,6 +540,91 @@ def test_weaver_drives_the_tree_builder(budget, width, attention, monkeypatch):
             assert torch.allclose(tree.logq[node], expected, atol=1e-5), node
 
 
+def _teacher_forced_logp(weaver, prompt, embed, lm_head, tokens, pool_ids, pool_logits):
+    """The Weaver's log-probs over the pool of the children of the path ``tokens`` (root first), in one call."""
+    chain = torch.tensor(tokens)
+    depth = torch.arange(len(chain))
+    x = weaver.node_inputs(embed(chain))[None]
+    causal = torch.ones(len(chain), len(chain)).tril().bool()[None]
+    query = weaver.step(prompt, weaver.new_node_cache(len(chain)), x, depth[None], depth[None], causal)[0, -1]
+    d = len(chain) - 1
+    return torch.log_softmax(weaver.candidate_logits(query, pool_ids[d], pool_logits[d], lm_head), -1)
+
+
+@pytest.mark.parametrize("budget,rounds,width", [(7, 0, None), (16, 2, None), (30, 2, 3), (12, 1, 5)])
+def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width):
+    """Spine trees (``spine=True``): one node step for the root and DFlash's chain together, then ``rounds`` steps of
+    ``width`` nodes; the tree equals a plain search written out here — the Weaver's log-probs of every path recomputed
+    by teacher forcing, the chain's nodes stepped, each stepped node's ``fan`` best children (the chain child not
+    twice) as candidates, each round stepping the best unstepped candidates, and the ``budget`` most probable paths of
+    all of them kept."""
+    torch.manual_seed(budget)
+    weaver = make_weaver()
+    embed, lm_head = torch.nn.Embedding(VOCAB, 40), torch.randn(VOCAB, 48)
+    prompt = weaver.encode_prompt(torch.randn(1, 48), torch.randn(1, 5, 48))
+    draft_logits = 3 * torch.randn(5, VOCAB)
+    steps, step = [], weaver.step
+    weaver.step = lambda *args: steps.append(args[3].shape[1]) or step(*args)
+    with torch.no_grad():
+        tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width, spine=True,
+                           rounds=rounds)
+        del weaver.step
+        used = width or -(-budget // 8)
+        assert steps == [6] + [used] * rounds, steps
+        pool_logits, pool_ids = draft_logits.float().topk(16, dim=-1)
+        fan, max_depth = 8, 5
+
+        # the search written out: paths are token tuples from the root
+        score = {(3,): 0.0}
+        candidates = {}  # unstepped path -> score
+
+        def stepped(path):
+            if len(path) - 1 == max_depth:
+                return
+            logp = _teacher_forced_logp(weaver, prompt, embed, lm_head, list(path), pool_ids, pool_logits)
+            chain_child = len(path) <= max_depth and path == spine[: len(path)]
+            order = [j for j in logp.argsort(descending=True).tolist() if not (chain_child and j == 0)]
+            for j in order[:fan]:
+                candidates[path + (int(pool_ids[len(path) - 1, j]),)] = score[path] + float(logp[j])
+
+        spine = (3,) + tuple(pool_ids[:, 0].tolist())
+        for d in range(1, max_depth + 1):
+            logp = _teacher_forced_logp(weaver, prompt, embed, lm_head, list(spine[:d]), pool_ids, pool_logits)
+            score[spine[: d + 1]] = score[spine[:d]] + float(logp[0])
+        for d in range(max_depth + 1):
+            stepped(spine[: d + 1])
+        for _ in range(rounds):
+            best = sorted(candidates, key=candidates.get, reverse=True)[:used]
+            for path in best:
+                score[path] = candidates.pop(path)
+            for path in best:
+                stepped(path)
+        known = {**{p: v for p, v in score.items() if len(p) > 1}, **candidates}
+        expected = sorted(known, key=known.get, reverse=True)[:budget]
+
+        assert len(tree) == budget + 1 and (tree.parents[1:] >= 0).all()
+        paths = [tuple(tree.tokens[tree.path_to(i)].tolist()) for i in range(1, len(tree))]
+        assert paths == expected  # same paths, most probable first
+        for i, path in enumerate(paths, start=1):
+            assert abs(float(tree.logq[i]) - (known[path] - score.get(path[:-1], 0.0))) < 1e-4, path
+
+
+def test_weaver_spine_tree_when_the_chain_is_certain():
+    """DFlash's chain certain (pool log-prob 0.0 in fp32: every spine node ties with its parent): the whole chain is
+    in the tree, parents first."""
+    torch.manual_seed(0)
+    weaver = make_weaver()
+    embed, lm_head = torch.nn.Embedding(VOCAB, 40), torch.randn(VOCAB, 48)
+    prompt = weaver.encode_prompt(torch.randn(1, 48), torch.randn(1, 5, 48))
+    draft_logits = torch.randn(5, VOCAB)
+    peaks = torch.randperm(VOCAB)[:5]
+    draft_logits[torch.arange(5), peaks] = 1e4
+    with torch.no_grad():
+        tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=9, spine=True, rounds=1)
+    assert tree.tokens[1:6].tolist() == peaks.tolist() and tree.parents[1:6].tolist() == [0, 1, 2, 3, 4]
+    assert (tree.logq[1:6] == 0).all() and all(0 <= p < i for i, p in enumerate(tree.parents.tolist()) if i)
+
+
 @pytest.mark.parametrize("budget", [7, 16, 30, 64, 128])
 def test_weaver_tree_default_width_reaches_full_depth(budget):
     """With one dominant token per depth (planted in the draft marginals), the default expansion width still leaves

@@ -205,19 +205,20 @@ def _(qkv, positions, prompt_k, prompt_v, node_k, node_v, mask, lo, rope_base, s
                                        "f_logq"))
 def _weaver_expand_op(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: Tensor, logq: Tensor, depth: Tensor,
                       score: Tensor, mask: Tensor, f_score: Tensor, f_token: Tensor, f_logq: Tensor, lo: int, hi: int,
-                      take: int, max_depth: int) -> None:
+                      take: int, max_depth: int, spine: int) -> None:
     if cand.is_cuda:
         from .weaver_tree.expand import weaver_expand_triton
 
         weaver_expand_triton(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
-                             lo, hi, take, max_depth)
+                             lo, hi, take, max_depth, spine)
         return
     weaver_expand_ref(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq, lo, hi,
-                      take, max_depth)
+                      take, max_depth, spine)
 
 
 @_weaver_expand_op.register_fake
-def _(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq, lo, hi, take, max_depth):
+def _(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq, lo, hi, take, max_depth,
+      spine):
     return None
 
 
@@ -371,13 +372,17 @@ def node_attention(qkv: Tensor, positions: Tensor, prompt_k: Tensor, prompt_v: T
 
 def weaver_expand(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: Tensor, logq: Tensor, depth: Tensor,
                   score: Tensor, mask: Tensor, f_score: Tensor, f_token: Tensor, f_logq: Tensor, lo: int, hi: int,
-                  take: int, max_depth: int) -> None:
+                  take: int, max_depth: int, spine: int = 0) -> None:
     """One Weaver expansion round's bookkeeping in place (``weaver_tree.naive.weaver_expand_ref``): publish the
-    children of nodes ``lo..hi-1`` to the frontier, then make its ``take`` best entries nodes ``hi..``. CUDA: one
-    Triton launch instead of ~20 small kernels."""
+    children of nodes ``lo..hi-1`` to the frontier, then make its ``take`` best entries nodes ``hi..``; with
+    ``spine``, nodes ``1..spine`` are a chain of first pool candidates whose log-probabilities this round (``lo = 0``)
+    fills in. CUDA: one Triton launch instead of ~20 small kernels."""
     n = tokens.shape[0]
     if not 0 <= lo < hi <= n or take < 0 or hi + take > n:
         raise ValueError(f"weaver_expand: nodes {lo}..{hi} and {take} more do not fit {n} nodes")
+    if spine < 0 or (spine and (lo != 0 or spine >= hi)):
+        raise ValueError(f"weaver_expand: a spine of {spine} nodes goes with the round of nodes 0..{spine} (lo = 0), "
+                         f"got nodes {lo}..{hi}")
     fan = f_score.shape[0] // n
     if f_score.shape[0] != n * fan or fan < 1 or f_token.shape != f_score.shape or f_logq.shape != f_score.shape:
         raise ValueError(f"weaver_expand: frontier buffers must hold n * fan entries ({n} nodes), got "
@@ -389,7 +394,7 @@ def weaver_expand(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: Tenso
         raise ValueError(f"weaver_expand: max_depth {max_depth} needs that many pool rows (have {pool_ids.shape[0]}) "
                          f"and the mask [{n}, {n}], got {tuple(mask.shape)}")
     torch.ops.weaver.weaver_expand(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
-                                   int(lo), int(hi), int(take), int(max_depth))
+                                   int(lo), int(hi), int(take), int(max_depth), int(spine))
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, kind: int, gate: Tensor | None = None) -> Tensor:

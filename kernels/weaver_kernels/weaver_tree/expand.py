@@ -63,11 +63,12 @@ def _pool_scores_kernel(query, rows, pool_ids, pool_logits, weight, out, P, Dm, 
 
 @triton.jit
 def _expand_kernel(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
-                   lo, hi, take, max_depth, P, n, s_cand, s_ids,
+                   lo, hi, take, max_depth, spine, P, n, s_cand, s_ids,
                    FAN: tl.constexpr, BP: tl.constexpr, BF: tl.constexpr, BN: tl.constexpr):
     neg_inf = float("-inf")
     cols = tl.arange(0, BP)
     c_ok = cols < P
+    carried = tl.full([], 0.0, tl.float32)  # a spine node's path score, summed in node order
     for i in range(0, hi - lo):
         node = lo + i
         d = tl.load(depth + node)
@@ -79,7 +80,15 @@ def _expand_kernel(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_
         top = tl.reduce(x, 0, _max)
         lp = (x - top) - tl.log(tl.reduce(tl.exp(x - top), 0, _add))  # log-softmax in torch's order of operations
         s = tl.load(score + node)
-        free = c_ok  # not yet taken: among equal values (even -inf ones) the lowest free index goes first
+        s = tl.where((node >= 1) & (node <= spine), carried, s)
+        # a spine parent's first candidate is its spine child: its logq and score here, no frontier entry
+        spine_parent = node < spine
+        first = tl.reduce(tl.where(cols == 0, lp, neg_inf), 0, _max)
+        carried = s + first
+        tl.store(logq + node + 1, first, mask=spine_parent)
+        tl.store(score + node + 1, carried, mask=spine_parent)
+        free = c_ok & ((cols != 0) | (node >= spine))  # not yet taken: among equal values (even -inf ones) the
+        # lowest free index goes first
         for j in tl.static_range(FAN):
             v = tl.reduce(tl.where(free, lp, neg_inf), 0, _max)
             idx = tl.reduce(tl.where(free & (lp == v), cols, BP), 0, _min)
@@ -131,7 +140,7 @@ def pool_scores_triton(query: torch.Tensor, rows: torch.Tensor, pool_ids: torch.
 
 
 def weaver_expand_triton(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
-                         lo: int, hi: int, take: int, max_depth: int, num_warps: int = 1) -> None:
+                         lo: int, hi: int, take: int, max_depth: int, spine: int = 0, num_warps: int = 1) -> None:
     """Same contract as :func:`..naive.weaver_expand_ref` (buffers written in place)."""
     n = tokens.shape[0]
     fan = f_score.shape[0] // n
@@ -143,6 +152,6 @@ def weaver_expand_triton(cand, pool_ids, tokens, parents, logq, depth, score, ma
     with launch_ctx(_INTERPRET):
         _expand_kernel[(1,)](
             cand, pool_ids, tokens, parents, logq, depth, score, m, f_score, f_token, f_logq,
-            lo, hi, take, max_depth, P, n, cand.stride(0), pool_ids.stride(0),
+            lo, hi, take, max_depth, spine, P, n, cand.stride(0), pool_ids.stride(0),
             FAN=fan, BP=next_pow2(P), BF=next_pow2(n * fan), BN=next_pow2(n), num_warps=num_warps,
         )

@@ -37,26 +37,48 @@ def pool_scores_ref(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: 
 
 def weaver_expand_ref(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: Tensor, logq: Tensor, depth: Tensor,
                       score: Tensor, mask: Tensor, f_score: Tensor, f_token: Tensor, f_logq: Tensor, lo: int, hi: int,
-                      take: int, max_depth: int) -> None:
+                      take: int, max_depth: int, spine: int = 0) -> None:
     """Publish the children of nodes ``lo..hi-1`` (scores ``cand [hi-lo, P]``) and make the next ``take`` nodes.
 
     Tree buffers (``n`` nodes, node 0 the root): ``tokens``, ``parents`` (-1: padding or root), ``logq`` (draft
     log-probability), ``depth``, ``score`` (path log-probability), ``mask [n, n]`` bool ancestor-or-self. Frontier
     buffers (``n · fan``): ``f_score`` (-inf: empty or taken), ``f_token``, ``f_logq``. A missing node (an
     exhausted frontier) becomes a padding root: token 0, parent -1, logq -inf, depth 0, its mask row itself only.
+
+    ``spine > 0`` (only with ``lo = 0``): nodes ``1..spine`` are a chain made before the round, node ``i + 1`` being
+    the first pool candidate (column 0) of node ``i``. Their ``logq`` and ``score`` come from this round's scores
+    (in node order, as the kernel adds them), and nodes ``0..spine-1`` publish their other candidates only.
     """
     n = tokens.shape[0]
     fan = f_score.shape[0] // n
     neg_inf = float("-inf")
     d = depth[lo:hi]
     ids = pool_ids[d.clamp(max=max_depth - 1)]
+    logp = torch.log_softmax(cand, dim=-1)
+    cols = None
+    if spine:
+        first = logp[:spine, 0]
+        logq[1 : spine + 1] = first
+        score[1 : spine + 1] = torch.cat([score[:1], first]).cumsum(0)[1:]  # left to right, as the kernel adds
+        # A spine parent's column 0 is its spine child, no frontier candidate: looked at last, as -inf (the kernel
+        # never frees it).
+        P = cand.shape[1]
+        is_parent = (torch.arange(lo, hi, device=cand.device) < spine)[:, None]
+        cols = torch.where(is_parent, torch.arange(1, P + 1, device=cand.device) % P,
+                           torch.arange(P, device=cand.device))
+        logp = torch.where(is_parent & (cols == 0), neg_inf, logp.gather(-1, cols))
     # stable sorts, not topk: among equal values the lowest index first, on every device (the kernel's rule)
-    logp, order = torch.log_softmax(cand, dim=-1).sort(dim=-1, descending=True, stable=True)
+    logp, order = logp.sort(dim=-1, descending=True, stable=True)
+    if cols is not None:
+        order = cols.gather(-1, order)
     top_values, top_indices = logp[:, :fan], order[:, :fan]
     real = (parents[lo:hi] >= 0) | (torch.arange(lo, hi, device=d.device) == 0)  # padding nodes publish nothing
     publish = real & (d < max_depth)
     f_score[lo * fan : hi * fan] = torch.where(publish[:, None], score[lo:hi, None] + top_values, neg_inf).flatten()
-    f_token[lo * fan : hi * fan] = ids.gather(-1, top_indices).flatten()
+    children = ids.gather(-1, top_indices)
+    if spine:  # (the kernel's token for a slot past the candidates: 0)
+        children = torch.where(is_parent & (top_indices == 0), 0, children)
+    f_token[lo * fan : hi * fan] = children.flatten()
     f_logq[lo * fan : hi * fan] = top_values.flatten()
     if take == 0:
         return
