@@ -385,7 +385,8 @@ class StaticProposer:
 
     @classmethod
     def key_of(cls, mode, budget, weaver, shape_logits, compile) -> tuple:
-        weaver_switches = (cls.use_node_table, tree_module.FUSED_NODE_ATTENTION) if mode == "weaver" else None
+        weaver_switches = ((cls.use_node_table, tree_module.FUSED_NODE_ATTENTION, tree_module.WEAVER_SPINE,
+                            tree_module.SPINE_ROUNDS) if mode == "weaver" else None)
         return (mode, budget, id(weaver), id(shape_logits), compile, weaver_switches)
 
     def _draft_and_tree(self):

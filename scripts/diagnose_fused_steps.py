@@ -1,6 +1,6 @@
 """Replay suite plus host-side timings of the fused steps and a long-generation memory check, in one process.
 
-    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096 [--ab node_table peel_root node_attention neumann]
+    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096 [--ab node_table peel_root node_attention neumann spine]
 
 1. ``run_replay_suite`` (AR and every mode at ``--budget``, ``--target-step``, synthetic traces) → replay.md/json.
 2. Per mode: cProfile of one more generation (graphs and compiles in place) sorted by own time, then the fused graph
@@ -33,7 +33,8 @@ from weaver_kernels.gdn_tree import chunk as gdn_chunk
 
 # --ab: settings a replay can flip (class attributes read when a step is built; flipped ones get new graphs)
 AB_SETTINGS = {"node_table": (StaticProposer, "use_node_table"), "peel_root": (GatedDeltaNetLayerCache, "peel_root"),
-               "node_attention": (tree_module, "FUSED_NODE_ATTENTION"), "neumann": (gdn_chunk, "USE_NEUMANN")}
+               "node_attention": (tree_module, "FUSED_NODE_ATTENTION"), "neumann": (gdn_chunk, "USE_NEUMANN"),
+               "spine": (tree_module, "WEAVER_SPINE")}
 
 
 def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:

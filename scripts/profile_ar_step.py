@@ -26,6 +26,8 @@
 8. With ``--node-table-ab`` (and ``--proposer weaver``): the Weaver draft + tree graph timed as in 5 with node inputs
    computed each expansion round and gathered from the precomputed table
    (:attr:`~modeling_weaver.captured.StaticProposer.use_node_table`).
+9. With ``--spine-ab [ROUNDS ...]``: the Weaver draft + tree graph timed as in 5 as best-first rounds and as spine
+   trees (:data:`~modeling_weaver.tree.WEAVER_SPINE`) with each number of rounds after the spine.
 """
 import argparse
 
@@ -36,6 +38,7 @@ from modeling_weaver.benchmark import autoregressive_generate
 from modeling_weaver.captured import StaticProposer, cache_bucket, static_draft, static_target
 from modeling_weaver.replay import FirstTokenClock, graph_replay_ms, random_models, random_prompt, switched
 from modeling_weaver.target import GatedDeltaNetLayerCache
+import modeling_weaver.tree as tree_module
 from modeling_weaver.tree import Tree
 
 
@@ -109,6 +112,9 @@ def main():
                              "kernel, side by side (section 6)")
     parser.add_argument("--peel-ab", action="store_true",
                         help="the --tree-nodes verify graph with and without the GDN root step (section 7)")
+    parser.add_argument("--spine-ab", nargs="*", type=int, metavar="ROUNDS",
+                        help="Weaver draft + tree graph without and with the spine (tree.WEAVER_SPINE), at these "
+                             "numbers of rounds after it (default tree.SPINE_ROUNDS)")
     parser.add_argument("--node-table-ab", action="store_true",
                         help="the Weaver draft + tree graph with node inputs computed per round and gathered from "
                              "the precomputed table (section 8; needs --proposer weaver)")
@@ -218,6 +224,16 @@ def main():
         proposer = draft.proposer("weaver", args.budget, weaver, compile=compile)
         proposer.propose(1, context, args.prompt_length, last)  # captures
         return timed(draft._graphs[proposer.key][0])
+
+    if args.spine_ab is not None:
+        with switched(tree_module, "WEAVER_SPINE", False, target):
+            line = f"best-first {weaver_graph_ms():.3f}"
+        for rounds in args.spine_ab or [tree_module.SPINE_ROUNDS]:
+            with switched(tree_module, "SPINE_ROUNDS", rounds, target), \
+                    switched(tree_module, "WEAVER_SPINE", True, target):
+                line += f", spine + {rounds} rounds {weaver_graph_ms():.3f}"
+        print(f"\n## Weaver draft + tree graph at budget {args.budget}, GPU ms per replay: {line} (AR step graph "
+              f"{timed(captured_ar().ar_step()._graph[0]):.3f})")
 
     if args.node_table_ab:
         times = both_ways("use_node_table", weaver_graph_ms, owner=StaticProposer)

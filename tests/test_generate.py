@@ -121,6 +121,25 @@ def test_greedy_identity_with_long_accepted_paths(name, mode):
 
 
 @pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_greedy_identity_spine_trees(name, monkeypatch):
+    """Weaver spine trees (tree.WEAVER_SPINE) through the loop: random drafters, and a drafter that agrees with the
+    target often (deep paths along the spine and off it)."""
+    import modeling_weaver.tree as tree_module
+
+    monkeypatch.setattr(tree_module, "WEAVER_SPINE", True)
+    target = TINY_TARGETS[name]()
+    drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else VOCAB - 1)
+    for seed, ids in enumerate(prompts()):
+        expected = reference(target, ids, NEW_TOKENS)
+        got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="weaver", tree_budget=12,
+                                   max_new_tokens=NEW_TOKENS)
+        assert torch.equal(got, expected), (name, ids.shape)
+        got, stats = run_oracle(target, weaver, ids, "weaver", budget=24, max_new_tokens=NEW_TOKENS, seed=seed)
+        assert torch.equal(got, expected), (name, seed)
+        assert max(stats.accepted_lengths) >= 6, stats.accepted_lengths
+
+
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
 def test_static_shapes_give_the_same_tokens(name):
     """Padded trees, attention over the whole cache, padded commits (a captured step's shapes): the same tokens as
     the dynamic path and as AR, over many steps, deep accepted paths and several prompt lengths."""
@@ -360,12 +379,17 @@ def test_bad_inputs_raise_clear_errors():
         speculative_generate(target, ids, drafter=drafter, weaver=narrow, max_new_tokens=4)
 
 
-@pytest.mark.parametrize("mode,verification", [("weaver", None), ("ddtree", None), ("ddtree", "traversal")])
-def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification):
+@pytest.mark.parametrize("mode,verification,spine", [("weaver", None, False), ("weaver", None, True),
+                                                     ("ddtree", None, False), ("ddtree", "traversal", False)])
+def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification, spine, monkeypatch):
     """End to end on a tiny vocabulary: the first three sampled tokens — across a commit and a second step — follow
-    the processed target distribution."""
+    the processed target distribution (Weaver trees also as spine trees)."""
     from scipy.stats import chisquare
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    import modeling_weaver.tree as tree_module
+
+    monkeypatch.setattr(tree_module, "WEAVER_SPINE", spine)
 
     vocab, temperature, top_k, draws = 6, 0.7, 3, 3000
     torch.manual_seed(0)

@@ -77,6 +77,23 @@ def test_neumann_verify_identity_on_gpu(mode, monkeypatch):
     assert taken and set(taken) == {1}  # the Neumann form with the root step
 
 
+def test_spine_trees_identity_on_gpu(monkeypatch):
+    """Weaver spine trees (tree.WEAVER_SPINE: the Triton expand kernel with a spine, best_known on the device) at
+    budgets 12 and 64: greedy output token-identical to transformers in eager, graph and compiled steps."""
+    import modeling_weaver.tree as tree_module
+
+    monkeypatch.setattr(tree_module, "WEAVER_SPINE", True)
+    target = TINY_TARGETS["qwen3_5"]().cuda()
+    drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
+    for ids in prompts():
+        ids = ids.cuda()
+        expected = reference(target, ids, 48)
+        for budget, target_step in ((12, "eager"), (64, "graph"), (12, "compiled")):
+            got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="weaver",
+                                       tree_budget=budget, max_new_tokens=48, target_step=target_step)
+            assert torch.equal(got, expected), (budget, target_step)
+
+
 @pytest.mark.parametrize("mode", ["ddtree", "weaver"])
 def test_compiled_steps_identity_on_gpu(mode):
     """target_step="compiled" (torch.compile'd tree pass and tree build inside CUDA graphs) on the hybrid target:

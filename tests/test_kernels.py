@@ -1162,19 +1162,25 @@ def test_weaver_tree_ops_real_shape_gpu():
     err = rel_rms(got, exact)
     print(f"\n[gpu] pool scores vs fp64: {err:.2e}")
     assert err <= 1e-5, err
-    n, fan, width = 65, 8, 4
-    ref, mine = (dict((k, v.cuda()) for k, v in _expand_buffers(n, fan).items()) for _ in range(2))
-    lo, hi = 0, 1
-    while True:
-        cand = torch.randn(hi - lo, P, device="cuda", generator=gen) * 3
-        take = min(width, n - hi)
-        wk.weaver_expand_ref(cand, pool_ids, *ref.values(), lo, hi, take, D)
-        expand.weaver_expand_triton(cand, pool_ids, *mine.values(), lo, hi, take, D)
-        for name in ref:
-            torch.testing.assert_close(mine[name], ref[name], rtol=1e-6, atol=1e-6, msg=f"{name} after round {lo}")
-        if hi >= n:
-            break
-        lo, hi = hi, hi + take
+    for n, width, spine in ((65, 4, 0), (48, 8, D)):  # best-first rounds; a spine tree's (1 + 15 + 4 rounds of 8)
+        fan = 8
+        ref, mine = (dict((k, v.cuda()) for k, v in _expand_buffers(n, fan).items()) for _ in range(2))
+        lo, hi = 0, 1
+        if spine:
+            for b in (ref, mine):
+                _spine_buffers(b, pool_ids, spine)
+            hi = spine + 1
+        while True:
+            cand = torch.randn(hi - lo, P, device="cuda", generator=gen) * 3
+            take = min(width, n - hi)
+            wk.weaver_expand_ref(cand, pool_ids, *ref.values(), lo, hi, take, D, spine * (lo == 0))
+            expand.weaver_expand_triton(cand, pool_ids, *mine.values(), lo, hi, take, D, spine * (lo == 0))
+            for name in ref:
+                torch.testing.assert_close(mine[name], ref[name], rtol=1e-6, atol=1e-6,
+                                           msg=f"{name} after round {lo} (spine {spine})")
+            if hi >= n:
+                break
+            lo, hi = hi, hi + take
 
 
 @pytest.mark.gpu
