@@ -248,9 +248,11 @@ def ddtree_tensors(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tenso
 # with `scripts/diagnose_fused_steps.py --ab node_attention`, check it with `pytest -m gpu -k node_attention`).
 FUSED_NODE_ATTENTION: bool | None = False
 
-# Weaver trees start from DFlash's chain (see weaver_tree_tensors), with SPINE_ROUNDS rounds after it.
-WEAVER_SPINE: bool = False
-SPINE_ROUNDS: int = 4
+# Weaver trees start from DFlash's chain, then SPINE_ROUNDS rounds (see weaver_tree_tensors). On real SmolLM2
+# (BENCHMARKS.md, 2026-12-02) spine + 2 rounds gave MAL 2.547 at budget 64 and 2.184 at 16 against 2.525 and 2.181
+# for 16 best-first rounds; at Qwen3.6-27B shape the Weaver draft + tree graph took 2.40 ms instead of 3.64.
+WEAVER_SPINE: bool = True
+SPINE_ROUNDS: int = 2
 
 
 def weaver_tree(
@@ -301,7 +303,9 @@ def weaver_tree_tensors(
     ``rounds`` rounds (default :data:`SPINE_ROUNDS`) of ``width`` (default ``ceil(budget / 8)``) frontier entries
     each; the tree is the ``budget`` most probable paths among every node stepped and every frontier candidate
     (:func:`best_known`), so spine nodes the Weaver finds unlikely are left out. Depth no longer costs rounds: a
-    budget-64 tree takes 1 + 4 node steps instead of 16.
+    budget-64 tree takes 1 + 2 node steps instead of 16. The price: off the spine, a path can follow the Weaver's
+    own choices for at most ``rounds + 1`` tokens (best-first rounds: to the maximum depth), which no SmolLM2 trace
+    has shown yet (its accepted paths are short); deep-accepting targets may want more rounds.
 
     Args:
         root: the bonus token (an int, or a 0-d or one-element tensor on the device).

@@ -518,7 +518,7 @@ def test_weaver_drives_the_tree_builder(budget, width, attention, monkeypatch):
     steps, step = [], weaver.step
     weaver.step = lambda *args: steps.append(args[3].shape[1]) or step(*args)
     with torch.no_grad():
-        tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width)
+        tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width, spine=False)
         del weaver.step
         assert len(tree) == budget + 1 and int(tree.depths.max()) <= 5
         # the default width: the widest that leaves a round per depth
@@ -629,7 +629,7 @@ def test_weaver_spine_tree_when_the_chain_is_certain():
 def test_weaver_tree_default_width_reaches_full_depth(budget):
     """With one dominant token per depth (planted in the draft marginals), the default expansion width still leaves
     enough rounds for the best-first tree to hold the whole peaked path: a node of depth d needs d rounds (K = 15, the
-    real drafters' depth)."""
+    real drafters' depth); a spine tree (the default) holds it after its few rounds."""
     torch.manual_seed(budget)
     K = 15
     weaver = make_weaver(K=K)
@@ -639,12 +639,15 @@ def test_weaver_tree_default_width_reaches_full_depth(budget):
     peaks = torch.randint(0, VOCAB, (K,))
     draft_logits[torch.arange(K), peaks] += 100.0
     with torch.no_grad():
-        tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget)
-        wide = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=-(-budget // 8))
+        tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, spine=False)
+        wide = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=-(-budget // 8),
+                           spine=False)
+        spined = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget)  # the default
     depth = min(K, budget)
-    assert int(tree.depths.max()) == depth
-    deepest = int(tree.depths.argmax())
-    assert tree.tokens[tree.path_to(deepest)[1:]].tolist() == peaks[:depth].tolist()
+    for t in (tree, spined):
+        assert int(t.depths.max()) == depth
+        deepest = int(t.depths.argmax())
+        assert t.tokens[t.path_to(deepest)[1:]].tolist() == peaks[:depth].tolist()
     assert budget < 9 or int(wide.depths.max()) < depth  # negative control: 8 rounds hold depth 8 at most
 
 
