@@ -253,6 +253,7 @@ FUSED_NODE_ATTENTION: bool | None = False
 # for 16 best-first rounds; at Qwen3.6-27B shape the Weaver draft + tree graph took 2.40 ms instead of 3.64.
 WEAVER_SPINE: bool = True
 SPINE_ROUNDS: int = 2
+SPINE_WIDTH: int | None = None  # None: ceil(budget / 8)
 
 
 def weaver_tree(
@@ -300,7 +301,7 @@ def weaver_tree_tensors(
     With ``spine`` (default :data:`WEAVER_SPINE`) the depth comes first and the rounds are few: the first round
     runs the root together with the chain of DFlash's top-1 tokens (the pool's first candidate at every depth, as a
     plain DFlash chain), all in one batched node step, since a node's step needs only its ancestors' tokens. Then
-    ``rounds`` rounds (default :data:`SPINE_ROUNDS`) of ``width`` (default ``ceil(budget / 8)``) frontier entries
+    ``rounds`` rounds (default :data:`SPINE_ROUNDS`) of ``width`` (default :data:`SPINE_WIDTH`) frontier entries
     each; the tree is the ``budget`` most probable paths among every node stepped and every frontier candidate
     (:func:`best_known`), so spine nodes the Weaver finds unlikely are left out. Depth no longer costs rounds: a
     budget-64 tree takes 1 + 2 node steps instead of 16. The price: off the spine, a path can follow the Weaver's
@@ -332,7 +333,7 @@ def weaver_tree_tensors(
     spine_nodes = max_depth if spine else 0
     if width is None:
         if spine:
-            width = -(-budget // 8)
+            width = SPINE_WIDTH or -(-budget // 8)
         else:
             width = budget if max_depth == 1 else max(1, (budget - 1) // (max_depth - 1))
     rounds = (SPINE_ROUNDS if rounds is None else rounds) if spine else None

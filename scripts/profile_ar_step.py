@@ -26,8 +26,8 @@
 8. With ``--node-table-ab`` (and ``--proposer weaver``): the Weaver draft + tree graph timed as in 5 with node inputs
    computed each expansion round and gathered from the precomputed table
    (:attr:`~modeling_weaver.captured.StaticProposer.use_node_table`).
-9. With ``--spine-ab [ROUNDS ...]``: the Weaver draft + tree graph timed as in 5 as best-first rounds and as spine
-   trees (:data:`~modeling_weaver.tree.WEAVER_SPINE`) with each number of rounds after the spine.
+9. With ``--spine-ab [ROUNDS[,WIDTH] ...]``: the Weaver draft + tree graph timed as in 5 as best-first rounds and
+   as spine trees (:data:`~modeling_weaver.tree.WEAVER_SPINE`) with each number (and width) of rounds after it.
 """
 import argparse
 
@@ -112,9 +112,10 @@ def main():
                              "kernel, side by side (section 6)")
     parser.add_argument("--peel-ab", action="store_true",
                         help="the --tree-nodes verify graph with and without the GDN root step (section 7)")
-    parser.add_argument("--spine-ab", nargs="*", type=int, metavar="ROUNDS",
+    parser.add_argument("--spine-ab", nargs="*", metavar="ROUNDS[,WIDTH]",
                         help="Weaver draft + tree graph without and with the spine (tree.WEAVER_SPINE), at these "
-                             "numbers of rounds after it (default tree.SPINE_ROUNDS)")
+                             "numbers of rounds after it (default tree.SPINE_ROUNDS) and widths (default "
+                             "tree.SPINE_WIDTH)")
     parser.add_argument("--node-table-ab", action="store_true",
                         help="the Weaver draft + tree graph with node inputs computed per round and gathered from "
                              "the precomputed table (section 8; needs --proposer weaver)")
@@ -228,10 +229,13 @@ def main():
     if args.spine_ab is not None:
         with switched(tree_module, "WEAVER_SPINE", False, target):
             line = f"best-first {weaver_graph_ms():.3f}"
-        for rounds in args.spine_ab or [tree_module.SPINE_ROUNDS]:
-            with switched(tree_module, "SPINE_ROUNDS", rounds, target), \
+        for item in args.spine_ab or [str(tree_module.SPINE_ROUNDS)]:
+            rounds, _, width = item.partition(",")
+            width = int(width) if width else tree_module.SPINE_WIDTH
+            with switched(tree_module, "SPINE_ROUNDS", int(rounds), target), \
+                    switched(tree_module, "SPINE_WIDTH", width, target), \
                     switched(tree_module, "WEAVER_SPINE", True, target):
-                line += f", spine + {rounds} rounds {weaver_graph_ms():.3f}"
+                line += f", spine + {rounds} rounds of {width or 'ceil(budget / 8)'} {weaver_graph_ms():.3f}"
         print(f"\n## Weaver draft + tree graph at budget {args.budget}, GPU ms per replay: {line} (AR step graph "
               f"{timed(captured_ar().ar_step()._graph[0]):.3f})")
 

@@ -451,6 +451,7 @@ def test_weaver_expand_interpreter(ik, budget, fan, P, max_depth, width, scores,
         if hi >= n:
             break
         lo, hi = hi, hi + take
+    assert not any(t.any() for t in wk.utils._SCRATCH.values())  # the arrival count left zeroed
     if scores == "random":  # (the cases the parameters aim at: padding only where the frontier runs out, full depth)
         assert (ref["parents"][1:] == -1).any() == (max_depth == 1)
         assert int(ref["depth"].max()) == max_depth
@@ -863,7 +864,7 @@ def test_gdn_decode_value_blocks_interpreter(ik, norm):
         assert err["o"] <= 1e-5 and err["state"] <= 1e-5, (trial, err)
         err = check_gdn_decode(ik.decode, 1, 1, 3, 16, 40, torch.float32, norm, BV=16, seed=trial)  # V % BV ≠ 0
         assert err["o"] <= 1e-5 and err["state"] <= 1e-5, (trial, err)
-    assert not any(t.any() for t in ik.decode._SCRATCH.values())
+    assert not any(t.any() for t in wk.utils._SCRATCH.values())
     with pytest.raises(ValueError, match="BV"):
         check_gdn_decode(ik.decode, 1, 2, 4, 16, 64, torch.float32, norm, BV=24)
     with pytest.raises(ValueError, match="multiple"):

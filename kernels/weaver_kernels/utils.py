@@ -33,6 +33,25 @@ def interpret_env(on: bool = True):
             os.environ["TRITON_INTERPRET"] = old
 
 
+_SCRATCH: dict = {}
+
+
+def zeroed_scratch(device, shape: tuple, dtype=None):
+    """A zeroed scratch buffer kept per device, shape and dtype (fp32 by default) for kernels whose programs meet
+    through atomics and leave it zeroed again. Launches on one stream only: two in flight at once would share it.
+    Inside a CUDA graph capture without one yet, a fresh buffer (zeroed in the graph) rather than one the graph's
+    pool owns."""
+    import torch
+
+    dtype = dtype or torch.float32
+    key = (device, tuple(shape), dtype)
+    if key not in _SCRATCH:
+        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return torch.zeros(shape, device=device, dtype=dtype)
+        _SCRATCH[key] = torch.zeros(shape, device=device, dtype=dtype)
+    return _SCRATCH[key]
+
+
 def launch_ctx(interpret: bool):
     """Context for a kernel launch: under the interpreter Triton also reads ``TRITON_INTERPRET`` at call time."""
     return interpret_env(True) if interpret else contextlib.nullcontext()

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import is_interpret, launch_ctx, next_pow2
+from ..utils import is_interpret, launch_ctx, next_pow2, zeroed_scratch
 
 _INTERPRET = is_interpret()
 
@@ -126,7 +126,6 @@ def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_
 # without it 5.1–5.2 — the launch is latency-bound (a chain of loads and reductions), not by the state's 6.3 MB.
 DECODE_BV = 32
 DECODE_NORM_BV = 16
-_SCRATCH: dict = {}
 
 
 def _heads(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -174,7 +173,7 @@ def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         num_warps = 8 if BK * BV >= 128 * 128 else 4
     o = torch.empty(B, 1, HV, V, device=v.device, dtype=v.dtype) if out is None else out
     z = gate if norm else v
-    scratch = _norm_scratch(v.device, B * HV) if norm and NV > 1 else state
+    scratch = zeroed_scratch(v.device, (B * HV, 2)) if norm and NV > 1 else state
     with launch_ctx(_INTERPRET):
         _gdn_decode_kernel[(NV, B * HV)](
             q, k, v, g, beta, state, o, z, norm_weight if norm else state,
@@ -186,15 +185,3 @@ def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
             NV=NV, BVF=max(16, next_pow2(V)), num_warps=num_warps,
         )
     return o
-
-
-def _norm_scratch(device: torch.device, heads: int) -> torch.Tensor:
-    """Zeroed fp32 ``[heads, 2]`` kept per device (every launch leaves it zeroed). Launches on one stream only: two
-    in flight at once would share it. Inside a CUDA graph capture without one yet, a fresh buffer (zeroed in the
-    graph) rather than one the graph's pool owns."""
-    key = (device, heads)
-    if key not in _SCRATCH:
-        if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return torch.zeros(heads, 2, device=device)
-        _SCRATCH[key] = torch.zeros(heads, 2, device=device)
-    return _SCRATCH[key]
