@@ -109,23 +109,23 @@ def _expand_kernel(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_
             tl.store(f_score + (k + 1) * FAN + fan, s + rel, mask=f_ok)
         tl.debug_barrier()  # the frontier stores above are read below (other threads of this program)
         fcols = tl.arange(0, BF)
-        free = fcols < n * FAN
-        F = tl.load(f_score + fcols, mask=free, other=neg_inf, cache_modifier=".cg")
+        taken = fcols >= n * FAN
+        F = tl.load(f_score + fcols, mask=~taken, other=neg_inf, cache_modifier=".cg")
         nodes = tl.arange(0, BN)
         n_ok = nodes < n
-        for j in range(0, take):
-            v = tl.reduce(tl.where(free, F, neg_inf), 0, _max)
-            idx = tl.reduce(tl.where(free & (F == v), fcols, BF), 0, _min)
+        for t in range(0, take):
+            v = tl.reduce(tl.where(taken, neg_inf, F), 0, _max)
+            idx = tl.reduce(tl.where(~taken & (F == v), fcols, BF), 0, _min)
             valid = v > neg_inf
             parent = idx // FAN
-            new = hi + j
+            new = hi + t
             tl.store(tokens + new, tl.where(valid, tl.load(f_token + idx, cache_modifier=".cg"), 0))
             tl.store(parents + new, tl.where(valid, parent, -1))
             tl.store(logq + new, tl.where(valid, tl.load(f_logq + idx, cache_modifier=".cg"), neg_inf))
             tl.store(depth + new, tl.where(valid, tl.load(depth + parent) + 1, 0))
             tl.store(score + new, v)
             tl.store(f_score + idx, neg_inf)  # taken
-            free = free & (fcols != idx)
+            taken = taken | (fcols == idx)
             ancestors = tl.where(valid, tl.load(mask + parent * n + nodes, mask=n_ok, other=0), 0)
             tl.store(mask + new * n + nodes, tl.where(nodes == new, 1, ancestors).to(tl.uint8), mask=n_ok)
 
