@@ -244,15 +244,18 @@ def ddtree_tensors(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tenso
 
 # Weaver node steps through weaver_kernels.node_attention (None: on CUDA, where it is one Triton launch instead of ~10
 # small kernels per round and layer; on CPU the op is the same torch ops as WeaverModel.step's own form). Off until
-# run on a GPU: tested under the Triton interpreter only (predicted ≈ −20 µs per round at Qwen3.6-27B shape; time it
-# with `scripts/diagnose_fused_steps.py --ab node_attention`, check it with `pytest -m gpu -k node_attention`).
+# timed: checked on an H200 (`pytest -m gpu -k node_attention`, 2026-12-02), not yet in a replay (predicted ≈ −20 µs
+# per round at Qwen3.6-27B shape; time it with `scripts/diagnose_fused_steps.py --ab node_attention`).
 FUSED_NODE_ATTENTION: bool | None = False
 
-# Weaver trees start from DFlash's chain, then SPINE_ROUNDS rounds (see weaver_tree_tensors). On real SmolLM2
-# (BENCHMARKS.md, 2026-12-02) spine + 2 rounds gave MAL 2.547 at budget 64 and 2.184 at 16 against 2.525 and 2.181
-# for 16 best-first rounds; at Qwen3.6-27B shape the Weaver draft + tree graph took 2.40 ms instead of 3.64.
+# Weaver trees start from DFlash's chain, then SPINE_ROUNDS rounds of SPINE_WIDTH (see weaver_tree_tensors). Real
+# SmolLM2, greedy MAL (BENCHMARKS.md, 2026-12-02): MT-Bench + HumanEval subsets at budget 64, 16 best-first rounds
+# 2.525, spine + 2 / 4 rounds of 8 2.547 / 2.542; the demo's prompts (repetitive text, deep paths) at budget 16,
+# best-first 3.27, spine + 2 / 4 rounds of 2 3.08 / 3.20 — off the spine a path follows the Weaver for at most
+# rounds + 1 tokens, so 4 rounds. Qwen3.6-27B shape on an H200: the Weaver draft + tree graph 3.56 ms best-first,
+# 2.53 with spine + 4 rounds (2.33 with 2).
 WEAVER_SPINE: bool = True
-SPINE_ROUNDS: int = 2
+SPINE_ROUNDS: int = 4
 SPINE_WIDTH: int | None = None  # None: ceil(budget / 8)
 
 
@@ -304,9 +307,9 @@ def weaver_tree_tensors(
     ``rounds`` rounds (default :data:`SPINE_ROUNDS`) of ``width`` (default :data:`SPINE_WIDTH`) frontier entries
     each; the tree is the ``budget`` most probable paths among every node stepped and every frontier candidate
     (:func:`best_known`), so spine nodes the Weaver finds unlikely are left out. Depth no longer costs rounds: a
-    budget-64 tree takes 1 + 2 node steps instead of 16. The price: off the spine, a path can follow the Weaver's
-    own choices for at most ``rounds + 1`` tokens (best-first rounds: to the maximum depth), which no SmolLM2 trace
-    has shown yet (its accepted paths are short); deep-accepting targets may want more rounds.
+    budget-64 tree takes 1 + 4 node steps instead of 16. The price: off the spine, a path can follow the Weaver's
+    own choices for at most ``rounds + 1`` tokens (best-first rounds: to the maximum depth); on text that SmolLM2
+    accepts deeply (the demo's prompts) 2 rounds lost 6 % of MAL against best-first rounds, 4 rounds 2 %.
 
     Args:
         root: the bonus token (an int, or a 0-d or one-element tensor on the device).
