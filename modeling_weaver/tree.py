@@ -1,4 +1,4 @@
-"""Proposal trees: one structure, three builders (chain, DDTree, Weaver best-first). DESIGN.md §4.
+"""Proposal trees: one structure, three builders (chain, DDTree, Weaver). DESIGN.md §4.
 
 A tree's node 0 is the root, the bonus token the target chose last; draft nodes follow in topological order
 (every parent before its children). The budget counts draft nodes, so a tree has at most ``budget + 1`` nodes.
@@ -272,7 +272,7 @@ def weaver_tree(
     spine: bool | None = None,
     rounds: int | None = None,
 ) -> Tree:
-    """Weaver best-first tree (see :func:`weaver_tree_tensors`)."""
+    """A Weaver tree (spine or best-first rounds, see :func:`weaver_tree_tensors`)."""
     return with_root(root, weaver_tree_tensors(root, weaver, prompt, draft_logits, embed_tokens, lm_head_weight,
                                                budget, children_per_node, width, spine=spine, rounds=rounds))
 
@@ -291,9 +291,9 @@ def weaver_tree_tensors(
     spine: bool | None = None,
     rounds: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weaver best-first: batched expansion rounds over the frontier (DESIGN.md §4), on the device.
+    """A Weaver tree from batched expansion rounds over the frontier (DESIGN.md §4), on the device.
 
-    The root is expanded first; then each round turns the ``width`` best frontier entries (cumulative log-prob) into
+    Best-first rounds (``spine=False``, the paper's): the root is expanded first; then each round turns the ``width`` best frontier entries (cumulative log-prob) into
     tree nodes and runs one batched Weaver node step on them, which publishes each node's top ``children_per_node``
     pool candidates (none for nodes at the maximum depth) to the frontier — but for the nodes that fill the budget,
     whose children could not join the tree. ``ceil(budget / width)`` rounds fill the
@@ -309,7 +309,9 @@ def weaver_tree_tensors(
     (:func:`best_known`), so spine nodes the Weaver finds unlikely are left out. Depth no longer costs rounds: a
     budget-64 tree takes 1 + 4 node steps instead of 16. The price: off the spine, a path can follow the Weaver's
     own choices for at most ``rounds + 1`` tokens (best-first rounds: to the maximum depth); on text that SmolLM2
-    accepts deeply (the demo's prompts) 2 rounds lost 6 % of MAL against best-first rounds, 4 rounds 2 %.
+    accepts deeply (the demo's prompts) 2 rounds lost 6 % of MAL against best-first rounds, 4 rounds 2 %. A round
+    may also take a frontier entry at the maximum depth, whose step adds nothing (it publishes no candidates); at
+    maximum depth 1 the spine's step is the only one.
 
     Args:
         root: the bonus token (an int, or a 0-d or one-element tensor on the device).
@@ -333,6 +335,8 @@ def weaver_tree_tensors(
     # with ceil(budget / width) >= max_depth): each round is a chain of small dependent kernels (≈ 0.12 ms of GPU
     # time on an H200 at that shape, BENCHMARKS.md).
     spine = WEAVER_SPINE if spine is None else spine
+    if rounds is not None and (not spine or rounds < 0):
+        raise ValueError(f"rounds ({rounds}) is the number of rounds after a spine: >= 0, with spine trees only")
     spine_nodes = max_depth if spine else 0
     if width is None:
         if spine:
@@ -340,12 +344,15 @@ def weaver_tree_tensors(
         else:
             width = budget if max_depth == 1 else max(1, (budget - 1) // (max_depth - 1))
     rounds = (SPINE_ROUNDS if rounds is None else rounds) if spine else None
+    if spine and max_depth == 1:
+        rounds = 0  # every candidate is a leaf: stepping one adds nothing
     pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])
     pool_logits, pool_ids = draft_logits[:max_depth].float().topk(pool, dim=-1)  # [D, pool]: children of depth d+1
     fan = min(children_per_node, pool)
     n = 1 + spine_nodes + rounds * width if spine else budget + 1
     cache = weaver.new_node_cache(n, device=device)
-    if FUSED_NODE_ATTENTION or (FUSED_NODE_ATTENTION is None and device.type == "cuda"):
+    fused = FUSED_NODE_ATTENTION or (FUSED_NODE_ATTENTION is None and device.type == "cuda")
+    if fused and max(1 + spine_nodes, width) <= weaver_kernels.NODE_ATTENTION_MAX_ROWS:
         # each layer's RoPE, slot writes and attention in one op (one launch per round on CUDA)
         prompt_kv = [(k[0].contiguous(), v[0].contiguous()) for k, v in zip(prompt.keys, prompt.values)]
         scale = weaver.config.head_dim ** -0.5

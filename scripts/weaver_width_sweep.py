@@ -1,5 +1,5 @@
-"""Mean accepted length of Weaver trees against the expansion width, or against a tempering of the Weaver's scores, on
-real SmolLM2 with the shipped drafters.
+"""Mean accepted length of Weaver trees against the expansion width of best-first rounds, the rounds after a spine, or
+a tempering of the Weaver's scores (default trees), on real SmolLM2 with the shipped drafters.
 
     python scripts/weaver_width_sweep.py --budget 64 --widths 1 4 8 16
     python scripts/weaver_width_sweep.py --budget 64 --calibrations 1,1 0.7,1 1.5,1 1,0.5 1,1.5
@@ -60,8 +60,8 @@ def main():
     build, scores = tree_module.weaver_tree_tensors, weaver_kernels.pool_scores
     try:
         for width in args.widths:
-            tree_module.weaver_tree_tensors = lambda *a, w=width, **k: build(*a, **{**k, "width": w})
-            mal(f"width {width}")
+            tree_module.weaver_tree_tensors = lambda *a, w=width, **k: build(*a, **{**k, "width": w, "spine": False})
+            mal(f"best-first, width {width}")
         for pair in args.spines:
             rounds, width = map(int, pair.split(","))
             tree_module.weaver_tree_tensors = lambda *a, r=rounds, w=width, **k: build(

@@ -121,12 +121,12 @@ def test_greedy_identity_with_long_accepted_paths(name, mode):
 
 
 @pytest.mark.parametrize("name", list(TINY_TARGETS))
-def test_greedy_identity_spine_trees(name, monkeypatch):
-    """Weaver spine trees (tree.WEAVER_SPINE) through the loop: random drafters, and a drafter that agrees with the
-    target often (deep paths along the spine and off it)."""
+def test_greedy_identity_best_first_rounds(name, monkeypatch):
+    """Weaver trees from best-first rounds (tree.WEAVER_SPINE off; the other loop tests take the default spine
+    trees): random drafters, and a drafter that agrees with the target often (deep paths)."""
     import modeling_weaver.tree as tree_module
 
-    monkeypatch.setattr(tree_module, "WEAVER_SPINE", True)
+    monkeypatch.setattr(tree_module, "WEAVER_SPINE", False)
     target = TINY_TARGETS[name]()
     drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else VOCAB - 1)
     for seed, ids in enumerate(prompts()):

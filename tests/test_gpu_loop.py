@@ -77,12 +77,14 @@ def test_neumann_verify_identity_on_gpu(mode, monkeypatch):
     assert taken and set(taken) == {1}  # the Neumann form with the root step
 
 
-def test_spine_trees_identity_on_gpu(monkeypatch):
-    """Weaver spine trees (tree.WEAVER_SPINE: the Triton expand kernel with a spine, best_known on the device) at
-    budgets 12 and 64: greedy output token-identical to transformers in eager, graph and compiled steps."""
+@pytest.mark.parametrize("spine", [True, False])
+def test_spine_trees_identity_on_gpu(spine, monkeypatch):
+    """Weaver spine trees (tree.WEAVER_SPINE: the Triton expand kernel with a spine, best_known on the device) and
+    best-first rounds at budgets 12 and 64: greedy output token-identical to transformers in eager, graph and
+    compiled steps."""
     import modeling_weaver.tree as tree_module
 
-    monkeypatch.setattr(tree_module, "WEAVER_SPINE", True)
+    monkeypatch.setattr(tree_module, "WEAVER_SPINE", spine)
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
     for ids in prompts():

@@ -478,6 +478,10 @@ def test_weaver_ops_dispatch_and_check_cpu():
     rows = torch.tensor([1, 0, 1])
     torch.testing.assert_close(wk.pool_scores(q, rows, ids, logits, w),
                                WeaverModel.candidate_logits(q, ids[rows], logits[rows], w))
+    with pytest.raises(ValueError, match="spine"):
+        wk.weaver_expand(torch.zeros(1, 4), pool, *b.values(), 0, 1, 2, 2, spine=1)  # its round must hold it
+    with pytest.raises(ValueError, match="spine"):
+        wk.weaver_expand(torch.zeros(1, 4), pool, *b.values(), 1, 2, 2, 2, spine=1)  # and start at the root
     wk.weaver_expand(torch.randn(1, 4), torch.arange(8).view(2, 4), *b.values(), 0, 1, 2, 2)
     assert b["parents"][1:3].tolist() == [0, 0] and b["depth"][1:3].tolist() == [1, 1]
 
@@ -961,7 +965,11 @@ def test_custom_ops_opcheck():
                            torch.randn(20, 8)))
     b = _expand_buffers(6, 2)
     torch.library.opcheck(torch.ops.weaver.weaver_expand.default,
-                          (torch.randn(1, 4), torch.arange(8).view(2, 4), *b.values(), 0, 1, 2, 2))
+                          (torch.randn(1, 4), torch.arange(8).view(2, 4), *b.values(), 0, 1, 2, 2, 0))
+    b = _expand_buffers(6, 2)
+    _spine_buffers(b, torch.arange(8).view(2, 4), 1)
+    torch.library.opcheck(torch.ops.weaver.weaver_expand.default,
+                          (torch.randn(2, 4), torch.arange(8).view(2, 4), *b.values(), 0, 2, 2, 2, 1))
     torch.library.opcheck(torch.ops.weaver.node_attention.default,
                           (*node_attention_inputs(3, 2, 8, 4, 9, 2, torch.float32), 2, 1e4, 0.35))
 

@@ -609,6 +609,25 @@ def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width):
             assert abs(float(tree.logq[i]) - (known[path] - score.get(path[:-1], 0.0))) < 1e-4, path
 
 
+def test_weaver_spine_tree_arguments():
+    """``rounds`` goes with spine trees only and is not negative; at maximum depth 1 every candidate is a leaf, so the
+    spine's step is the only one."""
+    torch.manual_seed(0)
+    weaver = make_weaver()
+    embed, lm_head = torch.nn.Embedding(VOCAB, 40), torch.randn(VOCAB, 48)
+    prompt = weaver.encode_prompt(torch.randn(1, 48), torch.randn(1, 1, 48))
+    draft_logits = torch.randn(1, VOCAB)
+    with torch.no_grad():
+        for bad in (dict(spine=True, rounds=-1), dict(spine=False, rounds=2)):
+            with pytest.raises(ValueError, match="rounds"):
+                weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=8, **bad)
+        steps, step = [], weaver.step
+        weaver.step = lambda *args: steps.append(args[3].shape[1]) or step(*args)
+        tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=8, spine=True, rounds=3)
+        del weaver.step
+    assert steps == [2] and (tree.depths[1:] == 1).all() and (tree.parents[1:] == 0).all()
+
+
 def test_weaver_spine_tree_when_the_chain_is_certain():
     """DFlash's chain certain (pool log-prob 0.0 in fp32: every spine node ties with its parent): the whole chain is
     in the tree, parents first."""

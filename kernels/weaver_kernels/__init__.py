@@ -32,9 +32,11 @@ from .rms_norm.naive import ONE_PLUS as RMS_ONE_PLUS
 from .rms_norm.naive import WEIGHT as RMS_WEIGHT
 from .rms_norm.naive import rms_norm_ref
 from .tree_attention.naive import tree_attention_mask, tree_attention_ref
+from .utils import NODE_ATTENTION_MAX_ROWS
 from .weaver_tree.naive import node_attention_ref, pool_scores_ref, weaver_expand_ref
 
 __all__ = [
+    "NODE_ATTENTION_MAX_ROWS",
     "gdn_tree_verify",
     "gdn_tree_commit",
     "conv_tree",

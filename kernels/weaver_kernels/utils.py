@@ -33,6 +33,9 @@ def interpret_env(on: bool = True):
             os.environ["TRITON_INTERPRET"] = old
 
 
+# The most nodes a Weaver round's fused node attention takes (weaver_tree/attention.py keeps a round's rows in one tile).
+NODE_ATTENTION_MAX_ROWS = 16
+
 _SCRATCH: dict = {}
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import is_interpret, launch_ctx, next_pow2
+from ..utils import NODE_ATTENTION_MAX_ROWS, is_interpret, launch_ctx, next_pow2
 
 _INTERPRET = is_interpret()
 
@@ -120,8 +120,8 @@ def node_attention_triton(qkv: torch.Tensor, positions: torch.Tensor, prompt_k: 
     M = qkv.shape[0]
     H, N, D = node_k.shape
     P = prompt_k.shape[1]
-    if M > 16 or D % 2 or qkv.shape[1] != 3 * H * D or qkv.stride(1) != 1:
-        raise ValueError(f"node_attention: qkv [M ≤ 16, 3·H·D] (last dim contiguous) and an even head size; got "
+    if M > NODE_ATTENTION_MAX_ROWS or D % 2 or qkv.shape[1] != 3 * H * D or qkv.stride(1) != 1:
+        raise ValueError(f"node_attention: qkv [M ≤ {NODE_ATTENTION_MAX_ROWS}, 3·H·D] (last dim contiguous) and an even head size; got "
                          f"{tuple(qkv.shape)} for {H} heads of {D}")
     for name, t, rows in (("prompt_k", prompt_k, P), ("prompt_v", prompt_v, P), ("node_k", node_k, N),
                           ("node_v", node_v, N)):

@@ -59,7 +59,8 @@ def weaver_expand_ref(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: T
     if spine:
         first = logp[:spine, 0]
         logq[1 : spine + 1] = first
-        score[1 : spine + 1] = torch.cat([score[:1], first]).cumsum(0)[1:]  # left to right, as the kernel adds
+        for k in range(spine):  # fp32 adds down the chain, in the kernel's order (cumsum may add in another)
+            score[k + 1] = score[k] + first[k]
         # A spine parent's column 0 is its spine child, no frontier candidate: looked at last, as -inf (the kernel
         # never frees it).
         P = cand.shape[1]
