@@ -293,12 +293,13 @@ def weaver_tree_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Weaver tree from batched expansion rounds over the frontier (DESIGN.md §4), on the device.
 
-    Best-first rounds (``spine=False``, the paper's): the root is expanded first; then each round turns the ``width`` best frontier entries (cumulative log-prob) into
-    tree nodes and runs one batched Weaver node step on them, which publishes each node's top ``children_per_node``
-    pool candidates (none for nodes at the maximum depth) to the frontier — but for the nodes that fill the budget,
-    whose children could not join the tree. ``ceil(budget / width)`` rounds fill the
-    budget (``width`` default: the widest that still leaves at least as many rounds as depths, so that a path can
-    reach the maximum depth); missing nodes (an exhausted frontier) are padding roots. Every shape is fixed by
+    Best-first rounds (``spine=False``, the paper's): the root is expanded first; then each round turns the ``width``
+    best frontier entries (cumulative log-prob) into tree nodes and runs one batched Weaver node step on them, which
+    publishes each node's top ``children_per_node`` pool candidates (none for nodes at the maximum depth) to the
+    frontier — but for the nodes that fill the budget, whose children could not join the tree.
+    ``ceil(budget / width)`` rounds fill the budget (``width`` default: the widest that still leaves at least as many
+    rounds as depths, so that a path can reach the maximum depth); missing nodes (an exhausted frontier) are padding
+    roots. Every shape is fixed by
     ``budget`` and ``width`` and nothing waits for the host, so a captured step can include the whole build.
 
     With ``spine`` (default :data:`WEAVER_SPINE`) the depth comes first and the rounds are few: the first round
