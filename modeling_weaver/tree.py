@@ -118,14 +118,26 @@ def rooted(root, drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_no
     """``tokens, parents, logq`` of a whole tree: ``root`` (an int, or a one-element tensor on the device), a
     builder's draft nodes (parent 0 = the root), then padding roots (token 0, parent -1, ``logq`` -inf) up to
     ``num_nodes`` — see :meth:`Tree.padded`. Device ops only when ``root`` is a tensor (captured steps)."""
-    tokens, parents, logq = drafts
-    extra = 0 if num_nodes is None else num_nodes - 1 - tokens.shape[0]
-    if extra < 0:
-        raise ValueError(f"{tokens.shape[0]} drafts and the root do not fit {num_nodes} nodes")
+    tokens, parents, logq = drafts if num_nodes is None else padded_drafts(drafts, num_nodes - 1)
     root = torch.as_tensor(root, dtype=torch.long, device=tokens.device).view(1)
-    return (torch.cat([root, tokens, tokens.new_zeros(extra)]),
-            torch.cat([parents.new_full((1,), -1), parents, parents.new_full((extra,), -1)]),
-            torch.cat([logq.new_zeros(1), logq, logq.new_full((extra,), float("-inf"))]))
+    return (torch.cat([root, tokens]), torch.cat([parents.new_full((1,), -1), parents]),
+            torch.cat([logq.new_zeros(1), logq]))
+
+
+def padded_drafts(drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], size: int):
+    """A builder's draft nodes with padding roots (token 0, parent -1, ``logq`` -inf) appended up to ``size``."""
+    tokens, parents, logq = drafts
+    extra = size - tokens.shape[0]
+    if extra < 0:
+        raise ValueError(f"{tokens.shape[0]} drafts and the root do not fit {size + 1} nodes")
+    return (torch.cat([tokens, tokens.new_zeros(extra)]), torch.cat([parents, parents.new_full((extra,), -1)]),
+            torch.cat([logq, logq.new_full((extra,), float("-inf"))]))
+
+
+def most_probable(scores: torch.Tensor, depths: torch.Tensor, k: int):
+    """``topk`` of path scores, shallower first among equal scores (a token of probability 1 gives a child its
+    parent's score): parents then always precede their children and are never cut off at the boundary."""
+    return (scores.double() - 1e-12 * depths.double()).topk(k)
 
 
 def with_root(root, drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Tree:
@@ -223,10 +235,8 @@ def ddtree_tensors(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tenso
         best = (levels[-1][0][slot_of] + top.values[d][rank_of]).topk(budget)
         levels.append((best.values, rank_of[best.indices], slot_of[best.indices]))
     all_scores = torch.stack([lv[0] for lv in levels])  # [D, budget]
-    # Shallower first among equal scores (a token of probability 1 gives a child its parent's score): parents then
-    # always precede their children and are never cut off at the budget boundary.
-    depth_of = torch.arange(depth_max, device=device, dtype=torch.float64)[:, None]
-    picked = (all_scores.double() - 1e-12 * depth_of).flatten().topk(budget)  # global best paths, descending
+    depth_of = torch.arange(depth_max, device=device)[:, None].expand(-1, budget)
+    picked = most_probable(all_scores.flatten(), depth_of.flatten(), budget)  # global best paths, descending
     depth, slot = picked.indices // budget, picked.indices % budget
     valid = picked.values > neg_inf
     # Final node number (1-based; 0 = root) of every (level, slot) picked, to map parents.
@@ -299,8 +309,8 @@ def weaver_tree_tensors(
     frontier — but for the nodes that fill the budget, whose children could not join the tree.
     ``ceil(budget / width)`` rounds fill the budget (``width`` default: the widest that still leaves at least as many
     rounds as depths, so that a path can reach the maximum depth); missing nodes (an exhausted frontier) are padding
-    roots. Every shape is fixed by
-    ``budget`` and ``width`` and nothing waits for the host, so a captured step can include the whole build.
+    roots. Every shape is fixed by ``budget`` and ``width`` and nothing waits for the host, so a captured step can
+    include the whole build.
 
     With ``spine`` (default :data:`WEAVER_SPINE`) the depth comes first and the rounds are few: the first round
     runs the root together with the chain of DFlash's top-1 tokens (the pool's first candidate at every depth, as a
@@ -385,12 +395,11 @@ def weaver_tree_tensors(
     # Triton launches on CUDA instead of ~25 small kernels; the torch reference elsewhere).
     lo, hi = 0, 1
     if spine:  # nodes 1..max_depth: DFlash's chain, stepped with the root in the first round
-        tokens[1:hi + spine_nodes].copy_(pool_ids[:, 0])
-        parents[1:hi + spine_nodes].copy_(torch.arange(spine_nodes, device=device))
-        depth[:hi + spine_nodes].copy_(torch.arange(hi + spine_nodes, device=device))
-        mask[:hi + spine_nodes, :hi + spine_nodes].copy_(
-            torch.ones(hi + spine_nodes, hi + spine_nodes, dtype=torch.bool, device=device).tril())
-        hi += spine_nodes
+        hi = 1 + spine_nodes
+        tokens[1:hi].copy_(pool_ids[:, 0])
+        parents[1:hi].copy_(torch.arange(spine_nodes, device=device))
+        depth[:hi].copy_(torch.arange(hi, device=device))
+        mask[:hi, :hi].copy_(torch.ones(hi, hi, dtype=torch.bool, device=device).tril())
     # (with a spine every stepped node's children are candidates, the last round's too: the tree is picked after)
     while lo < hi:
         d = depth[lo:hi]
@@ -421,10 +430,10 @@ def best_known(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, 
     n = tokens.shape[0]
     fan = f_score.shape[0] // n
     neg_inf = float("-inf")
-    keys = torch.cat([torch.where(parents[1:] >= 0, score[1:], neg_inf), f_score]).double()
+    keys = torch.cat([torch.where(parents[1:] >= 0, score[1:], neg_inf), f_score])
     deep = torch.cat([depth[1:], (depth + 1).repeat_interleave(fan)])
     k = min(budget, keys.shape[0])
-    picked = (keys - 1e-12 * deep).topk(k)
+    picked = most_probable(keys, deep, k)
     valid = picked.values > neg_inf
     is_node = picked.indices < n - 1
     node = (picked.indices + 1).clamp(max=n - 1)
@@ -436,8 +445,4 @@ def best_known(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, 
     drafts = (torch.where(valid, torch.where(is_node, tokens[node], f_token[slot]), 0),
               torch.where(valid, number[parent.clamp(min=0)], -1),
               torch.where(valid, torch.where(is_node, logq[node], f_logq[slot]), neg_inf))
-    if k == budget:
-        return drafts
-    pad = budget - k  # fewer candidates than the budget: padding roots
-    return (torch.cat([drafts[0], drafts[0].new_zeros(pad)]), torch.cat([drafts[1], drafts[1].new_full((pad,), -1)]),
-            torch.cat([drafts[2], drafts[2].new_full((pad,), neg_inf)]))
+    return padded_drafts(drafts, budget)  # (fewer candidates than the budget: padding roots)

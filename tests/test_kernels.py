@@ -411,6 +411,30 @@ def _spine_buffers(b: dict, pool_ids: torch.Tensor, spine: int) -> None:
     b["mask"][: spine + 1, : spine + 1] = torch.ones(spine + 1, spine + 1, dtype=torch.bool).tril()
 
 
+def _expand_side_by_side(triton_expand, pool_ids, n, fan, width, max_depth, spine, scores_of, device="cpu"):
+    """A whole tree build of ``n`` nodes, round by round: the reference and the kernel from equal buffers on the same
+    pool scores (``scores_of(rows)``), compared after every round (tokens, parents, depths, masks exactly; scores and
+    log-probabilities to fp32 rounding); yields ``lo, cand, ref`` after each. ``spine``: nodes 1..spine made first."""
+    ref, got = (dict((k, v.to(device)) for k, v in _expand_buffers(n, fan).items()) for _ in range(2))
+    lo, hi = 0, 1
+    if spine:
+        for b in (ref, got):
+            _spine_buffers(b, pool_ids, spine)
+        hi = spine + 1
+    while True:
+        cand = scores_of(hi - lo)
+        take = min(width, n - hi)
+        for expand, b in ((wk.weaver_expand_ref, ref), (triton_expand, got)):
+            expand(cand, pool_ids, *b.values(), lo, hi, take, max_depth, spine * (lo == 0))
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6,
+                                       msg=f"{name} after round {lo} (spine {spine})")
+        yield lo, cand, ref
+        if hi >= n:
+            return
+        lo, hi = hi, hi + take
+
+
 @pytest.mark.parametrize("spine", [False, True])
 @pytest.mark.parametrize("scores", ["random", "ties", "sparse"])
 @pytest.mark.parametrize("budget,fan,P,max_depth,width", [(12, 3, 5, 3, 2), (10, 3, 5, 1, 3), (20, 4, 9, 6, 1)])
@@ -421,26 +445,18 @@ def test_weaver_expand_interpreter(ik, budget, fan, P, max_depth, width, scores,
     everywhere: the lowest index first in both) and mostly -inf scores (fewer finite children than ``fan``); and with
     a spine (nodes 1..max_depth made before the first round, which fills in their scores and publishes the rest)."""
     gen = torch.Generator().manual_seed(budget)
-    n = budget + 1
     pool_ids = torch.randint(1000, (max_depth, P), generator=gen)
-    ref, got = _expand_buffers(n, fan), _expand_buffers(n, fan)
-    lo, hi = 0, 1
-    if spine:
-        for b in (ref, got):
-            _spine_buffers(b, pool_ids, max_depth)
-        hi = max_depth + 1
-    while True:
-        cand = torch.randn(hi - lo, P, generator=gen) * 3
+
+    def scores_of(rows):
+        cand = torch.randn(rows, P, generator=gen) * 3
         if scores == "ties":
-            cand = cand.round().clamp(-1, 1)
-        elif scores == "sparse":  # fewer finite candidates than fan (2 of 5, 3 of 9)
-            cand = torch.where(torch.arange(P) % 3 == 1, cand, float("-inf"))
-        take = min(width, n - hi)
-        wk.weaver_expand_ref(cand, pool_ids, *ref.values(), lo, hi, take, max_depth, max_depth * spine * (lo == 0))
-        ik.expand.weaver_expand_triton(cand, pool_ids, *got.values(), lo, hi, take, max_depth,
-                                       max_depth * spine * (lo == 0))
-        for name in ref:
-            torch.testing.assert_close(got[name], ref[name], rtol=1e-6, atol=1e-6, msg=f"{name} after round {lo}")
+            return cand.round().clamp(-1, 1)
+        if scores == "sparse":  # fewer finite candidates than fan (2 of 5, 3 of 9)
+            return torch.where(torch.arange(P) % 3 == 1, cand, float("-inf"))
+        return cand
+
+    for lo, cand, ref in _expand_side_by_side(ik.expand.weaver_expand_triton, pool_ids, budget + 1, fan, width,
+                                              max_depth, max_depth * spine, scores_of):
         if spine and lo == 0:  # the spine's scores: its parents' first candidates, summed down the chain
             first = torch.log_softmax(cand, -1)[:max_depth, 0]
             torch.testing.assert_close(ref["logq"][1 : max_depth + 1], first)
@@ -448,9 +464,6 @@ def test_weaver_expand_interpreter(ik, budget, fan, P, max_depth, width, scores,
             published = ref["f_token"][: max_depth * fan].view(max_depth, fan)
             finite = ref["f_score"][: max_depth * fan].view(max_depth, fan) > float("-inf")
             assert not (finite & (published == pool_ids[:, :1])).any()  # no spine child twice
-        if hi >= n:
-            break
-        lo, hi = hi, hi + take
     assert not any(t.any() for t in wk.utils._SCRATCH.values())  # the arrival count left zeroed
     if scores == "random":  # (the cases the parameters aim at: padding only where the frontier runs out, full depth)
         assert (ref["parents"][1:] == -1).any() == (max_depth == 1)
@@ -1172,24 +1185,9 @@ def test_weaver_tree_ops_real_shape_gpu():
     print(f"\n[gpu] pool scores vs fp64: {err:.2e}")
     assert err <= 1e-5, err
     for n, width, spine in ((65, 4, 0), (48, 8, D)):  # best-first rounds; a spine tree's (1 + 15 + 4 rounds of 8)
-        fan = 8
-        ref, mine = (dict((k, v.cuda()) for k, v in _expand_buffers(n, fan).items()) for _ in range(2))
-        lo, hi = 0, 1
-        if spine:
-            for b in (ref, mine):
-                _spine_buffers(b, pool_ids, spine)
-            hi = spine + 1
-        while True:
-            cand = torch.randn(hi - lo, P, device="cuda", generator=gen) * 3
-            take = min(width, n - hi)
-            wk.weaver_expand_ref(cand, pool_ids, *ref.values(), lo, hi, take, D, spine * (lo == 0))
-            expand.weaver_expand_triton(cand, pool_ids, *mine.values(), lo, hi, take, D, spine * (lo == 0))
-            for name in ref:
-                torch.testing.assert_close(mine[name], ref[name], rtol=1e-6, atol=1e-6,
-                                           msg=f"{name} after round {lo} (spine {spine})")
-            if hi >= n:
-                break
-            lo, hi = hi, hi + take
+        for _ in _expand_side_by_side(expand.weaver_expand_triton, pool_ids, n, 8, width, D, spine,
+                                      lambda rows: torch.randn(rows, P, device="cuda", generator=gen) * 3, "cuda"):
+            pass
 
 
 @pytest.mark.gpu

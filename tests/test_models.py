@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -493,6 +494,26 @@ def test_candidate_logits_gather_pool_rows_only():
     assert logits.dtype == torch.float32
 
 
+def _tree_inputs(seed: int, depth: int = 5, scale: float = 3.0):
+    """A random Weaver with what a tree build takes: ``weaver, embed, lm_head, prompt, draft_logits [depth, V]``."""
+    torch.manual_seed(seed)
+    weaver = make_weaver()
+    embed, lm_head = torch.nn.Embedding(VOCAB, 40), torch.randn(VOCAB, 48)
+    prompt = weaver.encode_prompt(torch.randn(1, 48), torch.randn(1, depth, 48))
+    return weaver, embed, lm_head, prompt, scale * torch.randn(depth, VOCAB)
+
+
+@contextlib.contextmanager
+def _counted_steps(weaver):
+    """The number of nodes of each ``weaver.step`` call inside the block."""
+    steps, step = [], weaver.step
+    weaver.step = lambda *args: steps.append(args[3].shape[1]) or step(*args)
+    try:
+        yield steps
+    finally:
+        del weaver.step
+
+
 @pytest.mark.parametrize("attention", ["torch", "op", "kernel"])
 @pytest.mark.parametrize("budget,width", [(12, None), (30, 4), (7, 3)])
 def test_weaver_drives_the_tree_builder(budget, width, attention, monkeypatch):
@@ -510,16 +531,11 @@ def test_weaver_drives_the_tree_builder(budget, width, attention, monkeypatch):
 
         kernel = load_interpreted("weaver_kernels.weaver_tree.attention").node_attention_triton
         monkeypatch.setattr(weaver_kernels, "node_attention", lambda *args: kernel(*args, BL=16))
-    torch.manual_seed(budget)
-    weaver = make_weaver()
-    embed, lm_head = torch.nn.Embedding(VOCAB, 40), torch.randn(VOCAB, 48)
-    prompt = weaver.encode_prompt(torch.randn(1, 48), torch.randn(1, 5, 48))
-    draft_logits = 3 * torch.randn(5, VOCAB)
-    steps, step = [], weaver.step
-    weaver.step = lambda *args: steps.append(args[3].shape[1]) or step(*args)
+    weaver, embed, lm_head, prompt, draft_logits = _tree_inputs(budget)
     with torch.no_grad():
-        tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width, spine=False)
-        del weaver.step
+        with _counted_steps(weaver) as steps:
+            tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width,
+                               spine=False)
         assert len(tree) == budget + 1 and int(tree.depths.max()) <= 5
         # the default width: the widest that leaves a round per depth
         used = width or max(1, (budget - 1) // (min(5, weaver.config.K) - 1))
@@ -558,17 +574,11 @@ def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width):
     by teacher forcing, the chain's nodes stepped, each stepped node's ``fan`` best children (the chain child not
     twice) as candidates, each round stepping the best unstepped candidates, and the ``budget`` most probable paths of
     all of them kept."""
-    torch.manual_seed(budget)
-    weaver = make_weaver()
-    embed, lm_head = torch.nn.Embedding(VOCAB, 40), torch.randn(VOCAB, 48)
-    prompt = weaver.encode_prompt(torch.randn(1, 48), torch.randn(1, 5, 48))
-    draft_logits = 3 * torch.randn(5, VOCAB)
-    steps, step = [], weaver.step
-    weaver.step = lambda *args: steps.append(args[3].shape[1]) or step(*args)
+    weaver, embed, lm_head, prompt, draft_logits = _tree_inputs(budget)
     with torch.no_grad():
-        tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width, spine=True,
-                           rounds=rounds)
-        del weaver.step
+        with _counted_steps(weaver) as steps:
+            tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width,
+                               spine=True, rounds=rounds)
         used = width or -(-budget // 8)
         assert steps == [6] + [used] * rounds, steps
         pool_logits, pool_ids = draft_logits.float().topk(16, dim=-1)
@@ -612,30 +622,20 @@ def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width):
 def test_weaver_spine_tree_arguments():
     """``rounds`` goes with spine trees only and is not negative; at maximum depth 1 every candidate is a leaf, so the
     spine's step is the only one."""
-    torch.manual_seed(0)
-    weaver = make_weaver()
-    embed, lm_head = torch.nn.Embedding(VOCAB, 40), torch.randn(VOCAB, 48)
-    prompt = weaver.encode_prompt(torch.randn(1, 48), torch.randn(1, 1, 48))
-    draft_logits = torch.randn(1, VOCAB)
+    weaver, embed, lm_head, prompt, draft_logits = _tree_inputs(0, depth=1, scale=1.0)
     with torch.no_grad():
         for bad in (dict(spine=True, rounds=-1), dict(spine=False, rounds=2)):
             with pytest.raises(ValueError, match="rounds"):
                 weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=8, **bad)
-        steps, step = [], weaver.step
-        weaver.step = lambda *args: steps.append(args[3].shape[1]) or step(*args)
-        tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=8, spine=True, rounds=3)
-        del weaver.step
+        with _counted_steps(weaver) as steps:
+            tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=8, spine=True, rounds=3)
     assert steps == [2] and (tree.depths[1:] == 1).all() and (tree.parents[1:] == 0).all()
 
 
 def test_weaver_spine_tree_when_the_chain_is_certain():
     """DFlash's chain certain (pool log-prob 0.0 in fp32: every spine node ties with its parent): the whole chain is
     in the tree, parents first."""
-    torch.manual_seed(0)
-    weaver = make_weaver()
-    embed, lm_head = torch.nn.Embedding(VOCAB, 40), torch.randn(VOCAB, 48)
-    prompt = weaver.encode_prompt(torch.randn(1, 48), torch.randn(1, 5, 48))
-    draft_logits = torch.randn(5, VOCAB)
+    weaver, embed, lm_head, prompt, draft_logits = _tree_inputs(0, scale=1.0)
     peaks = torch.randperm(VOCAB)[:5]
     draft_logits[torch.arange(5), peaks] = 1e4
     with torch.no_grad():

@@ -121,8 +121,8 @@ def node_attention_triton(qkv: torch.Tensor, positions: torch.Tensor, prompt_k: 
     H, N, D = node_k.shape
     P = prompt_k.shape[1]
     if M > NODE_ATTENTION_MAX_ROWS or D % 2 or qkv.shape[1] != 3 * H * D or qkv.stride(1) != 1:
-        raise ValueError(f"node_attention: qkv [M ≤ {NODE_ATTENTION_MAX_ROWS}, 3·H·D] (last dim contiguous) and an even head size; got "
-                         f"{tuple(qkv.shape)} for {H} heads of {D}")
+        raise ValueError(f"node_attention: qkv [M ≤ {NODE_ATTENTION_MAX_ROWS}, 3·H·D] (last dim contiguous) and an "
+                         f"even head size; got {tuple(qkv.shape)} for {H} heads of {D}")
     for name, t, rows in (("prompt_k", prompt_k, P), ("prompt_v", prompt_v, P), ("node_k", node_k, N),
                           ("node_v", node_v, N)):
         if t.shape != (H, rows, D) or not t.is_contiguous():
