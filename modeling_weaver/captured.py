@@ -15,7 +15,7 @@ runs over the whole buffer with a mask. :class:`StaticProposer` adds the device 
 One :class:`StaticTarget` per tree size; a generation uses one size throughout (the commit graph reads the outputs of
 its own verify graph). Prefill stays eager (chunked, once per prompt). :func:`static_target` and :func:`static_draft`
 keep the steps per model, cache capacity (rounded up to a power of two) and tree size, so later generations replay
-the same graphs. :func:`draft_head` gives a drafter the target's lm_head in its own dtype.
+the same graphs. :func:`draft_head` gives a drafter the target's lm_head in its own dtype (or int8).
 """
 
 from __future__ import annotations
@@ -151,27 +151,58 @@ class StaticTarget:
         self.captures += 1
 
 
-_DRAFT_HEADS: dict = {}  # (id(weight), dtype) → (weight version, cast head)
+# Drafters project with an int8 copy of the target's lm_head (:class:`DraftHead`); None: on CUDA (the Triton kernel),
+# not elsewhere (the CPU reference dequantises the weight on every call). Read when a drafter's steps are built
+# (static_draft keys on it). H200, Qwen3.6-27B shape (BENCHMARKS.md, 2026-12-02): the 15-row lm_head 0.62 → 0.32 ms;
+# real SmolLM2, greedy, budget 64: Weaver MAL 2.542 with the bf16 head, 2.551 with int8.
+INT8_DRAFT_HEAD: bool | None = None
+_DRAFT_HEADS: dict = {}  # (id(weight), dtype, int8) → (weight version, DraftHead)
 
 
-def draft_head(target, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's lm_head ``(weight, bias)`` in the drafter's ``dtype`` (a cached copy when they differ).
+class DraftHead:
+    """The target's lm_head as a drafter projects with it: ``head(hidden [..., H]) → logits [..., V]`` in ``dtype``.
 
-    Draft logits only shape the tree, never what is committed, so a bf16 drafter may project with a bf16 copy of an
-    fp32 target's head: on CPUs with bf16 matmuls that halves the drafting cost and leaves the output unchanged.
+    Draft logits only shape the tree, never what is committed, so the drafter may read a cheaper copy of the weight
+    than the target's: in its own ``dtype`` (a bf16 drafter of an fp32 target: on CPUs with bf16 matmuls that halves
+    the drafting cost), or with ``int8`` int8 rows with one scale each through ``weaver_kernels.int8_linear``: half of
+    bf16's bytes for the draft's largest read (2.54 GB in bf16 at Qwen3.6-27B shape), ≈ 1 % RMS error on the logits.
+    (An e4m3 copy through ``torch._scaled_mm`` was tried: 4 % error, −1.3 % SmolLM2 MAL, and slower.)
+    ``weight`` / ``bias`` stay the target's own tensors.
     """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, int8: bool = False):
+        self.weight, self.bias, self.dtype, self.int8 = weight, bias, dtype, int8
+        cast = (lambda t: t if t is None or t.dtype == dtype else t.detach().to(dtype))
+        self.cast_bias = cast(bias)
+        self.cast_weight = None if int8 else cast(weight)
+        self.quantised, self.scale = weaver_kernels.quantize_rows(weight) if int8 else (None, None)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.int8:
+            return F.linear(hidden.to(self.dtype), self.cast_weight, self.cast_bias)
+        logits = weaver_kernels.int8_linear(hidden.to(self.dtype), self.quantised, self.scale)
+        return logits if self.cast_bias is None else logits + self.cast_bias
+
+
+def draft_head(target, dtype: torch.dtype, int8: bool | None = None) -> DraftHead:
+    """The :class:`DraftHead` of ``target`` for a drafter in ``dtype`` (``int8`` default :data:`INT8_DRAFT_HEAD`),
+    cached with the weight: made again after in-place updates of it, dropped with it."""
     head = target.get_output_embeddings()
     weight, bias = head.weight, head.bias
-    if weight.dtype == dtype:
-        return weight, bias
-    key = (id(weight), dtype)
+    int8 = int8_draft_head(weight.device) if int8 is None else int8
+    key = (id(weight), dtype, int8)
     cached = _DRAFT_HEADS.get(key)
-    if cached is None or cached[0] != weight._version:  # _version: in-place updates of the weights
+    if cached is None or cached[0] != weight._version or cached[1].weight is not weight:
         if cached is None:
             weakref.finalize(weight, _DRAFT_HEADS.pop, key, None)  # the copy goes with the weight
-        cast = (weight.detach().to(dtype), None if bias is None else bias.detach().to(dtype))
-        _DRAFT_HEADS[key] = cached = (weight._version, cast)
+        with torch.no_grad():
+            _DRAFT_HEADS[key] = cached = (weight._version, DraftHead(weight, bias, dtype, int8))
     return cached[1]
+
+
+def int8_draft_head(device) -> bool:
+    """Whether drafters on ``device`` project with the int8 head (:data:`INT8_DRAFT_HEAD`)."""
+    return torch.device(device).type == "cuda" if INT8_DRAFT_HEAD is None else INT8_DRAFT_HEAD
 
 
 class DFlashStaticCache:
@@ -268,7 +299,7 @@ class StaticDraft:
         block = self.drafter.block_embeddings(self.bonus, self.embed_tokens).to(self.dtype)
         hidden = self.drafter(noise_embedding=block, target_hidden=self.context[None], position_ids=rows[None],
                               past_key_values=self.cache, attention_mask=visible)[0, 1:]
-        return hidden, F.linear(hidden, *self.head)
+        return hidden, self.head(hidden)
 
     def load(self, bonus: int, context: torch.Tensor, n: int) -> None:
         """Put the inputs of the last (or only) block-size chunk of ``context`` in the static buffers, after writing
@@ -612,7 +643,7 @@ def static_draft(drafter, target, max_length: int, capture: bool | None = None) 
     """The :class:`StaticDraft` of ``drafter`` for this capacity bucket (as :func:`static_target`), kept on it."""
     capacity = cache_bucket(max_length)
     steps = _STATIC_TARGETS.setdefault(drafter, {})
-    key = ("draft", capacity, id(target), capture)
+    key = ("draft", capacity, id(target), capture, int8_draft_head(target.get_output_embeddings().weight.device))
     # what its graphs read: the drafter, the target's embedding and lm_head (the fused steps built on it go with it)
     def weights() -> tuple:
         return weights_key(drafter, target.get_input_embeddings(), target.get_output_embeddings())
@@ -625,6 +656,6 @@ def release_static_targets(model) -> None:
     _STATIC_TARGETS.pop(model, None)
 
 
-__all__ = ["DFlashStaticCache", "FusedARStep", "FusedGreedyStep", "PipelinedSteps", "StaticDraft", "StaticProposer",
-           "StaticTarget", "adapter_state", "capture_graph", "draft_head", "release_static_targets", "static_draft",
-           "static_target", "step_options"]
+__all__ = ["DFlashStaticCache", "DraftHead", "FusedARStep", "FusedGreedyStep", "PipelinedSteps", "StaticDraft",
+           "StaticProposer", "StaticTarget", "adapter_state", "capture_graph", "draft_head", "release_static_targets",
+           "static_draft", "static_target", "step_options"]

@@ -13,7 +13,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers.generation import (
     EosTokenCriteria,
     GenerateDecoderOnlyOutput,
@@ -183,7 +182,7 @@ class DFlashRunner:
         """One block ``[bonus, MASK…]`` at positions ``n..n+B-1``, reading ``context [C, n_layers·H]``: the target
         features of the positions ``n-C..n-1`` not yet in the drafter's cache. Returns the drafter's hidden states
         and marginal logits for depths ``1..B-1`` (``[B-1, H]``, ``[B-1, V]``)."""
-        device = self.head[0].device
+        device = self.head.weight.device
         block = self.drafter.block_embeddings(torch.tensor([bonus], device=device), self.embed_tokens).to(self.dtype)
         position_ids = torch.arange(n - context.shape[0], n + self.block_size, device=device)[None]
         hidden = self.drafter(
@@ -191,7 +190,7 @@ class DFlashRunner:
             past_key_values=self.cache, use_cache=True,
         )[0, 1:]
         self.drafter.crop_cache(self.cache, n)  # block K/V never persist
-        return hidden, F.linear(hidden, *self.head)
+        return hidden, self.head(hidden)
 
 
 class _Output:

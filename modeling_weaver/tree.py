@@ -253,10 +253,9 @@ def ddtree_tensors(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tenso
 
 
 # Weaver node steps through weaver_kernels.node_attention (None: on CUDA, where it is one Triton launch instead of ~10
-# small kernels per round and layer; on CPU the op is the same torch ops as WeaverModel.step's own form). Off until
-# timed: checked on an H200 (`pytest -m gpu -k node_attention`, 2026-12-02), not yet in a replay (predicted ≈ −20 µs
-# per round at Qwen3.6-27B shape; time it with `scripts/diagnose_fused_steps.py --ab node_attention`).
-FUSED_NODE_ATTENTION: bool | None = False
+# small kernels per round and layer; on CPU the op is the same torch ops as WeaverModel.step's own form). Qwen3.6-27B
+# shape on an H200: the Weaver draft + tree graph 2.454 → 2.404 ms (BENCHMARKS.md, 2026-12-02).
+FUSED_NODE_ATTENTION: bool | None = None
 
 # Weaver trees start from DFlash's chain, then SPINE_ROUNDS rounds of SPINE_WIDTH (see weaver_tree_tensors). Real
 # SmolLM2, greedy MAL (BENCHMARKS.md, 2026-12-02): MT-Bench + HumanEval subsets at budget 64, 16 best-first rounds
@@ -358,7 +357,10 @@ def weaver_tree_tensors(
     if spine and max_depth == 1:
         rounds = 0  # every candidate is a leaf: stepping one adds nothing
     pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])
-    pool_logits, pool_ids = draft_logits[:max_depth].float().topk(pool, dim=-1)  # [D, pool]: children of depth d+1
+    # [D, pool]: children of depth d+1. topk in the logits' dtype, then fp32 (bf16 rows: 0.087 against 0.121 ms for
+    # a widened copy at Qwen3.6-27B shape on an H200)
+    pool_logits, pool_ids = draft_logits[:max_depth].topk(pool, dim=-1)
+    pool_logits = pool_logits.float()
     fan = min(children_per_node, pool)
     n = 1 + spine_nodes + rounds * width if spine else budget + 1
     cache = weaver.new_node_cache(n, device=device)

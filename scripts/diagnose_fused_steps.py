@@ -1,6 +1,6 @@
 """Replay suite plus host-side timings of the fused steps and a long-generation memory check, in one process.
 
-    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096 [--ab node_table peel_root node_attention neumann spine]
+    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096 [--ab node_table peel_root node_attention neumann spine int8_head]
 
 1. ``run_replay_suite`` (AR and every mode at ``--budget``, ``--target-step``, synthetic traces) → replay.md/json.
 2. Per mode: cProfile of one more generation (graphs and compiles in place) sorted by own time, then the fused graph
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+import modeling_weaver.captured as captured
 import modeling_weaver.tree as tree_module
 from modeling_weaver.benchmark import autoregressive_generate
 from modeling_weaver.captured import (_STATIC_TARGETS, FusedGreedyStep, PipelinedSteps, StaticDraft, StaticProposer,
@@ -32,9 +33,12 @@ from weaver_kernels.gdn_tree import chunk as gdn_chunk
 
 
 # --ab: settings a replay can flip (class attributes read when a step is built; flipped ones get new graphs)
-AB_SETTINGS = {"node_table": (StaticProposer, "use_node_table"), "peel_root": (GatedDeltaNetLayerCache, "peel_root"),
-               "node_attention": (tree_module, "FUSED_NODE_ATTENTION"), "neumann": (gdn_chunk, "USE_NEUMANN"),
-               "spine": (tree_module, "WEAVER_SPINE")}
+# (owner, attribute, off, on): set to `on`, or to `off` where it is on (None, "on where it applies", counts as on)
+AB_SETTINGS = {"node_table": (StaticProposer, "use_node_table", False, True),
+               "peel_root": (GatedDeltaNetLayerCache, "peel_root", False, True),
+               "node_attention": (tree_module, "FUSED_NODE_ATTENTION", False, True),
+               "neumann": (gdn_chunk, "USE_NEUMANN", False, True), "spine": (tree_module, "WEAVER_SPINE", False, True),
+               "int8_head": (captured, "INT8_DRAFT_HEAD", False, True)}
 
 
 def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:
@@ -131,8 +135,8 @@ def main():
     rows = run_replay_suite(target, drafter, weaver, traces, args.modes, [args.budget], 512, 512, args.target_step,
                             on_row=save)
     for name in args.ab:
-        owner, attr = AB_SETTINGS[name]
-        flipped = not getattr(owner, attr)
+        owner, attr, off, on = AB_SETTINGS[name]
+        flipped = off if getattr(owner, attr) in (on, None) else on
         with switched(owner, attr, flipped, target):
             more = run_replay_suite(target, drafter, weaver, traces, args.modes[:1], [args.budget], 512, 512,
                                     args.target_step)

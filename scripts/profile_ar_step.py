@@ -23,9 +23,11 @@
    captures through a whole generation (compile + ~1500 tokens): allow ≥ 300 s.
 7. With ``--peel-ab`` and ``--tree-nodes N``: the verify graph of an N-node chain timed as in 5 with and without the
    GDN root step (:attr:`~modeling_weaver.target.GatedDeltaNetLayerCache.peel_root`; it applies at N = 16n + 1).
-8. With ``--node-table-ab`` (and ``--proposer weaver``): the Weaver draft + tree graph timed as in 5 with node inputs
-   computed each expansion round and gathered from the precomputed table
-   (:attr:`~modeling_weaver.captured.StaticProposer.use_node_table`).
+8. With ``--proposer-ab SETTING [...]``: each ``--proposer``'s draft + tree graph timed as in 5 with the switch off
+   and on, on steps built anew: ``node_table`` (Weaver node inputs gathered from the precomputed table,
+   :attr:`~modeling_weaver.captured.StaticProposer.use_node_table`), ``node_attention`` (the Weaver's fused node
+   attention, :data:`~modeling_weaver.tree.FUSED_NODE_ATTENTION`), ``int8_head`` (the drafter's int8 lm_head
+   copy, :data:`~modeling_weaver.captured.INT8_DRAFT_HEAD`).
 9. With ``--spine-ab [ROUNDS[,WIDTH] ...]``: the Weaver draft + tree graph timed as in 5 as best-first rounds and
    as spine trees (:data:`~modeling_weaver.tree.WEAVER_SPINE`) with each number (and width) of rounds after it.
 """
@@ -35,11 +37,18 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from modeling_weaver.benchmark import autoregressive_generate
+import modeling_weaver.captured as captured
 from modeling_weaver.captured import StaticProposer, cache_bucket, static_draft, static_target
 from modeling_weaver.replay import FirstTokenClock, graph_replay_ms, random_models, random_prompt, switched
 from modeling_weaver.target import GatedDeltaNetLayerCache
 import modeling_weaver.tree as tree_module
 from modeling_weaver.tree import Tree
+
+
+# (owner, attribute, off, on)
+PROPOSER_SWITCHES = {"node_table": (StaticProposer, "use_node_table", False, True),
+                     "node_attention": (tree_module, "FUSED_NODE_ATTENTION", False, True),
+                     "int8_head": (captured, "INT8_DRAFT_HEAD", False, True)}
 
 
 def kernel_table(fn, reps: int, rows: int, title: str) -> None:
@@ -116,17 +125,16 @@ def main():
                         help="Weaver draft + tree graph without and with the spine (tree.WEAVER_SPINE), at these "
                              "numbers of rounds after it (default tree.SPINE_ROUNDS) and widths (default "
                              "tree.SPINE_WIDTH)")
-    parser.add_argument("--node-table-ab", action="store_true",
-                        help="the Weaver draft + tree graph with node inputs computed per round and gathered from "
-                             "the precomputed table (section 8; needs --proposer weaver)")
+    parser.add_argument("--proposer-ab", nargs="+", choices=sorted(PROPOSER_SWITCHES), default=[],
+                        help="each --proposer's draft + tree graph with the switch off and on (section 8)")
     parser.add_argument("--graph-runs", type=int, default=7)
     parser.add_argument("--max-length", type=int, default=0,
                         help="cache capacity at least this (the replay's prompt 512 + 512 new tokens: bucket 2048)")
     parser.add_argument("--no-tables", action="store_true",
                         help="skip the AR and verify kernel tables (sections 1 and 4; each compiles its own step)")
     args = parser.parse_args()
-    if args.node_table_ab and "weaver" not in args.proposer:
-        parser.error("--node-table-ab times the Weaver draft + tree: pass --proposer weaver")
+    if args.proposer_ab and not args.proposer:
+        parser.error("--proposer-ab times draft + tree graphs: pass --proposer MODE")
     if args.peel_ab and not args.tree_nodes:
         parser.error("--peel-ab times the verify of --tree-nodes N nodes (the root step applies at N = 16n + 1)")
     compile = args.target_step == "compiled"
@@ -191,12 +199,13 @@ def main():
         tree_graph.verify(chain)  # captures
         return timed(tree_graph._graphs[0])
 
-    def both_ways(attr: str, measure, owner=GatedDeltaNetLayerCache) -> dict:
-        """``measure()`` with the class switch ``owner.attr`` off and on, each on steps compiled and captured anew."""
+    def both_ways(attr: str, measure, owner=GatedDeltaNetLayerCache, off=False, on=True) -> dict:
+        """``measure()`` with the switch ``owner.attr`` off and on (``{False: ms, True: ms}``), each on steps
+        compiled and captured anew."""
         times = {}
-        for value in (False, True):
+        for state, value in ((False, off), (True, on)):
             with switched(owner, attr, value, target):
-                times[value] = measure()
+                times[state] = measure()
         return times
 
     if args.gates_ab:
@@ -239,10 +248,17 @@ def main():
         print(f"\n## Weaver draft + tree graph at budget {args.budget}, GPU ms per replay: {line} (AR step graph "
               f"{timed(captured_ar().ar_step()._graph[0]):.3f})")
 
-    if args.node_table_ab:
-        times = both_ways("use_node_table", weaver_graph_ms, owner=StaticProposer)
-        print(f"\n## Weaver draft + tree graph at budget {args.budget}, GPU ms per replay: node inputs per round "
-              f"{times[False]:.3f}, from the table {times[True]:.3f} ({times[True] - times[False]:+.3f})")
+    for name in args.proposer_ab:
+        owner, attr, off, on = PROPOSER_SWITCHES[name]
+        for mode in args.proposer:
+            def proposer_graph_ms(mode=mode) -> float:  # a drafter built anew: INT8_DRAFT_HEAD is read there
+                proposer = static_draft(drafter, target, max_length, capture=True).proposer(
+                    mode, args.budget, weaver if mode == "weaver" else None, compile=compile)
+                proposer.propose(1, context, args.prompt_length, last)  # captures
+                return timed(proposer.draft._graphs[proposer.key][0])
+            times = both_ways(attr, proposer_graph_ms, owner=owner, off=off, on=on)
+            print(f"\n## {mode} draft + tree graph at budget {args.budget}, GPU ms per replay: {name} off "
+                  f"{times[False]:.3f}, on {times[True]:.3f} ({times[True] - times[False]:+.3f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ show what they cost in MAL. (On a replay at a larger target's depth also check t
 depths: a node of depth d needs d rounds.) ``--calibrations tau,alpha ...`` scores the candidates
 ``(dflash + alpha · residual) / tau`` instead of ``dflash + residual`` (the Weaver as trained: ``1,1``): is the
 best-first allocation calibrated? ``--spines rounds,width ...`` builds the trees from DFlash's chain first
-(``tree.WEAVER_SPINE``) with that many rounds of that width after it.
+(``tree.WEAVER_SPINE``) with that many rounds of that width after it. ``--int8-draft-head``: every tree from draft
+logits through the int8 copy of the lm_head (``captured.INT8_DRAFT_HEAD``; the CPU reference is slow).
 """
 import argparse
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 import weaver_kernels
 from transformers import AutoModel
 
+import modeling_weaver.captured as captured
 import modeling_weaver.tree as tree_module
 from modeling_weaver import speculative_generate
 from modeling_weaver.data import chat_prompt_ids, load_eval_prompts
@@ -35,11 +37,14 @@ def main():
     parser.add_argument("--calibrations", nargs="+", default=[], metavar="TAU,ALPHA")
     parser.add_argument("--spines", nargs="+", default=[], metavar="ROUNDS,WIDTH",
                         help="trees from DFlash's chain first, then ROUNDS rounds of WIDTH (tree.WEAVER_SPINE)")
+    parser.add_argument("--int8-draft-head", action="store_true",
+                        help="the drafter projects with the int8 copy of the lm_head (captured.INT8_DRAFT_HEAD)")
     parser.add_argument("--subset", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
     if not args.widths and not args.calibrations and not args.spines:
         args.widths = [1, 4, 8, 16]
+    captured.INT8_DRAFT_HEAD = args.int8_draft_head or None
     model, tokenizer = load_smollm2()
     drafter = AutoModel.from_pretrained(SHIPPED / "dflash", trust_remote_code=True)
     weaver = AutoModel.from_pretrained(SHIPPED / "weaver", trust_remote_code=True)

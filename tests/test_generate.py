@@ -472,8 +472,51 @@ def test_bf16_drafter_with_fp32_target_stays_exact(target_step):
             got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=10,
                                        max_new_tokens=32, target_step=target_step)
             assert torch.equal(got, reference(target, ids, 32)), mode
-    weight, _ = draft_head(target, torch.bfloat16)
-    assert weight.dtype == torch.bfloat16 and draft_head(target, torch.bfloat16)[0] is weight  # cached
+    head = draft_head(target, torch.bfloat16)
+    assert head.cast_weight.dtype == torch.bfloat16 and draft_head(target, torch.bfloat16) is head  # cached
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(2.0)
-    assert torch.equal(draft_head(target, torch.bfloat16)[0], target.get_output_embeddings().weight.bfloat16())
+    assert torch.equal(draft_head(target, torch.bfloat16).cast_weight,
+                       target.get_output_embeddings().weight.bfloat16())
+
+
+@pytest.mark.parametrize("target_step", ["eager", "static"])
+def test_int8_draft_head_stays_exact(target_step, monkeypatch):
+    """Drafts through the int8 copy of the lm_head (captured.INT8_DRAFT_HEAD) leave the greedy output unchanged."""
+    import modeling_weaver.captured as captured
+
+    monkeypatch.setattr(captured, "INT8_DRAFT_HEAD", True)
+    target = TINY_TARGETS["qwen3_5"]()
+    drafter, weaver = make_drafters(target, mask_token_id=VOCAB - 1)
+    for mode in MODES:
+        for ids in prompts(2):
+            got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=10,
+                                       max_new_tokens=32, target_step=target_step)
+            assert torch.equal(got, reference(target, ids, 32)), mode
+    assert captured.draft_head(target, next(drafter.parameters()).dtype).int8
+    monkeypatch.setattr(captured, "INT8_DRAFT_HEAD", None)  # the default: on CUDA only
+    assert not captured.draft_head(target, torch.float32).int8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_draft_head_logits(dtype):
+    """The int8 head: rows quantised symmetrically (|q| ≤ 127, one scale each), logits the dequantised product (plus
+    the bias), within int8's rounding (≈ 1 % RMS) of the exact logits."""
+    from modeling_weaver.captured import DraftHead
+
+    gen = torch.Generator().manual_seed(1)
+    weight = (torch.randn(97, 40, generator=gen) * 40 ** -0.5).to(dtype)
+    weight[3] = 0.0  # a zero row
+    bias = torch.randn(97, generator=gen).to(dtype)
+    hidden = torch.randn(2, 15, 40, generator=gen).to(dtype)
+    head = DraftHead(weight, bias, dtype, int8=True)
+    assert head.quantised.dtype == torch.int8 and head.quantised.abs().max() == 127 and head.scale[3] == 1.0
+    assert head.quantised.float().mul(head.scale[:, None]).sub(weight.float()).abs().max() <= head.scale.max() / 2
+    got = head(hidden)
+    assert got.shape == (2, 15, 97) and got.dtype == dtype
+    expected = hidden.float() @ (head.quantised.float() * head.scale[:, None]).T + bias.float()
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+    exact = hidden.float() @ weight.float().T
+    rel = ((got.float() - bias.float() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt()
+    assert rel < (0.02 if dtype == torch.float32 else 0.03)

@@ -96,6 +96,32 @@ def test_spine_trees_identity_on_gpu(spine, monkeypatch):
             assert torch.equal(got, expected), (budget, target_step)
 
 
+def test_int8_draft_head_on_gpu():
+    """The drafter's int8 lm_head (captured.INT8_DRAFT_HEAD, on by default on CUDA) at the Qwen3.6-27B hidden size:
+    logits equal to its dequantised operands' product; greedy output token-identical to transformers in eager, graph
+    and compiled steps for every mode (the tiny targets' drafters are fp32: the kernel multiplies in bf16)."""
+    import modeling_weaver.captured as captured
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(248320 // 16, 5120, generator=gen).mul_(5120 ** -0.5).bfloat16()
+    hidden = torch.randn(15, 5120, generator=gen).bfloat16()
+    head = captured.DraftHead(weight.cuda(), None, torch.bfloat16, int8=True)
+    expected = hidden.float() @ (head.quantised.cpu().float() * head.scale.cpu()[:, None]).T
+    torch.testing.assert_close(head(hidden.cuda()).float().cpu(), expected, rtol=1e-2, atol=1e-2)
+
+    target = TINY_TARGETS["qwen3_5"]().cuda()
+    drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
+    assert captured.draft_head(target, next(drafter.parameters()).dtype).int8  # the default on CUDA
+    for ids in prompts():
+        ids = ids.cuda()
+        expected = reference(target, ids, 48)
+        for mode in MODES:
+            for target_step in ("eager", "graph", "compiled"):
+                got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
+                                           max_new_tokens=48, target_step=target_step)
+                assert torch.equal(got, expected), (mode, target_step)
+
+
 @pytest.mark.parametrize("mode", ["ddtree", "weaver"])
 def test_compiled_steps_identity_on_gpu(mode):
     """target_step="compiled" (torch.compile'd tree pass and tree build inside CUDA graphs) on the hybrid target:

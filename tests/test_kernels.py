@@ -86,6 +86,7 @@ def ik():
         decode=load_interpreted("weaver_kernels.gdn_tree.fused_recurrent"),
         expand=load_interpreted("weaver_kernels.weaver_tree.expand"),
         node_attn=load_interpreted("weaver_kernels.weaver_tree.attention"),
+        int8=load_interpreted("weaver_kernels.int8_linear.skinny"),
     )
 
 
@@ -338,6 +339,40 @@ def test_pool_scores_interpreter(ik, dtype):
     exact = wk.pool_scores_ref(query.double(), rows, pool_ids, pool_logits.double(), weight.double())
     assert rel_rms(got, exact) <= 1e-6
     assert rel_rms(wk.pool_scores_ref(query, rows, pool_ids, pool_logits, weight), exact) <= TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------------- int8-weight linear
+def int8_linear_inputs(M, N, K, dtype, device="cpu", seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weight = torch.randn(N, K, device=device, generator=gen) * K ** -0.5
+    weight[1] *= 40.0  # rows of very different ranges: the per-row scale
+    q, scale = wk.quantize_rows(weight)
+    return torch.randn(M, K, device=device, generator=gen).to(dtype), q, scale, weight
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(15, 300, 96), (16, 64, 512), (70, 130, 40), (1, 17, 33)],
+                         ids=["draft-block", "one-tile", "row-blocks", "one-row"])
+def test_int8_linear_interpreter(ik, shape, dtype):
+    """The int8-weight kernel against fp64 sums of the same dequantised operands (partial K, N and M blocks, more rows
+    than one row block); the quantisation itself within half a step of every weight."""
+    M, N, K = shape
+    x, q, scale, weight = int8_linear_inputs(M, N, K, dtype, seed=M + N)
+    assert (q.double() * scale[:, None].double() - weight.double()).abs().le(scale[:, None] / 2 + 1e-6).all()
+    got = ik.int8.int8_linear_triton(x, q, scale)
+    assert got.shape == (M, N) and got.dtype == dtype
+    exact = x.double() @ (q.double() * scale.double()[:, None]).T
+    tol = {torch.bfloat16: 5e-3, torch.float16: 1e-3}[dtype]  # the output's rounding
+    assert rel_rms(got, exact) <= tol
+    assert rel_rms(wk.int8_linear_ref(x, q, scale), exact) <= tol
+
+
+def test_int8_linear_checks_its_inputs():
+    x, q, scale, _ = int8_linear_inputs(3, 8, 16, torch.float32)
+    torch.testing.assert_close(wk.int8_linear(x[None], q, scale), wk.int8_linear_ref(x, q, scale)[None])
+    for bad in ((x, q.float(), scale), (x[:, :8], q, scale), (x, q, scale[:4])):
+        with pytest.raises(ValueError, match="int8_linear"):
+            wk.int8_linear(*bad)
 
 
 def node_attention_inputs(M, H, D, P, n, lo, dtype, seed=0):
@@ -985,6 +1020,7 @@ def test_custom_ops_opcheck():
                           (torch.randn(2, 4), torch.arange(8).view(2, 4), *b.values(), 0, 2, 2, 2, 1))
     torch.library.opcheck(torch.ops.weaver.node_attention.default,
                           (*node_attention_inputs(3, 2, 8, 4, 9, 2, torch.float32), 2, 1e4, 0.35))
+    torch.library.opcheck(torch.ops.weaver.int8_linear.default, int8_linear_inputs(5, 24, 16, torch.float32)[:3])
 
 
 def test_public_ops_match_references_cpu():
@@ -1163,6 +1199,21 @@ def test_node_attention_real_shape_gpu(shape, dtype):
     outside = torch.ones(n, dtype=torch.bool, device="cuda")
     outside[lo:lo + M] = False
     assert torch.equal(got_k[:, outside], node_k[:, outside]) and torch.equal(got_v[:, outside], node_v[:, outside])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(15, 248320, 5120), (32, 17408, 5120), (15, 49152, 576), (70, 1000, 200)],
+                         ids=["27b-lm-head", "27b-mlp", "smollm2-lm-head", "row-blocks"])
+def test_int8_linear_real_shape_gpu(shape):
+    """The int8-weight kernel (autotuned) at the drafter's shapes against fp64 sums of its dequantised operands."""
+    M, N, K = shape
+    x, q, scale, _ = int8_linear_inputs(M, N, K, torch.bfloat16, "cuda", seed=M)
+    got = wk.int8_linear(x, q, scale)
+    exact = x.double() @ (q.double() * scale.double()[:, None]).T
+    err = rel_rms(got, exact)
+    print(f"\n[gpu] int8 linear {shape}: {err:.2e}")
+    assert got.dtype == torch.bfloat16 and err <= TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu

@@ -418,7 +418,7 @@ def test_static_draft_follows_reallocated_weights():
     head = model.get_output_embeddings()
     head.weight = torch.nn.Parameter(torch.randn_like(head.weight))
     new = static_draft(drafter, model, 9 + 10 + 6 + 2, capture=False)
-    assert new is not draft and new.head[0] is head.weight
+    assert new is not draft and new.head.weight is head.weight
     # a target step replaced (its weights moved) is not kept alive by a fused step built on it
     def held():  # the target steps the drafter's fused steps hold
         return [v.target for d in _STATIC_TARGETS[drafter].values() for v in d._steps.values() if hasattr(v, "target")]

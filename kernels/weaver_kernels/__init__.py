@@ -15,18 +15,19 @@ static KV cache, split over the cache rows: a captured step's cost follows the u
 :func:`rms_norm` (transformers' RMSNorm forms in one launch: the decode step runs ~200 of them). For the Weaver
 tree build, :func:`node_attention` (a layer's RoPE, node K/V writes and attention for a round's nodes in one launch),
 :func:`pool_scores` and :func:`weaver_expand`: one expansion round's candidate scoring and frontier bookkeeping in
-two launches.
+two launches. For drafters, :func:`int8_linear` (a few rows through int8 weights: the draft's lm_head).
 
 Kernels: :mod:`.gdn_tree.chunk` (verify + commit), :mod:`.conv_tree.conv`, :mod:`.tree_attention.split`,
 :mod:`.gdn_tree.fused_recurrent` (one-token decode), :mod:`.rms_norm.fused`, :mod:`.weaver_tree.expand`,
-:mod:`.weaver_tree.attention`, and the
+:mod:`.weaver_tree.attention`, :mod:`.int8_linear.skinny`, and the
 mainline recurrent baseline :mod:`.gdn_tree.baseline` (benchmarks only). References: ``*.naive``.
 """
 
 from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_decode_ref, gdn_gates, gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
+from .int8_linear.naive import int8_linear_ref, quantize_rows
 from .ops import (conv_decode, conv_tree, conv_tree_commit, gdn_decode, gdn_tree_commit, gdn_tree_verify,
-                  max_tree_nodes, node_attention, pool_scores, rms_norm, tree_attention, weaver_expand)
+                  int8_linear, max_tree_nodes, node_attention, pool_scores, rms_norm, tree_attention, weaver_expand)
 from .rms_norm.naive import GATED as RMS_GATED
 from .rms_norm.naive import ONE_PLUS as RMS_ONE_PLUS
 from .rms_norm.naive import WEIGHT as RMS_WEIGHT
@@ -58,6 +59,9 @@ __all__ = [
     "node_attention_ref",
     "pool_scores_ref",
     "weaver_expand_ref",
+    "int8_linear",
+    "int8_linear_ref",
+    "quantize_rows",
     "RMS_WEIGHT",
     "RMS_ONE_PLUS",
     "RMS_GATED",

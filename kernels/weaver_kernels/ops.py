@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_decode_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
+from .int8_linear.naive import int8_linear_ref
 from .rms_norm.naive import GATED, rms_norm_ref
 from .tree_attention.naive import tree_attention_ref
 from .weaver_tree.naive import node_attention_ref, pool_scores_ref, weaver_expand_ref
@@ -237,6 +238,22 @@ def _(x, weight, gate, eps, kind):
     return x.new_empty(x.shape)
 
 
+@torch.library.custom_op("weaver::int8_linear", mutates_args=())
+def _int8_linear_op(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    if x.is_cuda:
+        from .int8_linear.skinny import int8_linear_triton
+
+        if x.dtype == torch.float32:  # (the kernel multiplies in bf16 / fp16 on the tensor cores)
+            return int8_linear_triton(x.bfloat16(), q, scale).float()
+        return int8_linear_triton(x, q, scale)
+    return _contig(int8_linear_ref(x, q, scale))
+
+
+@_int8_linear_op.register_fake
+def _(x, q, scale):
+    return x.new_empty((*x.shape[:-1], q.shape[0]))
+
+
 # ------------------------------------------------------------------------------------------------ public seams
 def gdn_tree_verify(
     q: Tensor,
@@ -358,6 +375,16 @@ def pool_scores(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: Tens
                          f"{tuple(query.shape)}, {tuple(rows.shape)}, {tuple(pool_ids.shape)}, "
                          f"{tuple(pool_logits.shape)}, {tuple(weight.shape)}")
     return torch.ops.weaver.pool_scores(query, rows, pool_ids, pool_logits, weight)
+
+
+def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """``x [..., K]`` times int8 weights ``q [N, K]`` with per-row ``scale [N]`` (``int8_linear.naive``: from
+    ``quantize_rows``) → ``[..., N]`` in x's dtype. CUDA: one Triton launch reading each weight byte once (fp32 inputs
+    are multiplied in bf16 there)."""
+    if q.dtype != torch.int8 or q.dim() != 2 or x.shape[-1] != q.shape[1] or scale.shape != (q.shape[0],):
+        raise ValueError(f"int8_linear: x [..., K], q int8 [N, K] and scale [N]; got {tuple(x.shape)}, "
+                         f"{tuple(q.shape)} {q.dtype}, {tuple(scale.shape)}")
+    return torch.ops.weaver.int8_linear(x, q, scale.float())
 
 
 def node_attention(qkv: Tensor, positions: Tensor, prompt_k: Tensor, prompt_v: Tensor, node_k: Tensor,
