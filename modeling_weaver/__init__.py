@@ -11,7 +11,7 @@ from .configuration_weaver import WeaverConfig
 from .generate import SpeculativeStats, generate, speculative_generate
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
-from .packed import pack_cpu_linears, unpack_cpu_linears
+from .packed import int8_linears, pack_cpu_linears, remove_int8_linears, unpack_cpu_linears
 from .target import TargetAdapter
 from .tree import Tree, chain_tree, ddtree, weaver_tree
 

@@ -1,4 +1,7 @@
-"""CPU linears on prepacked oneDNN weights: the same models, 1.5-4× faster GEMMs on a CPU.
+"""Other weight forms for a model's linears at inference: prepacked oneDNN weights on a CPU, int8 weights for a
+drafter on a GPU.
+
+**CPU: prepacked oneDNN weights** — the same models, 1.5-4× faster GEMMs on a CPU.
 
 PyTorch's CPU ``F.linear`` hands each call to MKL, which re-packs the weight every time; at the row counts of decoding
 (1 token, or a tree of 9-65 nodes) that packing is most of the work. :func:`pack_cpu_linears` packs every
@@ -11,14 +14,23 @@ stay comparable token for token. The cost is one packed copy of each weight (+ t
 A packed module falls back to ``F.linear`` where the packed form does not apply: a non-CPU input, another dtype, or
 autograd (a weight or input that requires grad under grad mode). A weight changed in place or replaced is re-packed
 at its next call. :func:`unpack_cpu_linears` restores the modules.
+
+**int8 weights for a drafter** — :func:`int8_linears` routes every ``nn.Linear`` call of at most ``max_rows`` rows
+through an int8 copy of the weight (one scale per output row, ``weaver_kernels.int8_linear``: on CUDA one Triton
+launch reading each weight byte once, half of bf16's bytes; elsewhere the torch reference, which dequantises on every
+call). Meant for drafters, whose outputs only shape proposal trees: a speculative step's drafting is a few rows
+through the drafter's whole weights, memory-bound. Calls with more rows (a prompt's context) and autograd use the
+original weight. The copy is made once: after changing the weights, :func:`remove_int8_linears` and apply it again.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import weaver_kernels
 
 _PACKED = "_weaver_packed_weight"  # the module attribute holding [packed weight, weight version, weight pointer]
+_INT8 = "_weaver_int8_weight"  # the module attribute holding (int8 weight, row scales)
 
 
 def _available() -> bool:
@@ -43,20 +55,37 @@ def _packed_forward(module: torch.nn.Linear):
     return forward
 
 
+def _plain_linears(models, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+    """Every ``nn.Linear`` (exactly that class, without a patched forward) of ``models`` whose weight is a plain
+    tensor of one of ``dtypes``."""
+    for model in models:
+        for module in model.modules():
+            w = getattr(module, "weight", None)
+            if (type(module) is torch.nn.Linear and "forward" not in module.__dict__ and type(w.data) is torch.Tensor
+                    and w.dtype in dtypes):
+                yield module
+
+
+def _restore(models, attr: str) -> int:
+    count = 0
+    for model in models:
+        for module in model.modules():
+            if hasattr(module, attr):
+                delattr(module, attr)
+                del module.forward
+                count += 1
+    return count
+
+
 def pack_cpu_linears(*models: torch.nn.Module) -> int:
     """Pack the weights of every ``nn.Linear`` (exactly that class, without a patched forward) in ``models`` whose
     weight is a plain fp32 or bf16 CPU tensor; returns how many were packed (0 where oneDNN is unavailable)."""
     if not _available():
         return 0
     count = 0
-    for model in models:
-        for module in model.modules():
-            w = getattr(module, "weight", None)
-            if (type(module) is not torch.nn.Linear or hasattr(module, _PACKED) or "forward" in module.__dict__
-                    or type(w.data) is not torch.Tensor or w.device.type != "cpu"
-                    or w.dtype not in (torch.float32, torch.bfloat16)):
-                continue
-            setattr(module, _PACKED, _pack(w))
+    for module in list(_plain_linears(models, (torch.float32, torch.bfloat16))):
+        if module.weight.device.type == "cpu":
+            setattr(module, _PACKED, _pack(module.weight))
             module.forward = _packed_forward(module)
             count += 1
     return count
@@ -64,11 +93,33 @@ def pack_cpu_linears(*models: torch.nn.Module) -> int:
 
 def unpack_cpu_linears(*models: torch.nn.Module) -> int:
     """Undo :func:`pack_cpu_linears` on ``models``; returns how many modules were restored."""
+    return _restore(models, _PACKED)
+
+
+def _int8_forward(module: torch.nn.Linear, max_rows: int):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if (x.numel() > max_rows * x.shape[-1]
+                or (torch.is_grad_enabled() and (module.weight.requires_grad or x.requires_grad))):
+            return F.linear(x, module.weight, module.bias)
+        q, scale = getattr(module, _INT8)
+        out = weaver_kernels.int8_linear(x, q, scale)
+        return out if module.bias is None else out + module.bias
+
+    return forward
+
+
+@torch.no_grad()
+def int8_linears(*models: torch.nn.Module, max_rows: int = 64) -> int:
+    """Route the calls of at most ``max_rows`` rows of every ``nn.Linear`` in ``models`` (exactly that class, without
+    a patched forward: not after :func:`pack_cpu_linears`) through an int8 copy of its weight; returns how many."""
     count = 0
-    for model in models:
-        for module in model.modules():
-            if hasattr(module, _PACKED):
-                delattr(module, _PACKED)
-                del module.forward
-                count += 1
+    for module in list(_plain_linears(models)):
+        setattr(module, _INT8, weaver_kernels.quantize_rows(module.weight))
+        module.forward = _int8_forward(module, max_rows)
+        count += 1
     return count
+
+
+def remove_int8_linears(*models: torch.nn.Module) -> int:
+    """Undo :func:`int8_linears` on ``models``; returns how many modules were restored."""
+    return _restore(models, _INT8)

@@ -217,6 +217,23 @@ def switched(owner, attr: str, value, target):
 
 
 @contextlib.contextmanager
+def int8_drafter(drafter, target):
+    """The drafter's linears on int8 weights (:func:`~modeling_weaver.packed.int8_linears`) inside the block, on steps
+    built anew (the drafter's and ``target``'s cached steps are dropped on entry and on exit)."""
+    from .packed import int8_linears, remove_int8_linears
+
+    int8_linears(drafter)
+    release_static_targets(drafter)
+    release_static_targets(target)
+    try:
+        yield
+    finally:
+        remove_int8_linears(drafter)
+        release_static_targets(drafter)
+        release_static_targets(target)
+
+
+@contextlib.contextmanager
 def gc_pauses():
     """Durations (s) of the garbage collector's runs inside the block (a list, filled as they happen)."""
     pauses, started = [], []

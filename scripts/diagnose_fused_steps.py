@@ -1,6 +1,6 @@
 """Replay suite plus host-side timings of the fused steps and a long-generation memory check, in one process.
 
-    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096 [--ab node_table peel_root node_attention neumann spine int8_head]
+    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096 [--ab node_table peel_root node_attention neumann spine int8_head int8_drafter]
 
 1. ``run_replay_suite`` (AR and every mode at ``--budget``, ``--target-step``, synthetic traces) → replay.md/json.
 2. Per mode: cProfile of one more generation (graphs and compiles in place) sorted by own time, then the fused graph
@@ -26,8 +26,9 @@ import modeling_weaver.tree as tree_module
 from modeling_weaver.benchmark import autoregressive_generate
 from modeling_weaver.captured import (_STATIC_TARGETS, FusedGreedyStep, PipelinedSteps, StaticDraft, StaticProposer,
                                       StaticTarget)
-from modeling_weaver.replay import (ReplayedAcceptance, graph_replay_ms, memory_check, random_models, random_prompt,
-                                    replay_generate, replay_table, run_replay_suite, switched, synthetic_trace)
+from modeling_weaver.replay import (ReplayedAcceptance, graph_replay_ms, int8_drafter, memory_check, random_models,
+                                    random_prompt, replay_generate, replay_table, run_replay_suite, switched,
+                                    synthetic_trace)
 from modeling_weaver.target import GatedDeltaNetLayerCache
 from weaver_kernels.gdn_tree import chunk as gdn_chunk
 
@@ -38,7 +39,8 @@ AB_SETTINGS = {"node_table": (StaticProposer, "use_node_table", False, True),
                "peel_root": (GatedDeltaNetLayerCache, "peel_root", False, True),
                "node_attention": (tree_module, "FUSED_NODE_ATTENTION", False, True),
                "neumann": (gdn_chunk, "USE_NEUMANN", False, True), "spine": (tree_module, "WEAVER_SPINE", False, True),
-               "int8_head": (captured, "INT8_DRAFT_HEAD", False, True)}
+               "int8_head": (captured, "INT8_DRAFT_HEAD", False, True),
+               "int8_drafter": int8_drafter}  # (the drafter's linears on int8 weights, packed.int8_linears)
 
 
 def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:
@@ -135,13 +137,17 @@ def main():
     rows = run_replay_suite(target, drafter, weaver, traces, args.modes, [args.budget], 512, 512, args.target_step,
                             on_row=save)
     for name in args.ab:
-        owner, attr, off, on = AB_SETTINGS[name]
-        flipped = off if getattr(owner, attr) in (on, None) else on
-        with switched(owner, attr, flipped, target):
+        if callable(AB_SETTINGS[name]):
+            setting, label = AB_SETTINGS[name](drafter, target), name
+        else:
+            owner, attr, off, on = AB_SETTINGS[name]
+            flipped = off if getattr(owner, attr) in (on, None) else on
+            setting, label = switched(owner, attr, flipped, target), f"{attr}={flipped}"
+        with setting:
             more = run_replay_suite(target, drafter, weaver, traces, args.modes[:1], [args.budget], 512, 512,
                                     args.target_step)
         for row in more:
-            row["method"] = f"{row['method']} ({attr}={flipped})"
+            row["method"] = f"{row['method']} ({label})"
         save(rows := rows + more)
     print(f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB", flush=True)
     ids = random_prompt(target, 512)

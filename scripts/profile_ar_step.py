@@ -27,7 +27,8 @@
    and on, on steps built anew: ``node_table`` (Weaver node inputs gathered from the precomputed table,
    :attr:`~modeling_weaver.captured.StaticProposer.use_node_table`), ``node_attention`` (the Weaver's fused node
    attention, :data:`~modeling_weaver.tree.FUSED_NODE_ATTENTION`), ``int8_head`` (the drafter's int8 lm_head
-   copy, :data:`~modeling_weaver.captured.INT8_DRAFT_HEAD`).
+   copy, :data:`~modeling_weaver.captured.INT8_DRAFT_HEAD`), ``int8_drafter`` (the drafter's linears on int8
+   weights, :func:`~modeling_weaver.packed.int8_linears`).
 9. With ``--spine-ab [ROUNDS[,WIDTH] ...]``: the Weaver draft + tree graph timed as in 5 as best-first rounds and
    as spine trees (:data:`~modeling_weaver.tree.WEAVER_SPINE`) with each number (and width) of rounds after it.
 """
@@ -39,7 +40,8 @@ from torch.profiler import ProfilerActivity, profile
 from modeling_weaver.benchmark import autoregressive_generate
 import modeling_weaver.captured as captured
 from modeling_weaver.captured import StaticProposer, cache_bucket, static_draft, static_target
-from modeling_weaver.replay import FirstTokenClock, graph_replay_ms, random_models, random_prompt, switched
+from modeling_weaver.replay import (FirstTokenClock, graph_replay_ms, int8_drafter, random_models, random_prompt,
+                                    switched)
 from modeling_weaver.target import GatedDeltaNetLayerCache
 import modeling_weaver.tree as tree_module
 from modeling_weaver.tree import Tree
@@ -48,7 +50,8 @@ from modeling_weaver.tree import Tree
 # (owner, attribute, off, on)
 PROPOSER_SWITCHES = {"node_table": (StaticProposer, "use_node_table", False, True),
                      "node_attention": (tree_module, "FUSED_NODE_ATTENTION", False, True),
-                     "int8_head": (captured, "INT8_DRAFT_HEAD", False, True)}
+                     "int8_head": (captured, "INT8_DRAFT_HEAD", False, True),
+                     "int8_drafter": None}  # the drafter's linears on int8 weights (replay.int8_drafter)
 
 
 def kernel_table(fn, reps: int, rows: int, title: str) -> None:
@@ -249,14 +252,19 @@ def main():
               f"{timed(captured_ar().ar_step()._graph[0]):.3f})")
 
     for name in args.proposer_ab:
-        owner, attr, off, on = PROPOSER_SWITCHES[name]
         for mode in args.proposer:
-            def proposer_graph_ms(mode=mode) -> float:  # a drafter built anew: INT8_DRAFT_HEAD is read there
+            def proposer_graph_ms(mode=mode) -> float:  # a drafter built anew: its switches are read there
                 proposer = static_draft(drafter, target, max_length, capture=True).proposer(
                     mode, args.budget, weaver if mode == "weaver" else None, compile=compile)
                 proposer.propose(1, context, args.prompt_length, last)  # captures
                 return timed(proposer.draft._graphs[proposer.key][0])
-            times = both_ways(attr, proposer_graph_ms, owner=owner, off=off, on=on)
+            if PROPOSER_SWITCHES[name] is None:
+                times = {False: proposer_graph_ms()}
+                with int8_drafter(drafter, target):
+                    times[True] = proposer_graph_ms()
+            else:
+                owner, attr, off, on = PROPOSER_SWITCHES[name]
+                times = both_ways(attr, proposer_graph_ms, owner=owner, off=off, on=on)
             print(f"\n## {mode} draft + tree graph at budget {args.budget}, GPU ms per replay: {name} off "
                   f"{times[False]:.3f}, on {times[True]:.3f} ({times[True] - times[False]:+.3f})", flush=True)
 

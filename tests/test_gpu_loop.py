@@ -6,7 +6,7 @@ from test_generate import make_drafters, prompts, reference, run_oracle
 from tiny_targets import TINY_TARGETS
 from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
-from modeling_weaver import speculative_generate
+from modeling_weaver import int8_linears, speculative_generate
 from modeling_weaver.generate import MODES, DFlashRunner, _decode
 from modeling_weaver.target import text_config
 
@@ -99,7 +99,8 @@ def test_spine_trees_identity_on_gpu(spine, monkeypatch):
 def test_int8_draft_head_on_gpu():
     """The drafter's int8 lm_head (captured.INT8_DRAFT_HEAD, on by default on CUDA) at the Qwen3.6-27B hidden size:
     logits equal to its dequantised operands' product; greedy output token-identical to transformers in eager, graph
-    and compiled steps for every mode (the tiny targets' drafters are fp32: the kernel multiplies in bf16)."""
+    and compiled steps for every mode (the tiny targets' drafters are fp32: the kernel multiplies in bf16), then with
+    the drafter's linears on int8 weights as well."""
     import modeling_weaver.captured as captured
 
     gen = torch.Generator().manual_seed(0)
@@ -112,14 +113,17 @@ def test_int8_draft_head_on_gpu():
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
     assert captured.draft_head(target, next(drafter.parameters()).dtype).int8  # the default on CUDA
-    for ids in prompts():
-        ids = ids.cuda()
-        expected = reference(target, ids, 48)
-        for mode in MODES:
-            for target_step in ("eager", "graph", "compiled"):
-                got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
-                                           max_new_tokens=48, target_step=target_step)
-                assert torch.equal(got, expected), (mode, target_step)
+    for int8_layers in (False, True):  # then the drafter's own linears on int8 weights too (packed.int8_linears)
+        if int8_layers:
+            assert int8_linears(drafter) > 0
+        for ids in prompts():
+            ids = ids.cuda()
+            expected = reference(target, ids, 48)
+            for mode in MODES:
+                for target_step in ("eager", "graph", "compiled"):
+                    got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode,
+                                               tree_budget=12, max_new_tokens=48, target_step=target_step)
+                    assert torch.equal(got, expected), (mode, target_step, int8_layers)
 
 
 @pytest.mark.parametrize("mode", ["ddtree", "weaver"])

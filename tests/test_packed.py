@@ -1,5 +1,6 @@
 """pack_cpu_linears: prepacked oneDNN CPU linears, the same models' outputs, a lossless loop on them, and the ways
-back to F.linear (other devices/dtypes, autograd, changed weights, unpacking)."""
+back to F.linear (other devices/dtypes, autograd, changed weights, unpacking). int8_linears: a drafter's linears on
+int8 weights (the op's torch reference here), its outputs those of the dequantised weights, a lossless loop."""
 
 from __future__ import annotations
 
@@ -8,16 +9,18 @@ import torch
 from test_generate import make_drafters, prompts, reference
 from tiny_targets import TINY_TARGETS
 
-from modeling_weaver import pack_cpu_linears, speculative_generate, unpack_cpu_linears
-from modeling_weaver.packed import _PACKED
+import weaver_kernels
+from modeling_weaver import int8_linears, pack_cpu_linears, remove_int8_linears, speculative_generate, unpack_cpu_linears
+from modeling_weaver.packed import _INT8, _PACKED
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
 
 
 def _linears(*models):
     return [m for model in models for m in model.modules() if type(m) is torch.nn.Linear]
 
 
+@needs_onednn
 @pytest.mark.parametrize("kind", sorted(TINY_TARGETS))
 def test_packed_models_keep_their_outputs_and_the_loop_stays_lossless(kind):
     target = TINY_TARGETS[kind]()
@@ -41,6 +44,7 @@ def test_packed_models_keep_their_outputs_and_the_loop_stays_lossless(kind):
     assert not any("forward" in m.__dict__ or hasattr(m, _PACKED) for m in _linears(target, drafter, weaver))
 
 
+@needs_onednn
 def test_packed_linear_follows_its_weight_and_falls_back():
     torch.manual_seed(0)
     lin = torch.nn.Linear(32, 48)
@@ -66,3 +70,51 @@ def test_packed_linear_follows_its_weight_and_falls_back():
     # not packed: float64 weights, subclasses of Linear
     assert pack_cpu_linears(torch.nn.Linear(4, 4).double()) == 0
     assert pack_cpu_linears(torch.nn.LazyLinear(4)) == 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "llama"])
+def test_int8_drafter_keeps_the_loop_lossless(kind):
+    """A drafter on int8 linears computes what the same drafter with its weights rounded to the int8 grid computes,
+    and the loop's greedy output stays the target's in every mode."""
+    import copy
+
+    target = TINY_TARGETS[kind]()
+    drafter, weaver = make_drafters(target)
+    rounded = copy.deepcopy(drafter)
+    with torch.no_grad():
+        for m in _linears(rounded):
+            q, scale = weaver_kernels.quantize_rows(m.weight)
+            m.weight.copy_(q.float() * scale[:, None])
+    n = int8_linears(drafter)
+    assert n == len(_linears(drafter)) > 0 and all(hasattr(m, _INT8) for m in _linears(drafter))
+    assert int8_linears(drafter) == 0  # already routed
+    feats = torch.randn(1, 5, drafter.fc.in_features, generator=torch.Generator().manual_seed(2))
+    block = torch.randn(1, drafter.block_size, drafter.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        kwargs = dict(noise_embedding=block, target_hidden=feats,
+                      position_ids=torch.arange(5 + drafter.block_size)[None])
+        torch.testing.assert_close(drafter(**kwargs), rounded(**kwargs), rtol=1e-5, atol=1e-5)
+    for ids in prompts(2):
+        expected = reference(target, ids, 24)
+        for mode in ("chain", "ddtree", "weaver"):
+            got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=8,
+                                       max_new_tokens=24)
+            assert torch.equal(got, expected), mode
+    assert remove_int8_linears(drafter) == n
+    assert not any("forward" in m.__dict__ or hasattr(m, _INT8) for m in _linears(drafter))
+
+
+def test_int8_linear_falls_back_for_many_rows_and_autograd():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 48)
+    weight = lin.weight.detach().clone()
+    assert int8_linears(lin, max_rows=4) == 1
+    q, scale = getattr(lin, _INT8)
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), x @ (q.float() * scale[:, None]).T + lin.bias)
+    many = torch.randn(2, 3, 32)  # 6 rows > max_rows: the original weight
+    with torch.no_grad():
+        torch.testing.assert_close(lin(many), torch.nn.functional.linear(many, weight, lin.bias))
+    lin(x).sum().backward()  # autograd takes F.linear: gradients reach the weight
+    assert torch.equal(lin.weight.grad, x.sum(0).expand(48, 32))
