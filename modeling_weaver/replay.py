@@ -455,6 +455,9 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--int8-drafter", action="store_true",
+                        help="the drafter's linears on int8 weights (modeling_weaver.int8_linears; the lm_head's int8 "
+                             "copy is the CUDA default either way)")
     parser.add_argument("--out", default="replay_results")
     return parser
 
@@ -463,6 +466,10 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 def run_replay(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target, drafter, weaver = random_models(args.shape, device, getattr(torch, args.dtype), args.seed)
+    if args.int8_drafter:
+        from .packed import int8_linears
+
+        int8_linears(drafter)
     if args.trace:
         traces, source = load_traces(args.trace), f"trace {args.trace}"
         missing = [f"{m}@{b}" for m in args.modes for b in args.budgets if (m, b) not in traces]
@@ -488,7 +495,7 @@ def run_replay(args) -> int:
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         info = (f"replayed acceptance — {source}; shape {args.shape}, {args.dtype}, random weights; prompt "
                 f"{args.prompt_length}, {args.max_new_tokens} new tokens, batch 1; steps {args.target_step}"
-                f"{' unfused' if args.no_fuse else ''}; device "
+                f"{' unfused' if args.no_fuse else ''}{'; int8 drafter linears' if args.int8_drafter else ''}; device "
                 f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
                 + (f"; peak memory {peak:.1f} GiB" if peak is not None else "") + limit
                 + f"; decode rates (prefill excluded); {time.strftime('%Y-%m-%d')}"

@@ -154,3 +154,22 @@ def test_switched_flips_a_setting_on_fresh_steps_and_restores_it():
     with pytest.raises(RuntimeError), switched(owner, "flag", True, target):
         raise RuntimeError
     assert owner.flag is False
+
+
+def test_int8_drafter_routes_the_drafters_linears_inside_the_block_only(tmp_path):
+    """replay.int8_drafter (the scripts' A/B) puts the drafter's linears on int8 weights inside the block, on fresh
+    steps, and restores them; `weaver replay --int8-drafter` runs the suite with them and says so."""
+    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.cli import main
+    from modeling_weaver.packed import _INT8
+    from modeling_weaver.replay import int8_drafter
+
+    drafter, target = torch.nn.Sequential(torch.nn.Linear(16, 16)), torch.nn.Linear(2, 2)
+    _STATIC_TARGETS[drafter], _STATIC_TARGETS[target] = {"stale": object()}, {"stale": object()}
+    with int8_drafter(drafter, target):
+        assert hasattr(drafter[0], _INT8) and drafter not in _STATIC_TARGETS and target not in _STATIC_TARGETS
+    assert not hasattr(drafter[0], _INT8) and "forward" not in drafter[0].__dict__
+    assert main(["replay", "--shape", "tiny", "--synthetic-mal", "weaver=3", "--modes", "weaver", "--budgets", "8",
+                 "--prompt-length", "12", "--max-new-tokens", "24", "--target-step", "static", "--hf-tokens", "4",
+                 "--dtype", "float32", "--int8-drafter", "--out", str(tmp_path)]) == 0
+    assert "int8 drafter linears" in (tmp_path / "replay.md").read_text()
