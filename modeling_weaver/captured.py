@@ -167,15 +167,19 @@ class DraftHead:
     the drafting cost), or with ``int8`` int8 rows with one scale each through ``weaver_kernels.int8_linear``: half of
     bf16's bytes for the draft's largest read (2.54 GB in bf16 at Qwen3.6-27B shape), ≈ 1 % RMS error on the logits.
     (An e4m3 copy through ``torch._scaled_mm`` was tried: 4 % error, −1.3 % SmolLM2 MAL, and slower.)
-    ``weight`` / ``bias`` stay the target's own tensors.
+    ``weight`` is the target's own weight, held weakly: a cached copy must not keep the target alive.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, int8: bool = False):
-        self.weight, self.bias, self.dtype, self.int8 = weight, bias, dtype, int8
+        self._weight, self.dtype, self.int8 = weakref.ref(weight), dtype, int8
         cast = (lambda t: t if t is None or t.dtype == dtype else t.detach().to(dtype))
         self.cast_bias = cast(bias)
         self.cast_weight = None if int8 else cast(weight)
         self.quantised, self.scale = weaver_kernels.quantize_rows(weight) if int8 else (None, None)
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        return self._weight()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.int8:
@@ -185,11 +189,14 @@ class DraftHead:
 
 
 def draft_head(target, dtype: torch.dtype, int8: bool | None = None) -> DraftHead:
-    """The :class:`DraftHead` of ``target`` for a drafter in ``dtype`` (``int8`` default :data:`INT8_DRAFT_HEAD`),
-    cached with the weight: made again after in-place updates of it, dropped with it."""
+    """The :class:`DraftHead` of ``target`` for a drafter in ``dtype`` (``int8`` default :data:`INT8_DRAFT_HEAD`). A
+    copy of the weight (another dtype, or int8) is cached with the weight: made again after in-place updates of it,
+    dropped with it."""
     head = target.get_output_embeddings()
     weight, bias = head.weight, head.bias
     int8 = int8_draft_head(weight.device) if int8 is None else int8
+    if not int8 and weight.dtype == dtype:  # the weight itself: nothing to cache
+        return DraftHead(weight, bias, dtype)
     key = (id(weight), dtype, int8)
     cached = _DRAFT_HEADS.get(key)
     if cached is None or cached[0] != weight._version or cached[1].weight is not weight:

@@ -21,6 +21,7 @@ launch reading each weight byte once, half of bf16's bytes; elsewhere the torch 
 call). Meant for drafters, whose outputs only shape proposal trees: a speculative step's drafting is a few rows
 through the drafter's whole weights, memory-bound. Calls with more rows (a prompt's context) and autograd use the
 original weight. The copy is made once: after changing the weights, :func:`remove_int8_linears` and apply it again.
+Both drop the models' cached fixed-shape steps (CUDA graphs and compiled steps traced through the old forward).
 """
 
 from __future__ import annotations
@@ -117,9 +118,22 @@ def int8_linears(*models: torch.nn.Module, max_rows: int = 64) -> int:
         setattr(module, _INT8, weaver_kernels.quantize_rows(module.weight))
         module.forward = _int8_forward(module, max_rows)
         count += 1
+    if count:
+        _release_steps(models)
     return count
 
 
 def remove_int8_linears(*models: torch.nn.Module) -> int:
     """Undo :func:`int8_linears` on ``models``; returns how many modules were restored."""
-    return _restore(models, _INT8)
+    count = _restore(models, _INT8)
+    if count:
+        _release_steps(models)
+    return count
+
+
+def _release_steps(models) -> None:
+    """Drop the models' captured and compiled steps: they were traced through the linears' previous forward."""
+    from .captured import release_static_targets
+
+    for model in models:
+        release_static_targets(model)

@@ -222,14 +222,12 @@ def int8_drafter(drafter, target):
     built anew (the drafter's and ``target``'s cached steps are dropped on entry and on exit)."""
     from .packed import int8_linears, remove_int8_linears
 
-    int8_linears(drafter)
-    release_static_targets(drafter)
+    int8_linears(drafter)  # (which drops the drafter's steps)
     release_static_targets(target)
     try:
         yield
     finally:
         remove_int8_linears(drafter)
-        release_static_targets(drafter)
         release_static_targets(target)
 
 

@@ -1,6 +1,7 @@
 """Replay suite plus host-side timings of the fused steps and a long-generation memory check, in one process.
 
-    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096 [--ab node_table peel_root node_attention neumann spine int8_head int8_drafter]
+    python scripts/diagnose_fused_steps.py --out diag --budget 64 --memory-tokens 4096 \
+        [--ab node_table peel_root node_attention neumann spine int8_head int8_drafter]
 
 1. ``run_replay_suite`` (AR and every mode at ``--budget``, ``--target-step``, synthetic traces) → replay.md/json.
 2. Per mode: cProfile of one more generation (graphs and compiles in place) sorted by own time, then the fused graph

@@ -44,7 +44,7 @@ def main():
     args = parser.parse_args()
     if not args.widths and not args.calibrations and not args.spines:
         args.widths = [1, 4, 8, 16]
-    captured.INT8_DRAFT_HEAD = args.int8_draft_head or None
+    captured.INT8_DRAFT_HEAD = args.int8_draft_head  # (off unless asked, on CUDA too)
     model, tokenizer = load_smollm2()
     drafter = AutoModel.from_pretrained(SHIPPED / "dflash", trust_remote_code=True)
     weaver = AutoModel.from_pretrained(SHIPPED / "weaver", trust_remote_code=True)

@@ -478,6 +478,20 @@ def test_bf16_drafter_with_fp32_target_stays_exact(target_step):
         target.get_output_embeddings().weight.mul_(2.0)
     assert torch.equal(draft_head(target, torch.bfloat16).cast_weight,
                        target.get_output_embeddings().weight.bfloat16())
+    # the cached copy does not keep the target's weight alive: both go with the target
+    import gc
+    import weakref
+
+    from modeling_weaver.captured import _DRAFT_HEADS, release_static_targets
+
+    weight = weakref.ref(target.get_output_embeddings().weight)
+    key = (id(weight()), torch.bfloat16, False)
+    assert key in _DRAFT_HEADS and draft_head(target, torch.float32).weight is weight()  # (same dtype: not cached)
+    release_static_targets(target)  # (fixed-shape steps live as long as their models, or until released)
+    release_static_targets(drafter)
+    del target, drafter, weaver, head
+    gc.collect()
+    assert weight() is None and key not in _DRAFT_HEADS
 
 
 @pytest.mark.parametrize("target_step", ["eager", "static"])
@@ -485,15 +499,20 @@ def test_int8_draft_head_stays_exact(target_step, monkeypatch):
     """Drafts through the int8 copy of the lm_head (captured.INT8_DRAFT_HEAD) leave the greedy output unchanged."""
     import modeling_weaver.captured as captured
 
+    import weaver_kernels
+
     monkeypatch.setattr(captured, "INT8_DRAFT_HEAD", True)
+    calls, int8_linear = [], weaver_kernels.int8_linear
+    monkeypatch.setattr(weaver_kernels, "int8_linear", lambda *a: calls.append(a[1].shape) or int8_linear(*a))
     target = TINY_TARGETS["qwen3_5"]()
     drafter, weaver = make_drafters(target, mask_token_id=VOCAB - 1)
     for mode in MODES:
+        calls.clear()
         for ids in prompts(2):
             got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=10,
                                        max_new_tokens=32, target_step=target_step)
             assert torch.equal(got, reference(target, ids, 32)), mode
-    assert captured.draft_head(target, next(drafter.parameters()).dtype).int8
+        assert calls and all(shape == target.get_output_embeddings().weight.shape for shape in calls), mode
     monkeypatch.setattr(captured, "INT8_DRAFT_HEAD", None)  # the default: on CUDA only
     assert not captured.draft_head(target, torch.float32).int8
 

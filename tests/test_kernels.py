@@ -370,7 +370,7 @@ def test_int8_linear_interpreter(ik, shape, dtype):
 def test_int8_linear_checks_its_inputs():
     x, q, scale, _ = int8_linear_inputs(3, 8, 16, torch.float32)
     torch.testing.assert_close(wk.int8_linear(x[None], q, scale), wk.int8_linear_ref(x, q, scale)[None])
-    for bad in ((x, q.float(), scale), (x[:, :8], q, scale), (x, q, scale[:4])):
+    for bad in ((x, q.float(), scale), (x[:, :8], q, scale), (x, q, scale[:4]), (x.double(), q, scale)):
         with pytest.raises(ValueError, match="int8_linear"):
             wk.int8_linear(*bad)
 

@@ -10,7 +10,8 @@ from test_generate import make_drafters, prompts, reference
 from tiny_targets import TINY_TARGETS
 
 import weaver_kernels
-from modeling_weaver import int8_linears, pack_cpu_linears, remove_int8_linears, speculative_generate, unpack_cpu_linears
+from modeling_weaver import (int8_linears, pack_cpu_linears, remove_int8_linears, speculative_generate,
+                             unpack_cpu_linears)
 from modeling_weaver.packed import _INT8, _PACKED
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
@@ -85,8 +86,12 @@ def test_int8_drafter_keeps_the_loop_lossless(kind):
         for m in _linears(rounded):
             q, scale = weaver_kernels.quantize_rows(m.weight)
             m.weight.copy_(q.float() * scale[:, None])
+    from modeling_weaver.captured import _STATIC_TARGETS
+
+    _STATIC_TARGETS[drafter] = {"traced through the old forward": object()}
     n = int8_linears(drafter)
     assert n == len(_linears(drafter)) > 0 and all(hasattr(m, _INT8) for m in _linears(drafter))
+    assert drafter not in _STATIC_TARGETS  # its cached steps are dropped
     assert int8_linears(drafter) == 0  # already routed
     feats = torch.randn(1, 5, drafter.fc.in_features, generator=torch.Generator().manual_seed(2))
     block = torch.randn(1, drafter.block_size, drafter.config.hidden_size, generator=torch.Generator().manual_seed(3))
@@ -100,7 +105,8 @@ def test_int8_drafter_keeps_the_loop_lossless(kind):
             got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=8,
                                        max_new_tokens=24)
             assert torch.equal(got, expected), mode
-    assert remove_int8_linears(drafter) == n
+    _STATIC_TARGETS[drafter] = {"traced through the int8 forward": object()}
+    assert remove_int8_linears(drafter) == n and drafter not in _STATIC_TARGETS
     assert not any("forward" in m.__dict__ or hasattr(m, _INT8) for m in _linears(drafter))
 
 

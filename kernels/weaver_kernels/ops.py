@@ -243,6 +243,7 @@ def _int8_linear_op(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     if x.is_cuda:
         from .int8_linear.skinny import int8_linear_triton
 
+        q, scale = _contig(q), _contig(scale)  # (the kernel steps through both with unit strides)
         if x.dtype == torch.float32:  # (the kernel multiplies in bf16 / fp16 on the tensor cores)
             return int8_linear_triton(x.bfloat16(), q, scale).float()
         return int8_linear_triton(x, q, scale)
@@ -381,10 +382,13 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """``x [..., K]`` times int8 weights ``q [N, K]`` with per-row ``scale [N]`` (``int8_linear.naive``: from
     ``quantize_rows``) → ``[..., N]`` in x's dtype. CUDA: one Triton launch reading each weight byte once (fp32 inputs
     are multiplied in bf16 there)."""
-    if q.dtype != torch.int8 or q.dim() != 2 or x.shape[-1] != q.shape[1] or scale.shape != (q.shape[0],):
-        raise ValueError(f"int8_linear: x [..., K], q int8 [N, K] and scale [N]; got {tuple(x.shape)}, "
-                         f"{tuple(q.shape)} {q.dtype}, {tuple(scale.shape)}")
-    return torch.ops.weaver.int8_linear(x, q, scale.float())
+    if (q.dtype != torch.int8 or q.dim() != 2 or x.shape[-1] != q.shape[1] or scale.shape != (q.shape[0],)
+            or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or not x.device == q.device == scale.device):
+        raise ValueError(f"int8_linear: x [..., K] (fp32, bf16 or fp16), q int8 [N, K] and scale [N], on one device; "
+                         f"got {tuple(x.shape)} {x.dtype} {x.device}, {tuple(q.shape)} {q.dtype} {q.device}, "
+                         f"{tuple(scale.shape)} {scale.device}")
+    return torch.ops.weaver.int8_linear(x, _contig(q), _contig(scale.float()))
 
 
 def node_attention(qkv: Tensor, positions: Tensor, prompt_k: Tensor, prompt_v: Tensor, node_k: Tensor,
