@@ -351,15 +351,18 @@ def int8_linear_inputs(M, N, K, dtype, device="cpu", seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("shape", [(15, 300, 96), (16, 64, 512), (70, 130, 40), (1, 17, 33)],
-                         ids=["draft-block", "one-tile", "row-blocks", "one-row"])
+@pytest.mark.parametrize("shape", [(15, 300, 96, 1), (16, 64, 512, 1), (70, 130, 40, 1), (1, 17, 33, 1),
+                                   (15, 300, 1000, 3), (32, 40, 520, 4), (16, 64, 100, 5)],
+                         ids=["draft-block", "one-tile", "row-blocks", "one-row", "split-3", "split-4",
+                              "split-past-k"])
 def test_int8_linear_interpreter(ik, shape, dtype):
     """The int8-weight kernel against fp64 sums of the same dequantised operands (partial K, N and M blocks, more rows
-    than one row block); the quantisation itself within half a step of every weight."""
-    M, N, K = shape
+    than one row block; K in shares of whole tiles, the last partial, and more shares than tiles); the quantisation
+    itself within half a step of every weight."""
+    M, N, K, split = shape
     x, q, scale, weight = int8_linear_inputs(M, N, K, dtype, seed=M + N)
     assert (q.double() * scale[:, None].double() - weight.double()).abs().le(scale[:, None] / 2 + 1e-6).all()
-    got = ik.int8.int8_linear_triton(x, q, scale)
+    got = ik.int8.int8_linear_triton(x, q, scale, split=split)
     assert got.shape == (M, N) and got.dtype == dtype
     exact = x.double() @ (q.double() * scale.double()[:, None]).T
     tol = {torch.bfloat16: 5e-3, torch.float16: 1e-3}[dtype]  # the output's rounding
@@ -1203,8 +1206,9 @@ def test_node_attention_real_shape_gpu(shape, dtype):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("shape", [(15, 248320, 5120), (32, 17408, 5120), (15, 49152, 576), (70, 1000, 200)],
-                         ids=["27b-lm-head", "27b-mlp", "smollm2-lm-head", "row-blocks"])
+@pytest.mark.parametrize("shape", [(15, 248320, 5120), (32, 17408, 5120), (16, 5120, 17408), (32, 1024, 5120),
+                                   (15, 49152, 576), (70, 1000, 200)],
+                         ids=["27b-lm-head", "27b-mlp-up", "27b-mlp-down", "27b-kv", "smollm2-lm-head", "row-blocks"])
 def test_int8_linear_real_shape_gpu(shape):
     """The int8-weight kernel (autotuned) at the drafter's shapes against fp64 sums of its dequantised operands."""
     M, N, K = shape
@@ -1212,7 +1216,9 @@ def test_int8_linear_real_shape_gpu(shape):
     got = wk.int8_linear(x, q, scale)
     exact = x.double() @ (q.double() * scale.double()[:, None]).T
     err = rel_rms(got, exact)
-    print(f"\n[gpu] int8 linear {shape}: {err:.2e}")
+    from weaver_kernels.int8_linear.skinny import split_k
+
+    print(f"\n[gpu] int8 linear {shape}, {split_k(x.device, M, N, K)} K share(s): {err:.2e}")
     assert got.dtype == torch.bfloat16 and err <= TOL[torch.bfloat16]
 
 
