@@ -184,8 +184,7 @@ class DraftHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.int8:
             return F.linear(hidden.to(self.dtype), self.cast_weight, self.cast_bias)
-        logits = weaver_kernels.int8_linear(hidden.to(self.dtype), self.quantised, self.scale)
-        return logits if self.cast_bias is None else logits + self.cast_bias
+        return weaver_kernels.int8_linear(hidden.to(self.dtype), self.quantised, self.scale, self.cast_bias)
 
 
 def draft_head(target, dtype: torch.dtype, int8: bool | None = None) -> DraftHead:

@@ -102,9 +102,7 @@ def _int8_forward(module: torch.nn.Linear, max_rows: int):
         if (x.numel() > max_rows * x.shape[-1]
                 or (torch.is_grad_enabled() and (module.weight.requires_grad or x.requires_grad))):
             return F.linear(x, module.weight, module.bias)
-        q, scale = getattr(module, _INT8)
-        out = weaver_kernels.int8_linear(x, q, scale)
-        return out if module.bias is None else out + module.bias
+        return weaver_kernels.int8_linear(x, *getattr(module, _INT8), module.bias)
 
     return forward
 

@@ -231,6 +231,37 @@ def int8_drafter(drafter, target):
         release_static_targets(target)
 
 
+def ab_switches() -> dict:
+    """The settings the A/B scripts flip, by name: ``(owner, attribute, off, on)`` for a class or module switch read
+    when a step is built (None, "on where it applies", counts as on), or None for ``int8_drafter``
+    (:func:`int8_drafter`). Built on first use: it imports the kernel modules."""
+    from weaver_kernels.gdn_tree import chunk as gdn_chunk
+
+    from . import captured, tree
+    from .target import GatedDeltaNetLayerCache
+
+    return {"node_table": (captured.StaticProposer, "use_node_table", False, True),
+            "peel_root": (GatedDeltaNetLayerCache, "peel_root", False, True),
+            "gates_in_kernel": (GatedDeltaNetLayerCache, "gates_in_kernel", False, True),
+            "node_attention": (tree, "FUSED_NODE_ATTENTION", False, True),
+            "neumann": (gdn_chunk, "USE_NEUMANN", False, True), "spine": (tree, "WEAVER_SPINE", False, True),
+            "int8_head": (captured, "INT8_DRAFT_HEAD", False, True), "int8_drafter": None}
+
+
+def ab_setting(name: str, on: bool | None, drafter, target):
+    """``(context manager, label)``: the A/B setting ``name`` (:func:`ab_switches`) off or on inside the block, on
+    steps built anew; ``on=None`` flips it from where it stands."""
+    switch = ab_switches()[name]
+    if switch is None:  # int8_linears is never applied by default
+        on = True if on is None else on
+        return (int8_drafter(drafter, target) if on else contextlib.nullcontext()), f"{name}={on}"
+    owner, attr, off, on_value = switch
+    if on is None:
+        on = getattr(owner, attr) not in (on_value, None)
+    value = on_value if on else off
+    return switched(owner, attr, value, target), f"{attr}={value}"
+
+
 @contextlib.contextmanager
 def gc_pauses():
     """Durations (s) of the garbage collector's runs inside the block (a list, filled as they happen)."""

@@ -22,26 +22,15 @@ from pathlib import Path
 
 import torch
 
-import modeling_weaver.captured as captured
-import modeling_weaver.tree as tree_module
 from modeling_weaver.benchmark import autoregressive_generate
 from modeling_weaver.captured import (_STATIC_TARGETS, FusedGreedyStep, PipelinedSteps, StaticDraft, StaticProposer,
                                       StaticTarget)
-from modeling_weaver.replay import (ReplayedAcceptance, graph_replay_ms, int8_drafter, memory_check, random_models,
-                                    random_prompt, replay_generate, replay_table, run_replay_suite, switched,
+from modeling_weaver.replay import (ReplayedAcceptance, ab_setting, ab_switches, graph_replay_ms, memory_check,
+                                    random_models, random_prompt, replay_generate, replay_table, run_replay_suite,
                                     synthetic_trace)
-from modeling_weaver.target import GatedDeltaNetLayerCache
-from weaver_kernels.gdn_tree import chunk as gdn_chunk
 
 
-# --ab: settings a replay can flip (class attributes read when a step is built; flipped ones get new graphs)
-# (owner, attribute, off, on): set to `on`, or to `off` where it is on (None, "on where it applies", counts as on)
-AB_SETTINGS = {"node_table": (StaticProposer, "use_node_table", False, True),
-               "peel_root": (GatedDeltaNetLayerCache, "peel_root", False, True),
-               "node_attention": (tree_module, "FUSED_NODE_ATTENTION", False, True),
-               "neumann": (gdn_chunk, "USE_NEUMANN", False, True), "spine": (tree_module, "WEAVER_SPINE", False, True),
-               "int8_head": (captured, "INT8_DRAFT_HEAD", False, True),
-               "int8_drafter": int8_drafter}  # (the drafter's linears on int8 weights, packed.int8_linears)
+
 
 
 def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:
@@ -120,7 +109,7 @@ def main():
     parser.add_argument("--out", default="diag")
     parser.add_argument("--timeline", action="store_true", help="host timeline per method (step 4)")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile and graph timings (step 2)")
-    parser.add_argument("--ab", nargs="+", choices=sorted(AB_SETTINGS), default=[],
+    parser.add_argument("--ab", nargs="+", choices=sorted(ab_switches()), default=[],
                         help="after the suite, the first mode again with each setting flipped (AR again as well)")
     args = parser.parse_args()
     out = Path(args.out)
@@ -138,12 +127,7 @@ def main():
     rows = run_replay_suite(target, drafter, weaver, traces, args.modes, [args.budget], 512, 512, args.target_step,
                             on_row=save)
     for name in args.ab:
-        if callable(AB_SETTINGS[name]):
-            setting, label = AB_SETTINGS[name](drafter, target), name
-        else:
-            owner, attr, off, on = AB_SETTINGS[name]
-            flipped = off if getattr(owner, attr) in (on, None) else on
-            setting, label = switched(owner, attr, flipped, target), f"{attr}={flipped}"
+        setting, label = ab_setting(name, None, drafter, target)
         with setting:
             more = run_replay_suite(target, drafter, weaver, traces, args.modes[:1], [args.budget], 512, 512,
                                     args.target_step)

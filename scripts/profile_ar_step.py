@@ -38,20 +38,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from modeling_weaver.benchmark import autoregressive_generate
-import modeling_weaver.captured as captured
-from modeling_weaver.captured import StaticProposer, cache_bucket, static_draft, static_target
-from modeling_weaver.replay import (FirstTokenClock, graph_replay_ms, int8_drafter, random_models, random_prompt,
+from modeling_weaver.captured import cache_bucket, static_draft, static_target
+from modeling_weaver.replay import (FirstTokenClock, ab_setting, graph_replay_ms, random_models, random_prompt,
                                     switched)
-from modeling_weaver.target import GatedDeltaNetLayerCache
 import modeling_weaver.tree as tree_module
 from modeling_weaver.tree import Tree
 
 
-# (owner, attribute, off, on)
-PROPOSER_SWITCHES = {"node_table": (StaticProposer, "use_node_table", False, True),
-                     "node_attention": (tree_module, "FUSED_NODE_ATTENTION", False, True),
-                     "int8_head": (captured, "INT8_DRAFT_HEAD", False, True),
-                     "int8_drafter": None}  # the drafter's linears on int8 weights (replay.int8_drafter)
+# --proposer-ab: the settings of replay.ab_switches a draft + tree graph reads
+PROPOSER_AB = ("node_table", "node_attention", "int8_head", "int8_drafter")
 
 
 def kernel_table(fn, reps: int, rows: int, title: str) -> None:
@@ -128,7 +123,7 @@ def main():
                         help="Weaver draft + tree graph without and with the spine (tree.WEAVER_SPINE), at these "
                              "numbers of rounds after it (default tree.SPINE_ROUNDS) and widths (default "
                              "tree.SPINE_WIDTH)")
-    parser.add_argument("--proposer-ab", nargs="+", choices=sorted(PROPOSER_SWITCHES), default=[],
+    parser.add_argument("--proposer-ab", nargs="+", choices=PROPOSER_AB, default=[],
                         help="each --proposer's draft + tree graph with the switch off and on (section 8)")
     parser.add_argument("--graph-runs", type=int, default=7)
     parser.add_argument("--max-length", type=int, default=0,
@@ -202,13 +197,14 @@ def main():
         tree_graph.verify(chain)  # captures
         return timed(tree_graph._graphs[0])
 
-    def both_ways(attr: str, measure, owner=GatedDeltaNetLayerCache, off=False, on=True) -> dict:
-        """``measure()`` with the switch ``owner.attr`` off and on (``{False: ms, True: ms}``), each on steps
-        compiled and captured anew."""
+    def both_ways(name: str, measure) -> dict:
+        """``measure()`` with the A/B setting ``name`` (``replay.ab_switches``) off and on (``{False: ms, True:
+        ms}``), each on steps built anew."""
         times = {}
-        for state, value in ((False, off), (True, on)):
-            with switched(owner, attr, value, target):
-                times[state] = measure()
+        for on in (False, True):
+            setting, _ = ab_setting(name, on, drafter, target)
+            with setting:
+                times[on] = measure()
         return times
 
     if args.gates_ab:
@@ -258,13 +254,7 @@ def main():
                     mode, args.budget, weaver if mode == "weaver" else None, compile=compile)
                 proposer.propose(1, context, args.prompt_length, last)  # captures
                 return timed(proposer.draft._graphs[proposer.key][0])
-            if PROPOSER_SWITCHES[name] is None:
-                times = {False: proposer_graph_ms()}
-                with int8_drafter(drafter, target):
-                    times[True] = proposer_graph_ms()
-            else:
-                owner, attr, off, on = PROPOSER_SWITCHES[name]
-                times = both_ways(attr, proposer_graph_ms, owner=owner, off=off, on=on)
+            times = both_ways(name, proposer_graph_ms)
             print(f"\n## {mode} draft + tree graph at budget {args.budget}, GPU ms per replay: {name} off "
                   f"{times[False]:.3f}, on {times[True]:.3f} ({times[True] - times[False]:+.3f})", flush=True)
 

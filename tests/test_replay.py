@@ -173,3 +173,32 @@ def test_int8_drafter_routes_the_drafters_linears_inside_the_block_only(tmp_path
                  "--prompt-length", "12", "--max-new-tokens", "24", "--target-step", "static", "--hf-tokens", "4",
                  "--dtype", "float32", "--int8-drafter", "--out", str(tmp_path)]) == 0
     assert "int8 drafter linears" in (tmp_path / "replay.md").read_text()
+
+
+def test_ab_setting_flips_or_sets_each_switch_and_restores_it():
+    """The scripts' one table of A/B settings: a switch set off / on or flipped from where it stands (None, "on where
+    it applies", counts as on), int8_drafter applied only when on; each restored after the block."""
+    import modeling_weaver.tree as tree_module
+    from modeling_weaver.packed import _INT8
+    from modeling_weaver.replay import ab_setting, ab_switches
+
+    drafter, target = torch.nn.Sequential(torch.nn.Linear(16, 16)), torch.nn.Linear(2, 2)
+    assert {"spine", "node_attention", "int8_head", "int8_drafter", "gates_in_kernel"} <= set(ab_switches())
+    spine = tree_module.WEAVER_SPINE
+    setting, label = ab_setting("spine", None, drafter, target)
+    with setting:
+        assert tree_module.WEAVER_SPINE is (not spine) and label == f"WEAVER_SPINE={not spine}"
+    assert tree_module.WEAVER_SPINE is spine
+    attention = tree_module.FUSED_NODE_ATTENTION
+    with ab_setting("node_attention", None, drafter, target)[0]:
+        assert tree_module.FUSED_NODE_ATTENTION is (attention is False)
+    for on in (False, True):
+        with ab_setting("node_attention", on, drafter, target)[0]:
+            assert tree_module.FUSED_NODE_ATTENTION is on
+    assert tree_module.FUSED_NODE_ATTENTION is attention
+    with ab_setting("int8_drafter", False, drafter, target)[0]:
+        assert not hasattr(drafter[0], _INT8)
+    setting, label = ab_setting("int8_drafter", None, drafter, target)
+    with setting:
+        assert hasattr(drafter[0], _INT8) and label == "int8_drafter=True"
+    assert not hasattr(drafter[0], _INT8)

@@ -378,17 +378,18 @@ def pool_scores(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: Tens
     return torch.ops.weaver.pool_scores(query, rows, pool_ids, pool_logits, weight)
 
 
-def int8_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x [..., K]`` times int8 weights ``q [N, K]`` with per-row ``scale [N]`` (``int8_linear.naive``: from
-    ``quantize_rows``) → ``[..., N]`` in x's dtype. CUDA: one Triton launch reading each weight byte once (fp32 inputs
-    are multiplied in bf16 there)."""
+    ``quantize_rows``), plus ``bias [N]`` if given → ``[..., N]`` in x's dtype. CUDA: one Triton launch reading each
+    weight byte once (fp32 inputs are multiplied in bf16 there)."""
     if (q.dtype != torch.int8 or q.dim() != 2 or x.shape[-1] != q.shape[1] or scale.shape != (q.shape[0],)
             or x.dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or not x.device == q.device == scale.device):
         raise ValueError(f"int8_linear: x [..., K] (fp32, bf16 or fp16), q int8 [N, K] and scale [N], on one device; "
                          f"got {tuple(x.shape)} {x.dtype} {x.device}, {tuple(q.shape)} {q.dtype} {q.device}, "
                          f"{tuple(scale.shape)} {scale.device}")
-    return torch.ops.weaver.int8_linear(x, _contig(q), _contig(scale.float()))
+    out = torch.ops.weaver.int8_linear(x, q, scale.float())  # (the op makes q and scale contiguous for the kernel)
+    return out if bias is None else out + bias
 
 
 def node_attention(qkv: Tensor, positions: Tensor, prompt_k: Tensor, prompt_v: Tensor, node_k: Tensor,
