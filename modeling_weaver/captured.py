@@ -423,7 +423,8 @@ class StaticProposer:
     @classmethod
     def key_of(cls, mode, budget, weaver, shape_logits, compile) -> tuple:
         weaver_switches = ((cls.use_node_table, tree_module.FUSED_NODE_ATTENTION, tree_module.WEAVER_SPINE,
-                            tree_module.SPINE_ROUNDS, tree_module.SPINE_WIDTH) if mode == "weaver" else None)
+                            tree_module.SPINE_ROUNDS, tree_module.SPINE_WIDTH, tree_module.CHILDREN_PER_NODE)
+                           if mode == "weaver" else None)
         return (mode, budget, id(weaver), id(shape_logits), compile, weaver_switches)
 
     def _draft_and_tree(self):

@@ -266,6 +266,11 @@ FUSED_NODE_ATTENTION: bool | None = None
 WEAVER_SPINE: bool = True
 SPINE_ROUNDS: int = 4
 SPINE_WIDTH: int | None = None  # None: ceil(budget / 8)
+# Children a stepped node publishes to the frontier (its best pool candidates). SmolLM2 at budget 64, spine + 4
+# rounds (BENCHMARKS.md, 2026-12-02): MAL 2.542 / 2.551 / 2.577 / 2.595 with 8 / 16 / 32 / 64; but 64 costs +0.50 ms
+# per Weaver draft + tree at Qwen3.6-27B shape on an H200 (2.13 → 2.63 ms: the expand kernel picks children one by
+# one), as much of a step as it adds in MAL.
+CHILDREN_PER_NODE: int = 8
 
 
 def weaver_tree(
@@ -276,7 +281,7 @@ def weaver_tree(
     embed_tokens: torch.nn.Module,
     lm_head_weight: torch.Tensor,
     budget: int,
-    children_per_node: int = 8,
+    children_per_node: int | None = None,
     width: int | None = None,
     spine: bool | None = None,
     rounds: int | None = None,
@@ -294,7 +299,7 @@ def weaver_tree_tensors(
     embed_tokens: torch.nn.Module,
     lm_head_weight: torch.Tensor,
     budget: int,
-    children_per_node: int = 8,
+    children_per_node: int | None = None,
     width: int | None = None,
     node_table: torch.Tensor | None = None,
     spine: bool | None = None,
@@ -304,8 +309,9 @@ def weaver_tree_tensors(
 
     Best-first rounds (``spine=False``, the paper's): the root is expanded first; then each round turns the ``width``
     best frontier entries (cumulative log-prob) into tree nodes and runs one batched Weaver node step on them, which
-    publishes each node's top ``children_per_node`` pool candidates (none for nodes at the maximum depth) to the
-    frontier — but for the nodes that fill the budget, whose children could not join the tree.
+    publishes each node's top ``children_per_node`` (default :data:`CHILDREN_PER_NODE`) pool candidates (none for
+    nodes at the maximum depth) to the frontier — but for the nodes that fill the budget, whose children could not
+    join the tree.
     ``ceil(budget / width)`` rounds fill the budget (``width`` default: the widest that still leaves at least as many
     rounds as depths, so that a path can reach the maximum depth); missing nodes (an exhausted frontier) are padding
     roots. Every shape is fixed by ``budget`` and ``width`` and nothing waits for the host, so a captured step can
@@ -361,7 +367,7 @@ def weaver_tree_tensors(
     # a widened copy at Qwen3.6-27B shape on an H200)
     pool_logits, pool_ids = draft_logits[:max_depth].topk(pool, dim=-1)
     pool_logits = pool_logits.float()
-    fan = min(children_per_node, pool)
+    fan = min(CHILDREN_PER_NODE if children_per_node is None else children_per_node, pool)
     n = 1 + spine_nodes + rounds * width if spine else budget + 1
     cache = weaver.new_node_cache(n, device=device)
     fused = FUSED_NODE_ATTENTION or (FUSED_NODE_ATTENTION is None and device.type == "cuda")

@@ -4,6 +4,7 @@ a tempering of the Weaver's scores (default trees), on real SmolLM2 with the shi
     python scripts/weaver_width_sweep.py --budget 64 --widths 1 4 8 16
     python scripts/weaver_width_sweep.py --budget 64 --calibrations 1,1 0.7,1 1.5,1 1,0.5 1,1.5
     python scripts/weaver_width_sweep.py --budget 64 --widths 4 --spines 4,8 2,8 3,4
+    python scripts/weaver_width_sweep.py --budget 64 --fans 8 16 32
 
 Greedy, the first ``--subset`` MT-Bench and HumanEval prompts, ``--max-new-tokens`` each (CPU is fine); only the
 proposal changes, every output stays the target's greedy text. Fewer, wider rounds are cheaper on a GPU; the widths
@@ -11,8 +12,9 @@ show what they cost in MAL. (On a replay at a larger target's depth also check t
 depths: a node of depth d needs d rounds.) ``--calibrations tau,alpha ...`` scores the candidates
 ``(dflash + alpha · residual) / tau`` instead of ``dflash + residual`` (the Weaver as trained: ``1,1``): is the
 best-first allocation calibrated? ``--spines rounds,width ...`` builds the trees from DFlash's chain first
-(``tree.WEAVER_SPINE``) with that many rounds of that width after it. ``--int8-draft-head``: every tree from draft
-logits through the int8 copy of the lm_head (``captured.INT8_DRAFT_HEAD``; the CPU reference is slow).
+(``tree.WEAVER_SPINE``) with that many rounds of that width after it. ``--fans f ...``: the default trees with
+``f`` children published per stepped node (``tree.CHILDREN_PER_NODE``). ``--int8-draft-head``: every tree from
+draft logits through the int8 copy of the lm_head (``captured.INT8_DRAFT_HEAD``; the CPU reference is slow).
 """
 import argparse
 from pathlib import Path
@@ -25,6 +27,7 @@ import modeling_weaver.captured as captured
 import modeling_weaver.tree as tree_module
 from modeling_weaver import speculative_generate
 from modeling_weaver.data import chat_prompt_ids, load_eval_prompts
+from modeling_weaver.replay import switched
 from modeling_weaver.smollm2 import load_smollm2
 
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct"
@@ -37,12 +40,14 @@ def main():
     parser.add_argument("--calibrations", nargs="+", default=[], metavar="TAU,ALPHA")
     parser.add_argument("--spines", nargs="+", default=[], metavar="ROUNDS,WIDTH",
                         help="trees from DFlash's chain first, then ROUNDS rounds of WIDTH (tree.WEAVER_SPINE)")
+    parser.add_argument("--fans", type=int, nargs="+", default=[],
+                        help="default trees with this many children published per stepped node (children_per_node)")
     parser.add_argument("--int8-draft-head", action="store_true",
                         help="the drafter projects with the int8 copy of the lm_head (captured.INT8_DRAFT_HEAD)")
     parser.add_argument("--subset", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
-    if not args.widths and not args.calibrations and not args.spines:
+    if not args.widths and not args.calibrations and not args.spines and not args.fans:
         args.widths = [1, 4, 8, 16]
     captured.INT8_DRAFT_HEAD = args.int8_draft_head  # (off unless asked, on CUDA too)
     model, tokenizer = load_smollm2()
@@ -72,6 +77,9 @@ def main():
             tree_module.weaver_tree_tensors = lambda *a, r=rounds, w=width, **k: build(
                 *a, **{**k, "width": w, "spine": True, "rounds": r})
             mal(f"spine + {rounds} rounds of {width}")
+        for fan in args.fans:
+            with switched(tree_module, "CHILDREN_PER_NODE", fan, model):
+                mal(f"{fan} children per node")
         tree_module.weaver_tree_tensors = build
         for pair in args.calibrations:
             tau, alpha = map(float, pair.split(","))

@@ -1225,7 +1225,7 @@ def test_int8_linear_real_shape_gpu(shape):
 @pytest.mark.gpu
 @gpu
 def test_weaver_tree_ops_real_shape_gpu():
-    """Qwen3.6-27B Weaver rounds (pool 512, d_model 5120, vocab 248320, budget 64: fan 8, width 4, depth 15): the
+    """Qwen3.6-27B Weaver rounds (pool 512, d_model 5120, vocab 248320, budget 64: fan 8 or 64, width 4, depth 15): the
     candidate scores against fp64, and a whole tree build's buffers equal to the torch reference's, round by round."""
     from weaver_kernels.weaver_tree import expand
 
@@ -1241,8 +1241,9 @@ def test_weaver_tree_ops_real_shape_gpu():
     err = rel_rms(got, exact)
     print(f"\n[gpu] pool scores vs fp64: {err:.2e}")
     assert err <= 1e-5, err
-    for n, width, spine in ((65, 4, 0), (48, 8, D)):  # best-first rounds; a spine tree's (1 + 15 + 4 rounds of 8)
-        for _ in _expand_side_by_side(expand.weaver_expand_triton, pool_ids, n, 8, width, D, spine,
+    # best-first rounds; a spine tree's (1 + 15 + 4 rounds of 8), with 8 and with 64 children per node
+    for n, width, spine, fan in ((65, 4, 0, 8), (48, 8, D, 8), (48, 8, D, 64)):
+        for _ in _expand_side_by_side(expand.weaver_expand_triton, pool_ids, n, fan, width, D, spine,
                                       lambda rows: torch.randn(rows, P, device="cuda", generator=gen) * 3, "cuda"):
             pass
 
