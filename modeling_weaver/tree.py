@@ -271,6 +271,9 @@ SPINE_WIDTH: int | None = None  # None: ceil(budget / 8)
 # per Weaver draft + tree at Qwen3.6-27B shape on an H200 (2.13 → 2.63 ms: the expand kernel picks children one by
 # one), as much of a step as it adds in MAL.
 CHILDREN_PER_NODE: int = 8
+# Spine trees: the root offers its best ROOT_CHILDREN candidates, the CHILDREN_PER_NODE it published and the next
+# ones as leaves (depth 1 is where most steps stop: the drafter's top-1 is right for 46 % of SmolLM2's anchors).
+ROOT_CHILDREN: int = 8
 
 
 def weaver_tree(
@@ -414,6 +417,8 @@ def weaver_tree_tensors(
         x = node_table[tokens[lo:hi]] if node_table is not None else weaver.node_inputs(embed_tokens(tokens[lo:hi]))
         query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), mask[None, lo:hi])[0]
         cand = weaver_kernels.pool_scores(query, d.clamp(max=max_depth - 1), pool_ids, pool_logits, lm_head_weight)
+        if lo == 0:
+            root_cand = cand[0]
         take = min(width, n - hi)
         weaver_kernels.weaver_expand(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token,
                                      f_logq, lo, hi, take, max_depth, spine_nodes if lo == 0 else 0)
@@ -421,16 +426,35 @@ def weaver_tree_tensors(
             break
         lo, hi = hi, hi + take
     if spine:
-        return best_known(tokens, parents, logq, depth, score, f_score, f_token, f_logq, budget)
+        return best_known(tokens, parents, logq, depth, score, f_score, f_token, f_logq, budget,
+                          root_extra=_root_extra(root_cand, pool_ids[0], fan, spine_nodes > 0))
     return tokens[1:], parents[1:], logq[1:]
+
+
+def _root_extra(cand: torch.Tensor, ids: torch.Tensor, fan: int, spine: bool):
+    """The root's candidates after the ``fan`` it published, up to :data:`ROOT_CHILDREN` in all, as ``(score,
+    token, logq)`` for :func:`best_known` (leaves: never stepped); None when there are none. ``cand [P]`` the root's
+    scores, ``ids [P]`` its pool; with a spine its column 0 is the spine child, a node already. Ordered as the
+    expand op orders them (stable: among equal scores the lowest index first), so the first ``fan`` are the ones
+    published."""
+    end = min(ROOT_CHILDREN, cand.shape[0] - spine)
+    if end <= fan:
+        return None
+    logp = torch.log_softmax(cand.float(), dim=-1)
+    if spine:
+        logp = logp[1:]
+        ids = ids[1:]
+    values, order = logp.sort(descending=True, stable=True)
+    return values[fan:end], ids[order[fan:end]], values[fan:end]
 
 
 def best_known(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, depth: torch.Tensor,
                score: torch.Tensor, f_score: torch.Tensor, f_token: torch.Tensor, f_logq: torch.Tensor,
-               budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               budget: int, root_extra: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``budget`` most probable paths among a Weaver build's nodes (``[n]`` buffers of
-    :func:`~weaver_kernels.weaver_expand_ref`, node 0 the root) and its frontier (``[n · fan]``), as draft nodes
-    (see :func:`ddtree_tensors`), most probable first. Fixed shapes, no host sync.
+    :func:`~weaver_kernels.weaver_expand_ref`, node 0 the root) and its frontier (``[n · fan]``), plus ``root_extra``
+    (``(score, token, logq)``: more children of the root, :func:`_root_extra`), as draft nodes (see
+    :func:`ddtree_tensors`), most probable first. Fixed shapes, no host sync.
 
     A path's score never exceeds its parent's, and ties go to the shallower node, so the set is prefix-closed and in
     topological order.
@@ -438,15 +462,19 @@ def best_known(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, 
     n = tokens.shape[0]
     fan = f_score.shape[0] // n
     neg_inf = float("-inf")
+    f_parent = torch.arange(n, device=tokens.device).repeat_interleave(fan)
+    if root_extra is not None:
+        f_score, f_token, f_logq = (torch.cat([f, e]) for f, e in zip((f_score, f_token, f_logq), root_extra))
+        f_parent = torch.cat([f_parent, f_parent.new_zeros(root_extra[0].shape[0])])
     keys = torch.cat([torch.where(parents[1:] >= 0, score[1:], neg_inf), f_score])
-    deep = torch.cat([depth[1:], (depth + 1).repeat_interleave(fan)])
+    deep = torch.cat([depth[1:], depth[f_parent] + 1])
     k = min(budget, keys.shape[0])
     picked = most_probable(keys, deep, k)
     valid = picked.values > neg_inf
     is_node = picked.indices < n - 1
     node = (picked.indices + 1).clamp(max=n - 1)
     slot = (picked.indices - (n - 1)).clamp(min=0)
-    parent = torch.where(is_node, parents[node], slot // fan)
+    parent = torch.where(is_node, parents[node], f_parent[slot])
     # node number in the tree (1-based, root 0) of every node picked; slot n takes the rest
     number = torch.zeros(n + 1, dtype=torch.long, device=tokens.device)
     number.scatter_(0, torch.where(is_node & valid, node, n), torch.arange(1, k + 1, device=tokens.device))

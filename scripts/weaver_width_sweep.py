@@ -13,7 +13,8 @@ depths: a node of depth d needs d rounds.) ``--calibrations tau,alpha ...`` scor
 ``(dflash + alpha · residual) / tau`` instead of ``dflash + residual`` (the Weaver as trained: ``1,1``): is the
 best-first allocation calibrated? ``--spines rounds,width ...`` builds the trees from DFlash's chain first
 (``tree.WEAVER_SPINE``) with that many rounds of that width after it. ``--fans f ...``: the default trees with
-``f`` children published per stepped node (``tree.CHILDREN_PER_NODE``). ``--int8-draft-head``: every tree from
+``f`` children published per stepped node (``tree.CHILDREN_PER_NODE``); ``--root-children r ...``: with the root
+offering ``r`` (``tree.ROOT_CHILDREN``). ``--int8-draft-head``: every tree from
 draft logits through the int8 copy of the lm_head (``captured.INT8_DRAFT_HEAD``; the CPU reference is slow).
 """
 import argparse
@@ -42,12 +43,15 @@ def main():
                         help="trees from DFlash's chain first, then ROUNDS rounds of WIDTH (tree.WEAVER_SPINE)")
     parser.add_argument("--fans", type=int, nargs="+", default=[],
                         help="default trees with this many children published per stepped node (children_per_node)")
+    parser.add_argument("--root-children", type=int, nargs="+", default=[],
+                        help="default trees whose root offers this many children (tree.ROOT_CHILDREN)")
     parser.add_argument("--int8-draft-head", action="store_true",
                         help="the drafter projects with the int8 copy of the lm_head (captured.INT8_DRAFT_HEAD)")
     parser.add_argument("--subset", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
-    if not args.widths and not args.calibrations and not args.spines and not args.fans:
+    if not args.widths and not args.calibrations and not args.spines and not args.fans \
+            and not args.root_children:
         args.widths = [1, 4, 8, 16]
     captured.INT8_DRAFT_HEAD = args.int8_draft_head  # (off unless asked, on CUDA too)
     model, tokenizer = load_smollm2()
@@ -80,6 +84,9 @@ def main():
         for fan in args.fans:
             with switched(tree_module, "CHILDREN_PER_NODE", fan, model):
                 mal(f"{fan} children per node")
+        for root in args.root_children:
+            with switched(tree_module, "ROOT_CHILDREN", root, model):
+                mal(f"{root} children of the root")
         tree_module.weaver_tree_tensors = build
         for pair in args.calibrations:
             tau, alpha = map(float, pair.split(","))

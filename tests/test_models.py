@@ -567,14 +567,22 @@ def _teacher_forced_logp(weaver, prompt, embed, lm_head, tokens, pool_ids, pool_
     return torch.log_softmax(weaver.candidate_logits(query, pool_ids[d], pool_logits[d], lm_head), -1)
 
 
-@pytest.mark.parametrize("budget,rounds,width", [(7, 0, None), (16, 2, None), (30, 2, 3), (12, 1, 5)])
-def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width):
+@pytest.mark.parametrize("budget,rounds,width,root,scale", [
+    (7, 0, None, 8, 3.0), (16, 2, None, 8, 3.0), (30, 2, 3, 8, 3.0), (12, 1, 5, 8, 3.0),
+    (16, 2, None, 12, 0.1), (30, 1, 3, 32, 0.3)])
+def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width, root, scale, monkeypatch):
     """Spine trees (``spine=True``): one node step for the root and DFlash's chain together, then ``rounds`` steps of
     ``width`` nodes; the tree equals a plain search written out here — the Weaver's log-probs of every path recomputed
     by teacher forcing, the chain's nodes stepped, each stepped node's ``fan`` best children (the chain child not
-    twice) as candidates, each round stepping the best unstepped candidates, and the ``budget`` most probable paths of
-    all of them kept."""
-    weaver, embed, lm_head, prompt, draft_logits = _tree_inputs(budget)
+    twice) as candidates, each round stepping the best unstepped candidates, the root's next best children up to
+    ``root`` in all (``tree.ROOT_CHILDREN``; 32: more than its pool holds) as leaves never stepped, and the
+    ``budget`` most probable paths of all of them kept. (Flat draft logits make the root's later children likely
+    enough to be kept.)"""
+    import modeling_weaver.tree as tree_module
+
+    monkeypatch.setattr(tree_module, "ROOT_CHILDREN", root)
+    weaver, embed, lm_head, prompt, draft_logits = _tree_inputs(budget, scale=scale)
+    lm_head = lm_head * min(1.0, scale)  # (and small Weaver residuals)
     with torch.no_grad():
         with _counted_steps(weaver) as steps:
             tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width,
@@ -587,6 +595,7 @@ def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width):
         # the search written out: paths are token tuples from the root
         score = {(3,): 0.0}
         candidates = {}  # unstepped path -> score
+        leaves = {}  # the root's children past its fan: in the tree or not, never stepped
 
         def stepped(path):
             if len(path) - 1 == max_depth:
@@ -596,6 +605,8 @@ def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width):
             order = [j for j in logp.argsort(descending=True).tolist() if not (chain_child and j == 0)]
             for j in order[:fan]:
                 candidates[path + (int(pool_ids[len(path) - 1, j]),)] = score[path] + float(logp[j])
+            for j in order[fan:root] if len(path) == 1 else []:
+                leaves[path + (int(pool_ids[0, j]),)] = float(logp[j])
 
         spine = (3,) + tuple(pool_ids[:, 0].tolist())
         for d in range(1, max_depth + 1):
@@ -609,12 +620,14 @@ def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width):
                 score[path] = candidates.pop(path)
             for path in best:
                 stepped(path)
-        known = {**{p: v for p, v in score.items() if len(p) > 1}, **candidates}
+        known = {**{p: v for p, v in score.items() if len(p) > 1}, **candidates, **leaves}
+        assert len(leaves) == max(0, min(root, 15) - fan)  # (a pool of 16, one of them the spine child)
         expected = sorted(known, key=known.get, reverse=True)[:budget]
 
         assert len(tree) == budget + 1 and (tree.parents[1:] >= 0).all()
         paths = [tuple(tree.tokens[tree.path_to(i)].tolist()) for i in range(1, len(tree))]
         assert paths == expected  # same paths, most probable first
+        assert (root > fan) == any(path in leaves for path in paths)
         for i, path in enumerate(paths, start=1):
             assert abs(float(tree.logq[i]) - (known[path] - score.get(path[:-1], 0.0))) < 1e-4, path
 
