@@ -423,7 +423,8 @@ class StaticProposer:
     @classmethod
     def key_of(cls, mode, budget, weaver, shape_logits, compile) -> tuple:
         weaver_switches = ((cls.use_node_table, tree_module.FUSED_NODE_ATTENTION, tree_module.WEAVER_SPINE,
-                            tree_module.SPINE_ROUNDS, tree_module.SPINE_WIDTH, tree_module.CHILDREN_PER_NODE)
+                            tree_module.SPINE_ROUNDS, tree_module.SPINE_WIDTH, tree_module.CHILDREN_PER_NODE,
+                            tree_module.ROOT_CHILDREN)
                            if mode == "weaver" else None)
         return (mode, budget, id(weaver), id(shape_logits), compile, weaver_switches)
 

@@ -271,9 +271,12 @@ SPINE_WIDTH: int | None = None  # None: ceil(budget / 8)
 # per Weaver draft + tree at Qwen3.6-27B shape on an H200 (2.13 → 2.63 ms: the expand kernel picks children one by
 # one), as much of a step as it adds in MAL.
 CHILDREN_PER_NODE: int = 8
-# Spine trees: the root offers its best ROOT_CHILDREN candidates, the CHILDREN_PER_NODE it published and the next
-# ones as leaves (depth 1 is where most steps stop: the drafter's top-1 is right for 46 % of SmolLM2's anchors).
-ROOT_CHILDREN: int = 8
+# Spine trees: the root offers its best ROOT_CHILDREN candidates (None: half the budget), the CHILDREN_PER_NODE it
+# published and the next ones as leaves, never stepped (depth 1 is where most steps stop: the drafter's top-1 is
+# right for 46 % of SmolLM2's anchors). SmolLM2 greedy MAL, spine + 4 rounds (BENCHMARKS.md, 2026-12-02): budget 64
+# 2.542 / 2.603 / 2.622 with 8 / 32 / 64 root children, budget 32 2.390 / 2.387 / 2.387 with 8 / 16 / 32, budget 16
+# 2.206 / 2.194 with 8 / 16.
+ROOT_CHILDREN: int | None = None
 
 
 def weaver_tree(
@@ -325,8 +328,9 @@ def weaver_tree_tensors(
     plain DFlash chain), all in one batched node step, since a node's step needs only its ancestors' tokens. Then
     ``rounds`` rounds (default :data:`SPINE_ROUNDS`) of ``width`` (default :data:`SPINE_WIDTH`) frontier entries
     each; the tree is the ``budget`` most probable paths among every node stepped and every frontier candidate
-    (:func:`best_known`), so spine nodes the Weaver finds unlikely are left out. Depth no longer costs rounds: a
-    budget-64 tree takes 1 + 4 node steps instead of 16. The price: off the spine, a path can follow the Weaver's
+    (:func:`best_known`), so spine nodes the Weaver finds unlikely are left out; the root also offers its next best
+    candidates as leaves, up to :data:`ROOT_CHILDREN` children in all. Depth no longer costs rounds: a budget-64
+    tree takes 1 + 4 node steps instead of 16. The price: off the spine, a path can follow the Weaver's
     own choices for at most ``rounds + 1`` tokens (best-first rounds: to the maximum depth); on text that SmolLM2
     accepts deeply (the demo's prompts) 2 rounds lost 6 % of MAL against best-first rounds, 4 rounds 2 %. A round
     may also take a frontier entry at the maximum depth, whose step adds nothing (it publishes no candidates); at
@@ -427,17 +431,18 @@ def weaver_tree_tensors(
         lo, hi = hi, hi + take
     if spine:
         return best_known(tokens, parents, logq, depth, score, f_score, f_token, f_logq, budget,
-                          root_extra=_root_extra(root_cand, pool_ids[0], fan, spine_nodes > 0))
+                          root_extra=_root_extra(root_cand, pool_ids[0], fan, spine_nodes > 0,
+                                                 budget // 2 if ROOT_CHILDREN is None else ROOT_CHILDREN))
     return tokens[1:], parents[1:], logq[1:]
 
 
-def _root_extra(cand: torch.Tensor, ids: torch.Tensor, fan: int, spine: bool):
-    """The root's candidates after the ``fan`` it published, up to :data:`ROOT_CHILDREN` in all, as ``(score,
+def _root_extra(cand: torch.Tensor, ids: torch.Tensor, fan: int, spine: bool, children: int):
+    """The root's candidates after the ``fan`` it published, up to ``children`` in all, as ``(score,
     token, logq)`` for :func:`best_known` (leaves: never stepped); None when there are none. ``cand [P]`` the root's
     scores, ``ids [P]`` its pool; with a spine its column 0 is the spine child, a node already. Ordered as the
     expand op orders them (stable: among equal scores the lowest index first), so the first ``fan`` are the ones
     published."""
-    end = min(ROOT_CHILDREN, cand.shape[0] - spine)
+    end = min(children, cand.shape[0] - spine)
     if end <= fan:
         return None
     logp = torch.log_softmax(cand.float(), dim=-1)

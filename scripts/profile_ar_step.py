@@ -46,7 +46,7 @@ from modeling_weaver.tree import Tree
 
 
 # --proposer-ab: the settings of replay.ab_switches a draft + tree graph reads
-PROPOSER_AB = ("node_table", "node_attention", "int8_head", "int8_drafter", "fan64")
+PROPOSER_AB = ("node_table", "node_attention", "int8_head", "int8_drafter", "fan64", "root_leaves")
 
 
 def kernel_table(fn, reps: int, rows: int, title: str) -> None:
