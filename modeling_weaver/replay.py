@@ -246,7 +246,7 @@ def ab_switches() -> dict:
             "node_attention": (tree, "FUSED_NODE_ATTENTION", False, True),
             "neumann": (gdn_chunk, "USE_NEUMANN", False, True), "spine": (tree, "WEAVER_SPINE", False, True),
             "int8_head": (captured, "INT8_DRAFT_HEAD", False, True), "int8_drafter": None,
-            "fan64": (tree, "CHILDREN_PER_NODE", 8, 64), "root_leaves": (tree, "ROOT_CHILDREN", 8, None)}
+            "fan64": (tree, "CHILDREN_PER_NODE", 8, 64), "root_leaves": (tree, "ROOT_CHILDREN", 0, None)}
 
 
 def ab_setting(name: str, on: bool | None, drafter, target):

@@ -421,8 +421,9 @@ def weaver_tree_tensors(
         x = node_table[tokens[lo:hi]] if node_table is not None else weaver.node_inputs(embed_tokens(tokens[lo:hi]))
         query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), mask[None, lo:hi])[0]
         cand = weaver_kernels.pool_scores(query, d.clamp(max=max_depth - 1), pool_ids, pool_logits, lm_head_weight)
-        if lo == 0:
-            root_cand = cand[0]
+        if spine and lo == 0:  # (scores in hand: the root's leaves are picked from the same row)
+            root_leaves = _root_leaves(cand[0], pool_ids[0], fan,
+                                       budget // 2 if ROOT_CHILDREN is None else ROOT_CHILDREN)
         take = min(width, n - hi)
         weaver_kernels.weaver_expand(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token,
                                      f_logq, lo, hi, take, max_depth, spine_nodes if lo == 0 else 0)
@@ -430,35 +431,31 @@ def weaver_tree_tensors(
             break
         lo, hi = hi, hi + take
     if spine:
-        return best_known(tokens, parents, logq, depth, score, f_score, f_token, f_logq, budget,
-                          root_extra=_root_extra(root_cand, pool_ids[0], fan, spine_nodes > 0,
-                                                 budget // 2 if ROOT_CHILDREN is None else ROOT_CHILDREN))
+        return best_known(tokens, parents, logq, depth, score, f_score, f_token, f_logq, budget, root_leaves)
     return tokens[1:], parents[1:], logq[1:]
 
 
-def _root_extra(cand: torch.Tensor, ids: torch.Tensor, fan: int, spine: bool, children: int):
-    """The root's candidates after the ``fan`` it published, up to ``children`` in all, as ``(score,
+def _root_leaves(cand: torch.Tensor, ids: torch.Tensor, fan: int, children: int):
+    """A spine tree's root's candidates after the ``fan`` it published, up to ``children`` in all, as ``(score,
     token, logq)`` for :func:`best_known` (leaves: never stepped); None when there are none. ``cand [P]`` the root's
-    scores, ``ids [P]`` its pool; with a spine its column 0 is the spine child, a node already. Ordered as the
-    expand op orders them (stable: among equal scores the lowest index first), so the first ``fan`` are the ones
-    published."""
-    end = min(children, cand.shape[0] - spine)
+    scores, ``ids [P]`` its pool, whose column 0 is the spine child (a node already). Ordered as the expand op orders
+    them (stable: among equal scores the lowest index first), so the first ``fan`` are the ones published. (The op
+    has sorted this row too, inside its kernel: one row of P, cheaper than a wider kernel, BENCHMARKS.md.)"""
+    end = min(children, cand.shape[0] - 1)
     if end <= fan:
         return None
-    logp = torch.log_softmax(cand.float(), dim=-1)
-    if spine:
-        logp = logp[1:]
-        ids = ids[1:]
+    logp = torch.log_softmax(cand.float(), dim=-1)[1:]
     values, order = logp.sort(descending=True, stable=True)
-    return values[fan:end], ids[order[fan:end]], values[fan:end]
+    values = values[fan:end]
+    return values, ids[1:][order[fan:end]], values  # (the root's path score is 0: a leaf's score is its logq)
 
 
 def best_known(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, depth: torch.Tensor,
                score: torch.Tensor, f_score: torch.Tensor, f_token: torch.Tensor, f_logq: torch.Tensor,
-               budget: int, root_extra: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               budget: int, root_leaves: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``budget`` most probable paths among a Weaver build's nodes (``[n]`` buffers of
-    :func:`~weaver_kernels.weaver_expand_ref`, node 0 the root) and its frontier (``[n · fan]``), plus ``root_extra``
-    (``(score, token, logq)``: more children of the root, :func:`_root_extra`), as draft nodes (see
+    :func:`~weaver_kernels.weaver_expand_ref`, node 0 the root) and its frontier (``[n · fan]``), plus ``root_leaves``
+    (``(score, token, logq)``: more children of the root, :func:`_root_leaves`), as draft nodes (see
     :func:`ddtree_tensors`), most probable first. Fixed shapes, no host sync.
 
     A path's score never exceeds its parent's, and ties go to the shallower node, so the set is prefix-closed and in
@@ -468,9 +465,9 @@ def best_known(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, 
     fan = f_score.shape[0] // n
     neg_inf = float("-inf")
     f_parent = torch.arange(n, device=tokens.device).repeat_interleave(fan)
-    if root_extra is not None:
-        f_score, f_token, f_logq = (torch.cat([f, e]) for f, e in zip((f_score, f_token, f_logq), root_extra))
-        f_parent = torch.cat([f_parent, f_parent.new_zeros(root_extra[0].shape[0])])
+    if root_leaves is not None:  # more frontier entries, all of them the root's
+        f_score, f_token, f_logq = (torch.cat([f, e]) for f, e in zip((f_score, f_token, f_logq), root_leaves))
+        f_parent = torch.cat([f_parent, f_parent.new_zeros(root_leaves[0].shape[0])])
     keys = torch.cat([torch.where(parents[1:] >= 0, score[1:], neg_inf), f_score])
     deep = torch.cat([depth[1:], depth[f_parent] + 1])
     k = min(budget, keys.shape[0])

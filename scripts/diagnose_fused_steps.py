@@ -30,9 +30,6 @@ from modeling_weaver.replay import (ReplayedAcceptance, ab_setting, ab_switches,
                                     synthetic_trace)
 
 
-
-
-
 def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:
     """Host time of a fused graph's ``replay()`` and its GPU time per step back to back (advances the caches)."""
     lines = []

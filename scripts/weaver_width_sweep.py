@@ -14,8 +14,8 @@ depths: a node of depth d needs d rounds.) ``--calibrations tau,alpha ...`` scor
 best-first allocation calibrated? ``--spines rounds,width ...`` builds the trees from DFlash's chain first
 (``tree.WEAVER_SPINE``) with that many rounds of that width after it. ``--fans f ...``: the default trees with
 ``f`` children published per stepped node (``tree.CHILDREN_PER_NODE``); ``--root-children r ...``: with the root
-offering ``r`` (``tree.ROOT_CHILDREN``). ``--int8-draft-head``: every tree from
-draft logits through the int8 copy of the lm_head (``captured.INT8_DRAFT_HEAD``; the CPU reference is slow).
+offering ``r`` (``tree.ROOT_CHILDREN``). ``--int8-draft-head``: every tree from draft logits through the int8 copy
+of the lm_head (``captured.INT8_DRAFT_HEAD``; the CPU reference is slow).
 """
 import argparse
 from pathlib import Path
@@ -42,7 +42,7 @@ def main():
     parser.add_argument("--spines", nargs="+", default=[], metavar="ROUNDS,WIDTH",
                         help="trees from DFlash's chain first, then ROUNDS rounds of WIDTH (tree.WEAVER_SPINE)")
     parser.add_argument("--fans", type=int, nargs="+", default=[],
-                        help="default trees with this many children published per stepped node (children_per_node)")
+                        help="default trees with this many children published per stepped node (tree.CHILDREN_PER_NODE)")
     parser.add_argument("--root-children", type=int, nargs="+", default=[],
                         help="default trees whose root offers this many children (tree.ROOT_CHILDREN)")
     parser.add_argument("--int8-draft-head", action="store_true",
@@ -50,8 +50,7 @@ def main():
     parser.add_argument("--subset", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
-    if not args.widths and not args.calibrations and not args.spines and not args.fans \
-            and not args.root_children:
+    if not any((args.widths, args.calibrations, args.spines, args.fans, args.root_children)):
         args.widths = [1, 4, 8, 16]
     captured.INT8_DRAFT_HEAD = args.int8_draft_head  # (off unless asked, on CUDA too)
     model, tokenizer = load_smollm2()
