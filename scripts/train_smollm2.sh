@@ -21,7 +21,7 @@ for stage in "$@"; do
   case $stage in
     data)    # target-written prompts + the target's own answers (half greedy, half T=0.7), leak-checked
       python3 -m modeling_weaver.cli make-data --out "$WORK/data" --num-samples 1000000 --batch-size 2048 \
-        --max-response-tokens 384 --max-minutes "$DATA_MIN" --sampler "${SAMPLER:-auto}" --no-progress
+        --max-response-tokens 384 --max-minutes "$DATA_MIN" --sampler "${SAMPLER:-auto}" --seed "${SEED:-0}" --no-progress
       if [ -n "$EXTRA_DATA" ]; then
         for f in "$EXTRA_DATA"/shard-*.pt; do cp "$f" "$WORK/data/shard-extra-$(basename "$f" | tr -cd '0-9').pt"; done
       fi ;;
@@ -33,12 +33,14 @@ for stage in "$@"; do
       python3 -m modeling_weaver.cli train-dflash --data "$WORK/data" --output-dir "$WORK/dflash" --num-layers 3 \
         --anchors 64 --batch-size 32 --epochs 100 --max-minutes "$DFLASH_TOTAL" --session-minutes "$DFLASH_MIN" \
         --save-every 0 --log-every 50 --no-progress $resume ;;
-    weaver)  # 1-layer Weaver, pool 512, DFlash frozen
-      python3 -m modeling_weaver.cli train-weaver --data "$WORK/data" --drafter "$WORK/dflash" \
-        --output-dir "$WORK/weaver" --batch-size 8 --epochs 100 --max-minutes "$WEAVER_MIN" --save-every 0 \
-        --log-every 50 --no-progress ;;
+    weaver)  # 1-layer Weaver, pool 512, DFlash frozen (DFLASH_DIR: another drafter, e.g. the shipped one);
+      # WEAVER_INIT: a Weaver folder to start from; WEAVER_TOTAL minutes of schedule in chunks of WEAVER_MIN
+      resume=${WEAVER_INIT:+--init-from $WEAVER_INIT}; [ -f "$WORK/weaver/training_state.pt" ] && resume="--resume"
+      python3 -m modeling_weaver.cli train-weaver --data "$WORK/data" --drafter "${DFLASH_DIR:-$WORK/dflash}" \
+        --output-dir "$WORK/weaver" --batch-size 8 --epochs 100 --max-minutes "${WEAVER_TOTAL:-$WEAVER_MIN}" \
+        --session-minutes "$WEAVER_MIN" --save-every 0 --log-every 50 --no-progress $resume ;;
     bench)
-      python3 -m modeling_weaver.cli bench --drafter "$WORK/dflash" --weaver "$WORK/weaver" --subset "${SUBSET:-10}" \
+      python3 -m modeling_weaver.cli bench --drafter "${DFLASH_DIR:-$WORK/dflash}" --weaver "$WORK/weaver" --subset "${SUBSET:-10}" \
         --max-new-tokens "${NEW_TOKENS:-128}" --target-step "${TARGET_STEP:-graph}" --budgets 64 32 16 --temperatures 0 1 --sampling-verifications both \
         --max-minutes "$BENCH_MIN" --out "$WORK/bench" --no-progress ;;
     gputests)
