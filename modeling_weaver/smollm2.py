@@ -38,6 +38,9 @@ tree carries 29 MiB of shipped checkpoints, so the GGUF goes in three parts of 3
    ``--gguf`` with several parts joins them and checks the sha256 of the whole file (conversion ≈ 25 s); the cache in
    ``/tmp/smol/cache`` then serves every later call while the machine stays warm. If the machine went cold in
    between, repeat all three calls. Device transformers (5.17) has GGUF support and accelerate; only ``gguf`` travels.
+   End **every** training call by copying the weights into ``$OUT`` (``scripts/train_smollm2.sh … pack``, or a plain
+   ``cp`` of the model folder): on 2026-12-02 the machine went cold between two calls (and once was taken back in the
+   middle of one), and a trained Weaver left only in ``/tmp`` was lost with it.
 
 The ≈270 MB bf16 safetensors would need nine such calls; the GGUF (Q4/Q8 data, zip saves < 6 %) needs three.
 """
