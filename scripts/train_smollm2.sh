@@ -9,11 +9,17 @@
 #   scripts/train_smollm2.sh weaver bench pack     # call 4
 #   scripts/train_smollm2.sh gputests replay       # GPU tests and the Qwen3.6-27B-shape acceptance replay
 #
-# DFlash runs DFLASH_TOTAL minutes of schedule in chunks of at most DFLASH_MIN per call (--session-minutes).
+# DFlash runs DFLASH_TOTAL minutes of schedule in chunks of at most DFLASH_MIN per call (--session-minutes), the
+# Weaver WEAVER_TOTAL in chunks of WEAVER_MIN. A machine can go cold between calls: end every training call by
+# bringing the weights back into $OUT (`pack`, or a cp of the model folder).
 set -euo pipefail
 WORK=${WORK:-/tmp/smol/work}
 DATA_MIN=${DATA_MIN:-2.5} DFLASH_MIN=${DFLASH_MIN:-8} DFLASH_TOTAL=${DFLASH_TOTAL:-16} WEAVER_MIN=${WEAVER_MIN:-4}
-BENCH_MIN=${BENCH_MIN:-3.5}
+WEAVER_TOTAL=${WEAVER_TOTAL:-$WEAVER_MIN} BENCH_MIN=${BENCH_MIN:-3.5}
+DFLASH_DIR=${DFLASH_DIR:-$WORK/dflash}  # the drafter the weaver and bench stages read (e.g. the shipped one)
+
+# --resume when DIR holds a run, else --init-from INIT when given (a folder of weights: fresh optimizer and schedule)
+start_flags() { if [ -f "$2/training_state.pt" ]; then echo --resume; elif [ -n "$1" ]; then echo --init-from "$1"; fi; }
 EXTRA_DATA=${EXTRA_DATA:-}  # a folder of earlier shard-*.pt to train on as well (copied in as shard-extra-*)
 mkdir -p "$WORK"
 for stage in "$@"; do
@@ -29,18 +35,16 @@ for stage in "$@"; do
       # (SmolLM2 has no MASK token). 64 anchors × 32 sequences per step: the dense block-sparse attention costs
       # (context + all blocks of the sequence) keys per query, so fewer blocks per sequence make each block cheaper.
       # DFLASH_INIT: a drafter folder to start from instead (a first run's weights, fresh optimizer and schedule).
-      resume=${DFLASH_INIT:+--init-from $DFLASH_INIT}; [ -f "$WORK/dflash/training_state.pt" ] && resume="--resume"
       python3 -m modeling_weaver.cli train-dflash --data "$WORK/data" --output-dir "$WORK/dflash" --num-layers 3 \
         --anchors 64 --batch-size 32 --epochs 100 --max-minutes "$DFLASH_TOTAL" --session-minutes "$DFLASH_MIN" \
-        --save-every 0 --log-every 50 --no-progress $resume ;;
-    weaver)  # 1-layer Weaver, pool 512, DFlash frozen (DFLASH_DIR: another drafter, e.g. the shipped one);
-      # WEAVER_INIT: a Weaver folder to start from; WEAVER_TOTAL minutes of schedule in chunks of WEAVER_MIN
-      resume=${WEAVER_INIT:+--init-from $WEAVER_INIT}; [ -f "$WORK/weaver/training_state.pt" ] && resume="--resume"
-      python3 -m modeling_weaver.cli train-weaver --data "$WORK/data" --drafter "${DFLASH_DIR:-$WORK/dflash}" \
-        --output-dir "$WORK/weaver" --batch-size 8 --epochs 100 --max-minutes "${WEAVER_TOTAL:-$WEAVER_MIN}" \
-        --session-minutes "$WEAVER_MIN" --save-every 0 --log-every 50 --no-progress $resume ;;
+        --save-every 0 --log-every 50 --no-progress $(start_flags "${DFLASH_INIT:-}" "$WORK/dflash") ;;
+    weaver)  # 1-layer Weaver, pool 512, DFLASH_DIR frozen; WEAVER_INIT: a Weaver folder to start from
+      python3 -m modeling_weaver.cli train-weaver --data "$WORK/data" --drafter "$DFLASH_DIR" \
+        --output-dir "$WORK/weaver" --batch-size 8 --epochs 100 --max-minutes "$WEAVER_TOTAL" \
+        --session-minutes "$WEAVER_MIN" --save-every 0 --log-every 50 --no-progress \
+        $(start_flags "${WEAVER_INIT:-}" "$WORK/weaver") ;;
     bench)
-      python3 -m modeling_weaver.cli bench --drafter "${DFLASH_DIR:-$WORK/dflash}" --weaver "$WORK/weaver" --subset "${SUBSET:-10}" \
+      python3 -m modeling_weaver.cli bench --drafter "$DFLASH_DIR" --weaver "$WORK/weaver" --subset "${SUBSET:-10}" \
         --max-new-tokens "${NEW_TOKENS:-128}" --target-step "${TARGET_STEP:-graph}" --budgets 64 32 16 --temperatures 0 1 --sampling-verifications both \
         --max-minutes "$BENCH_MIN" --out "$WORK/bench" --no-progress ;;
     gputests)
