@@ -356,10 +356,11 @@ class LeakChecker:
 
 
 def write_shard(path: str | Path, samples: Sequence[dict]) -> None:
-    """Save samples ``{"input_ids": list[int], "prompt_len": int, "greedy": bool, "prompt_hash": int}`` as one ``.pt``:
-    ``input_ids`` int32 ``[total]`` (sequences back to back), ``offsets`` int64 ``[n + 1]``, ``prompt_lens`` int32
-    ``[n]`` (chat-templated prompt length: the response starts there), ``greedy`` bool ``[n]``, ``prompt_hash``
-    int64 ``[n]``."""
+    """Save samples ``{"input_ids": list[int], "prompt_len": int, "greedy": bool, "prompt_hash": int[, "source": int]}``
+    as one ``.pt``: ``input_ids`` int32 ``[total]`` (sequences back to back), ``offsets`` int64 ``[n + 1]``,
+    ``prompt_lens`` int32 ``[n]`` (chat-templated prompt length: the response starts there), ``greedy`` bool ``[n]``,
+    ``prompt_hash`` int64 ``[n]``, ``source`` int8 ``[n]`` (index into :data:`modeling_weaver.prompts.SOURCES`;
+    0 = written by the target)."""
     lengths = [len(s["input_ids"]) for s in samples]
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
@@ -369,6 +370,7 @@ def write_shard(path: str | Path, samples: Sequence[dict]) -> None:
         "prompt_lens": torch.tensor([s["prompt_len"] for s in samples], dtype=torch.int32),
         "greedy": torch.tensor([bool(s["greedy"]) for s in samples], dtype=torch.bool),
         "prompt_hash": torch.tensor([s["prompt_hash"] for s in samples], dtype=torch.int64),
+        "source": torch.tensor([s.get("source", 0) for s in samples], dtype=torch.int8),
     }
     path = Path(path)
     tmp = path.with_suffix(".tmp")
@@ -506,6 +508,8 @@ class DataSettings:
     leak_threshold: float = 0.2
     max_minutes: float | None = None
     sampler: str = "auto"  # "ours" (BatchedSampler), "hf" (model.generate), "auto": ours on CUDA where supported
+    mix: str | None = None  # prompt sources besides the target's own ("self=0.3,code=0.25,..."); None: self only
+    code_packages: list = field(default_factory=list)  # installed packages whose code the mix draws from too
 
 
 @dataclass
@@ -520,6 +524,7 @@ class DataStats:
     unfinished_prompts: int = 0
     unfinished_responses: int = 0
     greedy_samples: int = 0
+    sources: dict = field(default_factory=dict)  # usable user turns per prompt source
     seconds: float = 0.0
 
 
@@ -527,21 +532,29 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
                        leak_checker: LeakChecker | None = None, tag: str = "r0", progress: bool = True) -> DataStats:
     """Regenerate training data with the target (module docstring); writes shards into ``out_dir``.
 
-    Works in rounds of ``batch_size`` prompts: sample user turns, drop duplicates and eval leaks, answer them (one
-    decoding mode per round: greedy with probability ``greedy_fraction``, else ``response_temperature``), drop
-    responses that leak, store. Stops at ``num_samples`` or after ``max_minutes``.
+    Works in rounds of ``batch_size`` user turns: turns the target writes itself (sampled from the chat template up
+    to the user header) and, with ``settings.mix``, turns from :class:`~modeling_weaver.prompts.PromptMixer` in
+    that mix; duplicates and eval leaks are dropped; the target answers a round's turns in one decoding mode (greedy
+    with probability ``greedy_fraction``, else ``response_temperature``); answers that leak are dropped. Stops at
+    ``num_samples`` or after ``max_minutes``. ``manifest-{tag}.json`` records the settings (seed included), the
+    totals and one entry per shard (samples, tokens, sha256, minutes), so that any shard can be regenerated.
 
     Args:
-        tag: file name tag (``shard-{tag}-00000.pt``); parallel ranks use distinct tags and seeds.
+        tag: file name tag (``shard-{tag}-00000.pt``); parallel ranks and later runs use distinct tags and seeds.
     """
     from tqdm.auto import tqdm
 
+    from .prompts import SOURCES, PromptMixer, parse_mix
+
     out_dir = Path(out_dir)
     if list(out_dir.glob(f"shard-{tag}-*.pt")):
-        raise ValueError(f"{out_dir} already holds shard-{tag}-*.pt files: choose another output folder")
+        raise ValueError(f"{out_dir} already holds shard-{tag}-*.pt files: choose another output folder or tag")
     out_dir.mkdir(parents=True, exist_ok=True)
     checker = leak_checker if leak_checker is not None else LeakChecker(n=settings.leak_ngram,
                                                                         threshold=settings.leak_threshold)
+    mixer = (PromptMixer(settings.seed, parse_mix(settings.mix), packages=tuple(settings.code_packages))
+             if settings.mix else None)
+    self_fraction = 1.0 if mixer is None else mixer.self_fraction
     tokenizer.padding_side = "left"
     prefix_ids = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False)["input_ids"]
     rng = random.Random(settings.seed)
@@ -549,15 +562,30 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
     dedup = Deduplicator()
     stats = DataStats()
     pending: list[dict] = []
-    shard_index = 0
+    shards: list[dict] = []
     start = time.monotonic()
     prompt_log = open(out_dir / f"prompts-{tag}.jsonl", "w", encoding="utf-8")
 
     def flush():
-        nonlocal shard_index, pending
+        nonlocal pending
         if pending:
-            write_shard(out_dir / f"shard-{tag}-{shard_index:05d}.pt", pending)
-            shard_index, pending = shard_index + 1, []
+            path = out_dir / f"shard-{tag}-{len(shards):05d}.pt"
+            write_shard(path, pending)
+            shards.append({"file": path.name, "samples": len(pending), "tokens": sum(len(s["input_ids"]) for s in pending),
+                           "response_tokens": sum(len(s["input_ids"]) - s["prompt_len"] for s in pending),
+                           "sha256": sha256_file(path), "minutes": round((time.monotonic() - start) / 60, 3)})
+            pending = []
+
+    def usable(source: str, text: str) -> bool:
+        if len(text.split()) < settings.min_prompt_words or dedup.add(text) is not None:
+            return False
+        leak = checker.check(text)
+        if leak is not None:
+            stats.leaks += 1
+            stats.leak_examples = (stats.leak_examples + [{"text": text[:200], "eval": leak[0]}])[:20]
+            return False
+        stats.sources[source] = stats.sources.get(source, 0) + 1
+        return True
 
     from .sampler import BatchedSampler
     from .target import ATTENTION_ONLY
@@ -570,55 +598,57 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
         width = len(prefix_ids) + settings.max_prompt_tokens + 64
         sampler = BatchedSampler(model, settings.batch_size, width + max(settings.max_prompt_tokens,
                                                                          settings.max_response_tokens))
+    room = None if sampler is None else sampler.max_length - settings.max_response_tokens
+    written_queue: list[str] = []  # user turns the target wrote, not yet answered
     bar = tqdm(total=settings.num_samples, desc="samples", unit="sample", disable=not progress)
     barren = 0  # consecutive rounds without a usable prompt
     try:
         while stats.samples < settings.num_samples:
             if settings.max_minutes is not None and time.monotonic() - start > 60 * settings.max_minutes:
                 break
-            # 1. The target writes user turns.
-            written = batched_generate(
-                model, tokenizer, [prefix_ids] * settings.batch_size, max_new_tokens=settings.max_prompt_tokens,
-                temperature=settings.prompt_temperature, top_p=settings.prompt_top_p, sampler=sampler,
-            )
-            stats.prompts_sampled += len(written)
-            prompts = []
-            for new, finished in written:
-                text = tokenizer.decode(new, skip_special_tokens=True).strip()
-                stats.unfinished_prompts += not finished
-                if not (finished or settings.keep_unfinished_prompts):
-                    continue  # ran past --max-prompt-tokens: usually a ramble, not a question
-                if len(text.split()) < settings.min_prompt_words or dedup.add(text) is not None:
-                    continue
-                leak = checker.check(text)
-                if leak is not None:
-                    stats.leaks += 1
-                    stats.leak_examples = (stats.leak_examples + [{"text": text[:200], "eval": leak[0]}])[:20]
-                    continue
-                prompts.append(text)
-            barren = 0 if prompts else barren + 1
+            # 1. User turns: the target's own (a writing round when the queue runs short), then the mix.
+            want_self = round(settings.batch_size * self_fraction)
+            if len(written_queue) < want_self:
+                written = batched_generate(
+                    model, tokenizer, [prefix_ids] * settings.batch_size, max_new_tokens=settings.max_prompt_tokens,
+                    temperature=settings.prompt_temperature, top_p=settings.prompt_top_p, sampler=sampler,
+                )
+                stats.prompts_sampled += len(written)
+                for new, finished in written:
+                    text = tokenizer.decode(new, skip_special_tokens=True).strip()
+                    stats.unfinished_prompts += not finished
+                    if finished or settings.keep_unfinished_prompts:  # else usually a ramble, not a question
+                        if usable("self", text):
+                            written_queue.append(text)
+            turns = [("self", t) for t in written_queue[:want_self]]
+            del written_queue[:want_self]
+            tries = 0
+            while mixer is not None and len(turns) < settings.batch_size and tries < 4 * settings.batch_size:
+                tries += 1
+                source, text = mixer.sample()
+                stats.prompts_sampled += 1
+                if usable(source, text):
+                    turns.append((source, text))
+            barren = 0 if turns else barren + 1
             if barren >= 20:
                 raise RuntimeError(
                     "no usable user turn in 20 rounds (all unfinished, too short, duplicated or leaking): raise "
                     "--max-prompt-tokens, lower --min-prompt-words or pass --keep-unfinished-prompts"
                 )
-            if not prompts:
+            prompt_ids = [chat_prompt_ids(tokenizer, t) for _, t in turns]
+            if room is not None:  # the sampler's cache holds prompt + answer; a longer turn is dropped
+                keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= room]
+                stats.unfinished_prompts += len(prompt_ids) - len(keep)
+                turns, prompt_ids = [turns[i] for i in keep], [prompt_ids[i] for i in keep]
+            if not turns:
                 continue
             # 2. The target answers them (one decoding mode per round).
             greedy = rng.random() < settings.greedy_fraction
-            prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
-            if sampler is not None:  # its cache holds prompt + answer; a turn that re-tokenises longer is dropped
-                room = sampler.max_length - settings.max_response_tokens
-                keep = [i for i, ids in enumerate(prompt_ids) if len(ids) <= room]
-                stats.unfinished_prompts += len(prompt_ids) - len(keep)
-                prompts, prompt_ids = [prompts[i] for i in keep], [prompt_ids[i] for i in keep]
-                if not prompts:
-                    continue
             answers = batched_generate(
                 model, tokenizer, prompt_ids, max_new_tokens=settings.max_response_tokens,
                 temperature=0.0 if greedy else settings.response_temperature, top_p=1.0, sampler=sampler,
             )
-            for text, ids, (new, finished) in zip(prompts, prompt_ids, answers):
+            for (source, text), ids, (new, finished) in zip(turns, prompt_ids, answers):
                 if not new or stats.samples >= settings.num_samples:
                     continue
                 leak = checker.check(tokenizer.decode(new, skip_special_tokens=True))
@@ -627,9 +657,10 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
                     stats.leak_examples = (stats.leak_examples + [{"text": text[:200], "eval": leak[0]}])[:20]
                     continue
                 pending.append({"input_ids": ids + new, "prompt_len": len(ids), "greedy": greedy,
-                                "prompt_hash": text_hash(text)})
-                prompt_log.write(json.dumps({"prompt": text, "greedy": greedy, "prompt_tokens": len(ids),
-                                             "response_tokens": len(new), "finished": finished}) + "\n")
+                                "prompt_hash": text_hash(text), "source": SOURCES.index(source)})
+                prompt_log.write(json.dumps({"prompt": text, "source": source, "greedy": greedy,
+                                             "prompt_tokens": len(ids), "response_tokens": len(new),
+                                             "finished": finished}) + "\n")
                 stats.samples += 1
                 stats.tokens += len(ids) + len(new)
                 stats.response_tokens += len(new)
@@ -645,10 +676,12 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
         prompt_log.close()
         stats.duplicates = dict(dedup.counts)
         stats.seconds = time.monotonic() - start
+        manifest = {"tag": tag, "settings": asdict(settings), "stats": asdict(stats), "shards": shards,
+                    "prompt_sources": None if mixer is None else {"mix": mixer.weights, **mixer.fingerprint()},
+                    "leak_check": {"ngram": checker.n, "threshold": checker.threshold,
+                                   "eval_prompts": len(checker.num_grams)}}
         with open(out_dir / f"manifest-{tag}.json", "w", encoding="utf-8") as f:
-            json.dump({"settings": asdict(settings), "stats": asdict(stats),
-                       "leak_check": {"ngram": checker.n, "threshold": checker.threshold,
-                                      "eval_prompts": len(checker.num_grams)}}, f, indent=1)
+            json.dump(manifest, f, indent=1)
     return stats
 
 
@@ -688,6 +721,15 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--sampler", choices=("auto", "ours", "hf"), default=d.sampler,
                         help="ours: static caches + CUDA-graph decode steps (attention-only targets; much faster on "
                              "GPU); hf: model.generate; auto: ours on CUDA for attention-only targets")
+    parser.add_argument("--mix", default=d.mix, metavar="SOURCE=W,...",
+                        help="user turns from several sources in these proportions: self (written by the target), "
+                             "template, math, code, passage (modeling_weaver/prompts.py); e.g. "
+                             "'self=0.3,template=0.25,math=0.1,code=0.25,passage=0.1'. Default: self only")
+    parser.add_argument("--code-packages", nargs="*", default=[], metavar="PACKAGE",
+                        help="installed packages whose documented functions the code/passage sources draw from "
+                             "besides the standard library (e.g. numpy sympy)")
+    parser.add_argument("--tag", default=None,
+                        help="shard name tag (shard-TAG-*.pt; default r<rank>); '{rank}' in it becomes the rank")
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="auto", help="target dtype: auto (bf16 on cuda, fp32 on cpu), float32, ...")
@@ -704,7 +746,8 @@ def run_make_data(args) -> int:
     settings = DataSettings(**{k: getattr(args, k) for k in asdict(DataSettings()) if hasattr(args, k)})
     settings.seed = args.seed + 1000 * rank
     model, tokenizer = load_target(args.target, dtype=resolve_dtype(args.dtype, device), device=device)
-    stats = make_training_data(model, tokenizer, args.out, settings, tag=f"r{rank}",
+    tag = f"r{rank}" if args.tag is None else args.tag.replace("{rank}", str(rank))
+    stats = make_training_data(model, tokenizer, args.out, settings, tag=tag,
                                progress=not args.no_progress and rank == 0)
     print(
         f"rank {rank}/{world}: {stats.samples} samples, {stats.tokens} tokens ({stats.response_tokens} response), "

@@ -27,6 +27,7 @@ from modeling_weaver.data import (
     make_training_data,
     normalize_text,
     run_make_data,
+    sha256_file,
     user_turn_prefix,
     write_shard,
 )
@@ -197,6 +198,50 @@ def test_make_training_data_tiny(tmp_path, sampler):
         ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=len(ids) - plen,
                              do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
         assert ref[0, plen:].tolist() == ids[plen:].tolist()
+
+
+def test_make_training_data_mix_and_manifest(tmp_path):
+    """With a mix, user turns come from every source in it; the manifest lets each shard be checked and regenerated
+    (same seed → same shards)."""
+    from modeling_weaver.prompts import SOURCES
+
+    model, tok = tiny_llama(), tiny_chat_tokenizer()
+    settings = DataSettings(num_samples=16, batch_size=8, max_prompt_tokens=12, min_prompt_words=0,
+                            keep_unfinished_prompts=True, max_response_tokens=6, shard_size=8, seed=3, sampler="hf",
+                            mix="self=0.25,template=0.25,math=0.25,code=0.25")
+    stats = make_training_data(model, tok, tmp_path / "a", settings, leak_checker=LeakChecker(EVAL), progress=False)
+    assert stats.samples == 16
+    rows = [json.loads(x) for x in (tmp_path / "a" / "prompts-r0.jsonl").read_text().splitlines()]
+    assert {r["source"] for r in rows} == {"self", "template", "math", "code"}
+    manifest = json.loads((tmp_path / "a" / "manifest-r0.json").read_text())
+    assert manifest["settings"]["seed"] == 3 and manifest["prompt_sources"]["functions"] > 100
+    assert [s["samples"] for s in manifest["shards"]] == [8, 8]
+    assert sum(s["tokens"] for s in manifest["shards"]) == stats.tokens
+    for entry in manifest["shards"]:
+        assert sha256_file(tmp_path / "a" / entry["file"]) == entry["sha256"]
+        shard = torch.load(tmp_path / "a" / entry["file"], weights_only=True)
+        assert shard["source"].tolist() and max(shard["source"].tolist()) < len(SOURCES)
+    again = make_training_data(model, tok, tmp_path / "b", settings, leak_checker=LeakChecker(EVAL), progress=False)
+    assert again.tokens == stats.tokens
+    for entry in manifest["shards"]:
+        first = torch.load(tmp_path / "a" / entry["file"], weights_only=True)["input_ids"]
+        assert torch.equal(first, torch.load(tmp_path / "b" / entry["file"], weights_only=True)["input_ids"])
+
+
+def test_prompt_mix_validation():
+    from modeling_weaver.prompts import PromptMixer, parse_mix
+
+    assert parse_mix("self=1,code=1") == {"self": 1.0, "code": 1.0}
+    with pytest.raises(ValueError, match="unknown prompt sources"):
+        parse_mix("self=1,poems=1")
+    with pytest.raises(ValueError, match="name=weight"):
+        parse_mix("self")
+    with pytest.raises(ValueError, match="positive sum"):
+        PromptMixer(0, {"self": 0.0})
+    mixer = PromptMixer(5, {"self": 1.0, "passage": 1.0})
+    assert mixer.self_fraction == 0.5
+    assert {mixer.sample()[0] for _ in range(5)} == {"passage"}
+    assert [PromptMixer(9).sample() for _ in range(1)] == [PromptMixer(9).sample()]
 
 
 def test_make_data_cli(tiny_target_dir, tmp_path, monkeypatch):
