@@ -162,7 +162,7 @@ class PromptMixer:
         self.max_code_lines, self.max_passage_chars = max_code_lines, max_passage_chars
         self._functions: list[tuple[str, str]] | None = None  # (stub, source)
         self._passages: list[str] | None = None
-        self.mixed = {k: v for k, v in weights.items() if k != "self" and v > 0}
+        self.mixed = {k: v for k, v in self.weights.items() if k != "self" and v > 0}
         # parse the files while the caller starts generating (seconds of CPU for a large package)
         self._scanner = None
         if {"code", "passage"} & set(self.mixed):
