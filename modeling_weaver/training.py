@@ -259,6 +259,14 @@ def block_targets(batch: Batch, anchors: torch.Tensor, valid: torch.Tensor, dept
     return labels, ok
 
 
+def block_teacher(final_hidden: torch.Tensor, anchors: torch.Tensor, depth: int) -> torch.Tensor:
+    """The target's final hidden states at ``anchor + k - 1`` (k = 1..depth), which predict ``x[anchor + k]``:
+    ``[B, nb, depth, H]`` (positions past the sequence are clamped; their labels are masked by ``ok``)."""
+    pos = (anchors[:, :, None] + torch.arange(depth, device=anchors.device)).clamp(max=final_hidden.shape[1] - 1)
+    return final_hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, final_hidden.shape[-1])).view(
+        *pos.shape, final_hidden.shape[-1])
+
+
 def chain_tau(correct: torch.Tensor, ok: torch.Tensor) -> float:
     """Teacher-forced chain acceptance: 1 + mean length of the leading run of correct valid predictions per block."""
     run = (correct & ok).long().cumprod(-1).sum(-1).float() + 1  # [..., blocks]
@@ -272,14 +280,20 @@ def chain_tau(correct: torch.Tensor, ok: torch.Tensor) -> float:
 
 
 def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, ok: torch.Tensor,
-                weights: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """Position-decayed CE of block positions 1..S-1.
+                weights: torch.Tensor, teacher: torch.Tensor | None = None, kd_weight: float = 0.0,
+                kd_topk: int = 32) -> tuple[torch.Tensor, dict]:
+    """Position-decayed CE of block positions 1..S-1, optionally mixed with distillation from the target.
 
     Args:
         hidden: ``[B, nb, S, H]`` drafter output; labels, ok: ``[B, nb, S-1]``; weights: ``[S-1]``.
+        teacher: ``[B, nb, S-1, H]`` the target's final-normed hidden states that predict the same tokens (its own
+            next-token distribution given the realised prefix), or None.
+        kd_weight: λ of ``(1-λ)·CE + λ·KD`` where KD is the cross entropy to the target's distribution restricted to
+            its ``kd_topk`` most likely tokens (renormalised): soft targets carry the target's ranking, and on
+            sampled answers its mode rather than the sampled token.
     Returns:
         scalar loss (weighted mean over valid positions) and metrics (``acc1`` = depth-1 accuracy, ``tau`` =
-        teacher-forced chain acceptance).
+        teacher-forced chain acceptance, ``kd`` when distilling).
     """
     h = hidden[:, :, 1:][ok]  # only valid positions reach the (large) vocabulary projection
     if h.shape[0] == 0:
@@ -287,12 +301,20 @@ def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, 
     logits = lm_head(h.to(lm_head.weight.dtype)).float()
     ce = F.cross_entropy(logits, labels[ok], reduction="none")
     w = weights.expand(ok.shape)[ok]
-    loss = (ce * w).sum() / w.sum()
+    per_token, metrics = ce, {}
+    if teacher is not None and kd_weight > 0:
+        with torch.no_grad():
+            top = lm_head(teacher[ok].to(lm_head.weight.dtype)).float().topk(kd_topk, dim=-1)
+            p = torch.softmax(top.values, -1)
+        kd = -(p * torch.log_softmax(logits, -1).gather(-1, top.indices)).sum(-1)
+        per_token = (1 - kd_weight) * ce + kd_weight * kd
+        metrics["kd"] = float(kd.detach().mean())
+    loss = (per_token * w).sum() / w.sum()
     with torch.no_grad():
         correct = torch.zeros_like(ok)
         correct[ok] = logits.argmax(-1) == labels[ok]
         acc1 = correct[..., 0][ok[..., 0]].float().mean()
-    return loss, {"ce": float(ce.detach().mean()), "acc1": float(acc1), "tau": chain_tau(correct, ok)}
+    return loss, {"ce": float(ce.detach().mean()), "acc1": float(acc1), "tau": chain_tau(correct, ok), **metrics}
 
 
 def lk_loss(scores: torch.Tensor, target_logits: torch.Tensor, ok: torch.Tensor, weights: torch.Tensor,
@@ -482,6 +504,11 @@ def cosine_schedule(progress: float, warmup: float) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))))
 
 
+def constant_schedule(progress: float, warmup: float) -> float:
+    """Linear warm-up, then constant: runs that continue across calls and sessions (weights averaged by EMA)."""
+    return min(1.0, progress / warmup) if warmup > 0 else 1.0
+
+
 def wsd_schedule(progress: float, warmup: float, decay: float) -> float:
     """Warm-up, stable at 1, linear decay to 0 over the last ``decay`` fraction."""
     if progress < warmup:
@@ -516,12 +543,42 @@ def build_optimizers(model: nn.Module, lr: float, weight_decay: float, kind: str
     return opts
 
 
-def save_hub(model, out_dir: Path, dtype: torch.dtype, card: str):
+def save_hub(model, out_dir: Path, dtype: torch.dtype, card: str, weights: list[torch.Tensor] | None = None):
     """``save_pretrained`` (config with auto_map, code files, safetensors) of a ``dtype`` copy + a model-card README.
 
-    A copy, so the fp32 master weights stay untouched (and ``config.json`` states the saved dtype)."""
-    copy.deepcopy(model).to(dtype).save_pretrained(out_dir)
+    A copy, so the fp32 master weights stay untouched (and ``config.json`` states the saved dtype); ``weights``
+    (e.g. the EMA) replace the trainable parameters in the copy."""
+    saved = copy.deepcopy(model)
+    if weights is not None:
+        with torch.no_grad():
+            for param, value in zip([p for p in saved.parameters() if p.requires_grad], weights):
+                param.copy_(value)
+    saved.to(dtype).save_pretrained(out_dir)
     (out_dir / "README.md").write_text(card)
+
+
+class WeightAverage:
+    """Exponential moving average of the trainable parameters, decay ``min(decay, (1 + t) / (10 + t))`` at update t
+    (short runs are not dominated by the starting weights). With a constant lr it stands in for the lr decay a run
+    continued across calls never gets."""
+
+    def __init__(self, params: list[torch.Tensor], decay: float):
+        self.decay, self.updates = decay, 0
+        self.weights = [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def update(self, params: list[torch.Tensor]):
+        beta = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        torch._foreach_lerp_(self.weights, [p.detach() for p in params], 1 - beta)
+        self.updates += 1
+
+    def state_dict(self) -> dict:
+        return {"decay": self.decay, "updates": self.updates, "weights": self.weights}
+
+    def load_state_dict(self, state: dict):
+        self.updates = state["updates"]
+        for mine, saved in zip(self.weights, state["weights"]):
+            mine.copy_(saved)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -583,6 +640,7 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
         ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         wrapper = nn.parallel.DistributedDataParallel(wrapper, device_ids=ids)
     opts = build_optimizers(model, args.lr, args.weight_decay, spec.optimizer_kind)
+    params = [p for p in model.parameters() if p.requires_grad]
     step, elapsed = 0, 0.0
     if args.resume:
         state = torch.load(out_dir / STATE_FILE, map_location=runtime.device, weights_only=False)
@@ -590,11 +648,13 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
         for opt, sd in zip(opts, state["optimizers"]):
             opt.load_state_dict(sd)
         step, elapsed = state["step"], state["elapsed"]
+    ema = WeightAverage(params, args.ema) if args.ema else None
+    if ema is not None and args.resume and state.get("ema") is not None:
+        ema.load_state_dict(state["ema"])
 
     global_batch = args.batch_size * args.grad_accum * runtime.world_size
     total = args.max_steps or max(1, math.ceil(args.epochs * len(dataset) / global_batch))
     schedule = Schedule(total, args.max_minutes)
-    params = [p for p in model.parameters() if p.requires_grad]
     perms: dict = {}
     metrics: dict = {}
     log = open(out_dir / LOG_FILE, "a", encoding="utf-8") if runtime.is_main else None
@@ -603,12 +663,15 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
         if runtime.is_main:
             torch.save({"step": step, "elapsed": elapsed, "model": model.state_dict(),
                         "optimizers": [o.state_dict() for o in opts], "config": model.config.to_dict(),
+                        "ema": None if ema is None else ema.state_dict(),
                         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list, bool))}},
                        out_dir / (STATE_FILE + ".tmp"))
             os.replace(out_dir / (STATE_FILE + ".tmp"), out_dir / STATE_FILE)
             save_hub(model, out_dir, getattr(torch, args.save_dtype), spec.card(
                 {"step": step, "minutes": round(elapsed / 60, 2), "samples": len(dataset),
-                 "tokens": dataset.num_tokens, "world_size": runtime.world_size, **metrics}))
+                 "tokens": dataset.num_tokens, "world_size": runtime.world_size,
+                 **({} if ema is None else {"weights": f"EMA (decay {ema.decay})"}), **metrics}),
+                weights=None if ema is None else ema.weights)
         runtime.barrier()
 
     bar = tqdm(total=total, initial=step, desc=f"train {spec.name}", disable=not runtime.is_main or args.no_progress)
@@ -639,6 +702,8 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if ema is not None:
+            ema.update(params)
         step += 1
         elapsed = runtime.max_over_ranks([time.monotonic() - start])[0]
         metrics = {k: round(v, 5) for k, v in running.items()}
@@ -732,16 +797,18 @@ def run_train_dflash(args) -> int:
         weights = depth_weights(size - 1, args.gamma, runtime.device)
 
         def step(module, batch: Batch, gen: torch.Generator):
-            features, _ = target_states(target, batch, drafter)
+            features, final = target_states(target, batch, drafter)
             anchors, valid = sample_anchors(batch, args.anchors, gen)
             hidden = module(batch.input_ids, features, anchors, embed)
             labels, ok = block_targets(batch, anchors, valid, size - 1)
-            return dflash_loss(hidden, lm_head, labels, ok, weights)
+            teacher = block_teacher(final, anchors, size - 1) if args.kd_weight > 0 else None
+            return dflash_loss(hidden, lm_head, labels, ok, weights, teacher, args.kd_weight, args.kd_topk)
 
         n_params = sum(p.numel() for p in drafter.parameters())
         spec = LoopSpec(
             "dflash", drafter, BlockDrafting(drafter), step,
-            lambda p: cosine_schedule(p, args.warmup), "adamw",
+            (lambda p: constant_schedule(p, args.warmup)) if args.schedule == "constant"
+            else (lambda p: cosine_schedule(p, args.warmup)), "adamw",
             _card("dflash", args, f"DFlash block drafter: {drafter.config.num_hidden_layers} layers, block size "
                   f"{size}, target layers {drafter.config.target_layer_ids}, {n_params / 1e6:.1f} M parameters."),
         )
@@ -839,6 +906,9 @@ def _add_common(parser: argparse.ArgumentParser, lr: float, warmup: float, batch
                    help="checkpoint and exit after this many minutes of this process, schedule unchanged: split one "
                         "run over several time-limited sessions with --resume")
     c.add_argument("--init-from", default=None, help="start from these weights (a saved drafter folder)")
+    c.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
+                   help="keep an exponential moving average of the weights (e.g. 0.999) and save it as the model "
+                        "(training_state.pt keeps both); 0: off")
     c.add_argument("--log-every", type=int, default=10, help="write train_log.jsonl every N steps")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -860,6 +930,11 @@ def add_train_dflash_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
                    help="random decoder layers (default: start them from the target's last layers, same shapes)")
     m.add_argument("--mask-token-id", type=int, default=None,
                    help="target vocabulary MASK id (default: none → a learned mask embedding)")
+    m.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                   help="lr after warm-up: cosine to 0, or constant (for runs continued across calls; pair with --ema)")
+    m.add_argument("--kd-weight", type=float, default=0.0,
+                   help="λ of (1-λ)·CE + λ·KD: distillation to the target's top --kd-topk distribution")
+    m.add_argument("--kd-topk", type=int, default=32, help="tokens of the target's distribution kept for KD")
     return parser
 
 

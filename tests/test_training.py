@@ -24,6 +24,8 @@ from modeling_weaver.training import (
     Batch,
     add_train_dflash_arguments,
     add_train_weaver_arguments,
+    block_teacher,
+    constant_schedule,
     cosine_schedule,
     depth_weights,
     lk_loss,
@@ -31,6 +33,7 @@ from modeling_weaver.training import (
     run_train_dflash,
     run_train_weaver,
     sample_anchors,
+    target_states,
     wsd_schedule,
 )
 
@@ -203,6 +206,7 @@ def test_anchors_lie_in_responses():
 def test_schedules_and_losses():
     assert cosine_schedule(0.02, 0.04) == pytest.approx(0.5) and cosine_schedule(1.0, 0.04) == pytest.approx(0.0)
     assert wsd_schedule(0.5, 0.02, 0.2) == 1.0 and wsd_schedule(0.9, 0.02, 0.2) == pytest.approx(0.5)
+    assert constant_schedule(0.01, 0.04) == pytest.approx(0.25) and constant_schedule(1.0, 0.04) == 1.0
     assert depth_weights(3, 7.0).tolist() == pytest.approx([1.0, 0.8669, 0.7515], abs=1e-4)
     logits = torch.randn(2, 3, 5)
     ok = torch.ones(2, 3, dtype=torch.bool)
@@ -289,3 +293,61 @@ def test_acceptance_profile_counts_what_the_decoding_loop_drafts(tiny, trained_d
         for k in ("dflash", "weaver"):
             assert r[k] == pytest.approx(counts[k][d] / counts["n"][d]), (k, d)
     assert rows[-1]["depth"] == "τ" and rows[-1]["weaver"] >= 1.0
+
+
+def test_kd_teacher_is_the_targets_next_token_distribution(tiny, trained_dflash):
+    """The KD teacher of block position k is the target's own logits at ``anchor + k - 1`` (what predicts
+    ``x[anchor + k]``), from the final hidden states of the same frozen pass that feeds the drafter."""
+    from modeling_weaver.modeling_dflash import DFlashDraftModel
+    from modeling_weaver.training import collate
+
+    target, _ = load_target(str(tiny / "target"))
+    drafter = DFlashDraftModel.from_pretrained(trained_dflash, dtype=torch.float32)
+    ds = TokenDataset(tiny / "data")
+    batch = collate([ds[0], ds[1]])
+    _, final = target_states(target, batch, drafter)
+    anchors, valid = sample_anchors(batch, 4, torch.Generator().manual_seed(0))
+    teacher = block_teacher(final, anchors, 3)
+    with torch.no_grad():
+        mask = (torch.arange(batch.input_ids.shape[1])[None] < batch.lengths[:, None]).long()
+        logits = target(input_ids=batch.input_ids, attention_mask=mask).logits
+        for b in range(2):
+            for j in range(anchors.shape[1]):
+                for k in range(3):
+                    pos = int(anchors[b, j]) + k
+                    if valid[b, j] and pos < int(batch.lengths[b]):
+                        torch.testing.assert_close(target.lm_head(teacher[b, j, k]), logits[b, pos],
+                                                   rtol=1e-4, atol=1e-4)
+
+
+def test_dflash_kd_constant_lr_and_ema(tiny):
+    """--kd-weight logs the distillation term; --ema saves the weight average as the model (training_state keeps
+    both), and a resumed run restores the average exactly."""
+    from safetensors.torch import load_file
+
+    straight, split = tiny / "ema", tiny / "ema_split"
+    extra = ["--kd-weight", "0.5", "--kd-topk", "8", "--ema", "0.9", "--schedule", "constant", "--warmup", "0.2"]
+    assert run_train_dflash(_dflash_args(tiny, straight, "--max-steps", 6, *extra)) == 0
+    log = _log(straight)
+    assert all("kd" in r and r["kd"] > 0 for r in log)
+    assert log[-1]["lr"] == pytest.approx(3e-3)  # constant after warm-up
+    state = torch.load(straight / "training_state.pt", weights_only=False)
+    assert state["ema"]["updates"] == 6
+    saved = load_file(straight / "model.safetensors")
+    names = [n for n, p in run_weights(state["model"]) if n in saved]
+    trainable = dict(zip([n for n, _ in run_weights(state["model"])], state["ema"]["weights"]))
+    differs = 0
+    for name in names:
+        torch.testing.assert_close(saved[name].float(), trainable[name].to(torch.bfloat16).float())
+        differs += not torch.equal(trainable[name], state["model"][name])
+    assert differs > 0  # the average is not the last weights
+    assert run_train_dflash(_dflash_args(tiny, split, "--max-steps", 6, "--stop-at-step", 3, *extra)) == 0
+    assert run_train_dflash(_dflash_args(tiny, split, "--max-steps", 6, "--resume", *extra)) == 0
+    resumed = torch.load(split / "training_state.pt", weights_only=False)["ema"]
+    for a, b in zip(state["ema"]["weights"], resumed["weights"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def run_weights(model_state: dict) -> list[tuple[str, torch.Tensor]]:
+    """The trainable parameters of a DFlash state dict, in parameter order (the target's are not in it)."""
+    return [(n, t) for n, t in model_state.items() if t.is_floating_point()]
