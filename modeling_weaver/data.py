@@ -510,6 +510,7 @@ class DataSettings:
     sampler: str = "auto"  # "ours" (BatchedSampler), "hf" (model.generate), "auto": ours on CUDA where supported
     mix: str | None = None  # prompt sources besides the target's own ("self=0.3,code=0.25,..."); None: self only
     code_packages: list = field(default_factory=list)  # installed packages whose code the mix draws from too
+    exclude_prompts: list = field(default_factory=list)  # prompts-*.jsonl whose user turns are never used (held out)
 
 
 @dataclass
@@ -560,6 +561,12 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
     rng = random.Random(settings.seed)
     torch.manual_seed(settings.seed)
     dedup = Deduplicator()
+    for path in settings.exclude_prompts:  # held-out turns count as seen: never trained on
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    dedup.add(json.loads(line)["prompt"])
+    dedup.counts = dict.fromkeys(dedup.counts, 0)
     stats = DataStats()
     pending: list[dict] = []
     shards: list[dict] = []
@@ -728,6 +735,9 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--code-packages", nargs="*", default=[], metavar="PACKAGE",
                         help="installed packages whose documented functions the code/passage sources draw from "
                              "besides the standard library (e.g. numpy sympy)")
+    parser.add_argument("--exclude-prompts", nargs="*", default=[], metavar="JSONL",
+                        help="prompts-*.jsonl files (e.g. a held-out set) whose user turns and their near duplicates "
+                             "are never used")
     parser.add_argument("--tag", default=None,
                         help="shard name tag (shard-TAG-*.pt; default r<rank>); '{rank}' in it becomes the rank")
     parser.add_argument("--seed", type=int, default=d.seed)

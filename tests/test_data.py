@@ -6,6 +6,7 @@ Also home of the tiny chat tokenizer and the saved tiny target used by test_trai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import string
 
@@ -226,6 +227,11 @@ def test_make_training_data_mix_and_manifest(tmp_path):
     for entry in manifest["shards"]:
         first = torch.load(tmp_path / "a" / entry["file"], weights_only=True)["input_ids"]
         assert torch.equal(first, torch.load(tmp_path / "b" / entry["file"], weights_only=True)["input_ids"])
+    # Held-out turns are never used: the same seed with them excluded writes none of them.
+    held = dataclasses.replace(settings, exclude_prompts=[str(tmp_path / "a" / "prompts-r0.jsonl")])
+    make_training_data(model, tok, tmp_path / "c", held, leak_checker=LeakChecker(EVAL), progress=False)
+    used = {json.loads(x)["prompt"] for x in (tmp_path / "c" / "prompts-r0.jsonl").read_text().splitlines()}
+    assert used and not used & {r["prompt"] for r in rows}
 
 
 def test_prompt_mix_validation():
