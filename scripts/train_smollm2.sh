@@ -64,26 +64,14 @@ for stage in "$@"; do
       python3 scripts/acceptance_profile.py --drafter "$DFLASH_DIR" $w --prompts "$HELDOUT" \
         --subset "${HELDOUT_N:-64}" --max-new-tokens 128 --out "$WORK/profile-heldout-${PROFILE_NAME:-x}" > /dev/null
       python3 scripts/zoo_curve.py summary "$WORK"/profile-*-"${PROFILE_NAME:-x}" ;;
-    back)    # what the next call or session needs, into $OUT (weights bf16, logs, manifests, profiles, data as xz)
-      for m in "$DFLASH_OUT" "$WORK/weaver"; do
-        [ -f "$m/config.json" ] || continue; d="${OUT:-.}/$(basename "$m")"; mkdir -p "$d"
-        cp "$m"/config.json "$m"/model.safetensors "$m"/README.md "$m"/train_log.jsonl "$d"/ 2>/dev/null || true
-      done
-      (cd "$WORK" && tar cf - $(ls -d profile-* 2>/dev/null) data/manifest-*.json) | xz -T0 > "${OUT:-.}/meta.tar.xz"
-      [ -z "${BACK_DATA:-}" ] || (cd "$WORK" && tar cf - data/prompts-*.jsonl data/shard-${BACK_DATA}-*.pt) \
-        | xz -T0 -6 | split -b 15M - "${OUT:-.}/data-${BACK_DATA}.tar.xz." ;;
-    bench)
-      python3 -m modeling_weaver.cli bench --drafter "$DFLASH_DIR" --weaver "$WORK/weaver" --subset "${SUBSET:-10}" \
-        --max-new-tokens "${NEW_TOKENS:-128}" --target-step "${TARGET_STEP:-graph}" --budgets 64 32 16 --temperatures 0 1 --sampling-verifications both \
-        --max-minutes "$BENCH_MIN" --out "$WORK/bench" --no-progress ;;
-    gputests)
-      python3 -m pytest -q -m gpu tests/ ;;
-    replay)  # synthetic traces unless TRACE points at a bench results.json
-      src=${TRACE:+--trace $TRACE}; src=${src:---synthetic-mal chain=4 ddtree=5.4 weaver=7.1}
-      python3 -m modeling_weaver.cli replay $src --split --out "$WORK/replay" ;;
-    pack)
-      (cd "$WORK" && find . -name training_state.pt -prune -o -type f -print \
-        | tar czf - -T -) | split -b 15M - "${OUT:-.}/pack.tgz." ;;
+    back)    # what the next call or session needs, into $OUT in ≤ 15 MiB pieces (join: cat X.tar.xz.* | tar xJf -):
+      # every trained model folder but its training_state.pt, logs, profiles, data manifests; BACK_DATA=TAG: that
+      # run's shards and prompts too
+      (cd "$WORK" && find . -maxdepth 2 \( -name model.safetensors -o -name config.json -o -name train_log.jsonl \
+        -o -name README.md -o -name "*.log" -o -path "./profile-*/*" -o -name "manifest-*.json" \) -print \
+        | tar cf - -T -) | xz -T0 -3 | split -b 15M - "${OUT:-.}/models.tar.xz."
+      [ -z "${BACK_DATA:-}" ] || (cd "$WORK" && tar cf - data/prompts-"${BACK_DATA}".jsonl \
+        data/shard-"${BACK_DATA}"-*.pt) | xz -T0 -6 | split -b 15M - "${OUT:-.}/data-${BACK_DATA}.tar.xz." ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
 done
