@@ -265,7 +265,9 @@ def add_fetch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "it to a safetensors copy (model, tokenizer, chat template) in the user cache "
         "($MODELING_WEAVER_CACHE or ~/.cache/modeling_weaver). Needs the extra [smollm2] (gguf, accelerate) to convert."
     )
-    parser.add_argument("--cache-dir", default=None, help="cache folder (default: <cache>/smollm2-135m-instruct)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="cache folder: new, empty, or written by this command (default: "
+                             "<cache>/smollm2-135m-instruct)")
     parser.add_argument("--gguf", nargs="+", default=None, metavar="PATH",
                         help="convert this local GGUF instead of fetching; several paths = split parts to join")
     parser.add_argument("--force", action="store_true", help="convert again even if cached")
