@@ -49,6 +49,14 @@ def cli(capsys, *argv):
     return code, out, err
 
 
+def refused_untouched(capsys, guarded: Path, message: str, *argv):
+    """The command fails in one line with ``message`` and ``guarded`` is exactly as it was."""
+    before = snapshot(guarded)
+    code, _, err = cli(capsys, *argv)
+    assert code == 1 and message in err, err
+    assert snapshot(guarded) == before
+
+
 @pytest.fixture
 def umask022():
     old = os.umask(0o022)
@@ -62,10 +70,7 @@ def umask022():
 def test_convert_refuses_an_unrelated_destination_and_leaves_it_untouched(tmp_path, capsys):
     src = write_zlab(tmp_path / "zlab", config=zlab_config())
     dst = user_folder(tmp_path / "dst")
-    before = snapshot(dst)
-    code, _, err = cli(capsys, "convert", src, dst, "--overwrite")
-    assert code == 1 and "not a folder written by modeling-weaver" in err
-    assert snapshot(dst) == before
+    refused_untouched(capsys, dst, "not a folder written by modeling-weaver", "convert", src, dst, "--overwrite")
 
 
 @pytest.mark.parametrize("layout", ["src inside dst", "dst inside src", "equal", "symlink to src"])
@@ -79,10 +84,7 @@ def test_convert_refuses_overlapping_source_and_destination(tmp_path, capsys, la
         dst = {"dst inside src": src / "out", "equal": src, "symlink to src": tmp_path / "link"}[layout]
         if layout == "symlink to src":
             dst.symlink_to(src, target_is_directory=True)
-    before = snapshot(src)
-    code, _, err = cli(capsys, "convert", src, dst, "--overwrite")
-    assert code == 1 and "overlaps the input" in err, err
-    assert snapshot(src) == before
+    refused_untouched(capsys, src, "overlaps the input", "convert", src, dst, "--overwrite")
     no_leftovers(Path(dst).resolve().parent)
 
 
@@ -128,10 +130,8 @@ def pair(tmp_path):
 def test_export_refuses_an_unrelated_out_and_leaves_it_untouched(tmp_path, capsys, pair):
     dflash, target, _ = pair
     out = user_folder(tmp_path / "repo")
-    before = snapshot(out)
-    code, _, err = cli(capsys, "export", "--dflash", dflash, "--target", target, "--out", out, "--overwrite")
-    assert code == 1 and "not a folder written by modeling-weaver" in err
-    assert snapshot(out) == before
+    refused_untouched(capsys, out, "not a folder written by modeling-weaver", "export", "--dflash", dflash,
+                      "--target", target, "--out", out, "--overwrite")
 
 
 def test_export_refuses_an_input_inside_out(tmp_path, capsys, pair):
@@ -139,10 +139,8 @@ def test_export_refuses_an_input_inside_out(tmp_path, capsys, pair):
     out = tmp_path / "repo"
     assert cli(capsys, "export", "--dflash", pair[0], "--target", target, "--out", out)[0] == 0
     dflash = write_zlab(out / "zlab", config=zlab_config())
-    before = snapshot(dflash)
-    code, _, err = cli(capsys, "export", "--dflash", dflash, "--target", target, "--out", out, "--overwrite")
-    assert code == 1 and "overlaps the input" in err
-    assert snapshot(dflash) == before
+    refused_untouched(capsys, out, "overlaps the input", "export", "--dflash", dflash, "--target", target, "--out",
+                      out, "--overwrite")
 
 
 def test_export_overwrite_checks_everything_before_replacing(tmp_path, pair, umask022):
@@ -186,10 +184,8 @@ def fake_gguf_conversion(tmp_path, monkeypatch):
 
 def test_fetch_refuses_an_unrelated_cache_dir_and_leaves_it_untouched(tmp_path, capsys, fake_gguf_conversion):
     cache = user_folder(tmp_path / "cache")
-    before = snapshot(cache)
-    code, _, err = cli(capsys, "fetch-smollm2", "--cache-dir", cache, "--gguf", fake_gguf_conversion)
-    assert code == 1 and "not a folder written by modeling-weaver" in err
-    assert snapshot(cache) == before
+    refused_untouched(capsys, cache, "not a folder written by modeling-weaver", "fetch-smollm2", "--cache-dir", cache,
+                      "--gguf", fake_gguf_conversion)
 
 
 def test_fetch_writes_and_forces_only_its_own_cache(tmp_path, capsys, fake_gguf_conversion, umask022):
@@ -201,8 +197,8 @@ def test_fetch_writes_and_forces_only_its_own_cache(tmp_path, capsys, fake_gguf_
     assert cli(capsys, "fetch-smollm2", "--cache-dir", cache, "--gguf", fake_gguf_conversion, "--force")[0] == 0
     inside = cache / "model.gguf"  # the GGUF kept inside the cache it would replace
     inside.write_bytes(b"GGUF")
-    code, _, err = cli(capsys, "fetch-smollm2", "--cache-dir", cache, "--gguf", inside, "--force")
-    assert code == 1 and "overlaps the input" in err and inside.read_bytes() == b"GGUF"
+    refused_untouched(capsys, cache, "overlaps the input", "fetch-smollm2", "--cache-dir", cache, "--gguf", inside,
+                      "--force")
     no_leftovers(tmp_path)
 
 
