@@ -10,6 +10,7 @@ One Hub repo holds one drafter pair for one target::
                                  even when loading with ``subfolder=``
       dflash/                    config.json (auto_map), configuration_dflash.py, modeling_dflash.py, model.safetensors
       weaver/                    config.json (auto_map), configuration_weaver.py, modeling_weaver.py, model.safetensors
+      .modeling_weaver_output    marker: a folder we wrote, which ``--overwrite`` may replace (output_dir.py)
 
 ``AutoModel.from_pretrained(repo, subfolder="dflash" | "weaver", trust_remote_code=True)`` loads each model. The
 folders under ``hub_configs/`` have the same layout without weights (random init through ``from_config``); they are
