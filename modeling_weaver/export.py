@@ -38,7 +38,7 @@ from .configuration_weaver import WeaverConfig
 from .convert import CheckpointError
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
-from .output_dir import check_output, written_output
+from .output_dir import written_output
 from .pairing import PairingError, _config, _text, check_pair
 
 __all__ = [
@@ -224,7 +224,6 @@ def export_pair(out, drafter: DFlashDraftModel, weaver: WeaverModel | None = Non
         raise ValueError('mode="weaver" needs a Weaver; export one or choose mode="ddtree"/"chain"')
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
         raise ValueError(f"tree_budget must be a whole number >= 1, got {tree_budget!r}")
-    check_output(out, inputs, overwrite)
 
     def saver(model):
         def save(folder: Path):
@@ -332,12 +331,12 @@ HUB_SPECS: dict[str, HubSpec] = {
 }
 
 
-def render_hub_config(spec: HubSpec, out, overwrite: bool = False) -> Path:
+def render_hub_config(spec: HubSpec, out) -> Path:
     """Write one ``hub_configs`` folder (no weights) for ``spec`` into ``out``."""
     target = spec.target()
     dflash = spec.dflash(target)
     weaver = spec.weaver(target, dflash)
-    with written_output(out, overwrite=overwrite) as tmp:
+    with written_output(out) as tmp:
         _write_repo(
             tmp, name=spec.folder, target_name=spec.target_name, target_config=target, dflash=dflash,
             weaver=weaver, defaults=dict(spec.defaults), card=spec.card,

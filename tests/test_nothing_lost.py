@@ -22,7 +22,7 @@ from modeling_weaver.convert import (
     load_dflash,
     load_weaver,
 )
-from modeling_weaver.export import export_pair, resolve_drafters
+from modeling_weaver.export import export_pair, resolve_drafters, sync_hub_configs
 from modeling_weaver.output_dir import MARKER, OutputOverlapError, written_output
 
 
@@ -157,6 +157,21 @@ def test_export_overwrite_checks_everything_before_replacing(tmp_path, pair, uma
     export_pair(out, drafter, target_config=target_config, target_name="tiny/again", overwrite=True)
     assert json.loads((out / "speculative_config.json").read_text())["target_model"] == "tiny/again"
     no_leftovers(tmp_path)
+
+
+def test_hub_configs_sync_replaces_only_marked_folders(tmp_path):
+    name = "smollm2-135m-instruct"
+    folder = tmp_path / name
+    assert sync_hub_configs(root=tmp_path, names=[name])  # written fresh
+    (folder / "README.md").write_text("edited")
+    assert sync_hub_configs(root=tmp_path, names=[name]) == [f"{name}/README.md"]
+    assert (folder / "README.md").read_text() != "edited" and (folder / MARKER).is_file()
+    (folder / MARKER).unlink()
+    (folder / "README.md").write_text("edited")
+    before = snapshot(folder)
+    with pytest.raises(FileExistsError, match="not a folder written by modeling-weaver"):
+        sync_hub_configs(root=tmp_path, names=[name])
+    assert snapshot(folder) == before
 
 
 # ---------------------------------------------------------------------------------------------------- fetch-smollm2
