@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .cli import positive_int, torch_device
 from .captured import static_target, step_options
 from .data import (
     DATASET_TITLES,
@@ -375,14 +376,15 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--subset", type=int, default=None, help="first N prompts of each dataset")
     parser.add_argument("--modes", nargs="+", default=list(TREE_MODES), choices=TREE_MODES,
                         help="tree modes (AR always runs as the baseline)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64], help="tree budgets (draft nodes)")
+    parser.add_argument("--budgets", type=positive_int, nargs="+", default=[16, 32, 64],
+                        help="tree budgets (draft nodes)")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy")
     parser.add_argument("--sampling-verifications", choices=("default", "both"), default="default",
                         help="'both': every sampled tree mode with target-only and traversal verification "
                              "(the coupling comparison of the paper's Table 3)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     parser.add_argument("--hf-baseline", action="store_true", help="also time target.generate (HF eager), greedy")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
     parser.add_argument("--drafter-dtype", default="auto",
                         help="auto (bf16 where bf16 matmuls are native, else the target's), float32, bfloat16; "

@@ -75,6 +75,36 @@ def _lazy_module(name: str, module_name: str):
         raise CLIError(f"`{PROG} {name}` needs the Python package '{err.name}', which is not installed") from err
 
 
+def positive_int(text: str) -> int:
+    """argparse type of token counts and tree budgets: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def torch_device(text: str) -> str:
+    """argparse type of ``--device``: a torch device string naming a device this machine has (cpu, cuda, cuda:1...)."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (cpu, cuda, cuda:0, mps, ...)") from None
+    if device.type == "cpu":
+        return text
+    backend = torch.backends.mps if device.type == "mps" else getattr(torch, device.type, None)
+    if backend is None or not getattr(backend, "is_available", lambda: False)():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has no {device.type} device")
+    count = getattr(getattr(torch, device.type, None), "device_count", None)
+    if device.index is not None and count is not None and device.index >= count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count()} {device.type} device(s)")
+    return text
+
+
 # --------------------------------------------------------------------------------------------------------------- demo
 
 
@@ -88,12 +118,13 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
                                       f"{DEFAULT_SHIPPED_DRAFTERS.relative_to(SOURCE_ROOT)}/ in a source checkout)")
     p.add_argument("--mode", choices=("weaver", "ddtree", "chain"), default="weaver", help="tree policy (default: "
                                                                                            "weaver)")
-    p.add_argument("--tree-budget", type=int, default=16,
+    p.add_argument("--tree-budget", type=positive_int, default=16,
                    help="draft nodes per tree (default: 16 — a small target's tree pass is overhead-bound, so larger "
                         "trees cost more than their extra acceptance brings; BENCHMARKS.md)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens per prompt (default: 128, tiny: 48)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=None,
+                   help="tokens per prompt (default: 128, tiny: 48)")
     p.add_argument("--prompt", action="append", help="a prompt of your own (repeatable)")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument("--device", type=torch_device, default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16 — bf16 "
                                                    "makes tree verification relatively cheaper on CPUs with "
                                                    "avx512_bf16/AMX, but near-tie argmaxes may then flip")
@@ -175,8 +206,6 @@ def run_demo(args) -> int:
     from .benchmark import autoregressive_generate
     from .generate import speculative_generate
 
-    if args.tree_budget < 1:
-        raise CLIError(f"--tree-budget must be >= 1, got {args.tree_budget}")
     target, drafter, weaver, tokenizer, prompts = _tiny_setup() if args.tiny else _real_setup(args)
     packed = 0
     if args.packed_linears == "on" or (args.packed_linears == "auto" and not prompts[0].is_cuda):
@@ -185,7 +214,7 @@ def run_demo(args) -> int:
         packed = pack_cpu_linears(*(m for m in (target, drafter, weaver) if m is not None))
     if args.mode == "weaver" and weaver is None:
         raise CLIError("--mode weaver needs a Weaver (weaver/ folder); use --mode ddtree or chain")
-    max_new = args.max_new_tokens or (48 if args.tiny else 128)
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else (48 if args.tiny else 128)
     eos = target.generation_config.eos_token_id
     try:
         from tqdm.auto import tqdm
@@ -247,20 +276,18 @@ def _add_convert_arguments(p: argparse.ArgumentParser) -> None:
                    help="what SRC is (default: a .pth/.pt file is a Weaver, a folder a DFlash drafter)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                    help="cast the weights (default: keep the checkpoint's dtype)")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DST if it holds an earlier output of ours (never another folder)")
 
 
 def run_convert(args) -> int:
     from .convert import convert_dflash, convert_weaver
+    from .output_dir import check_output
 
     src, dst = Path(args.src), Path(args.dst)
     if not src.exists():
         raise CLIError(f"{src} does not exist")
-    if dst.exists() and any(dst.iterdir()):
-        if not args.overwrite:
-            raise CLIError(f"{dst} exists and is not empty (use --overwrite)")
-        if dst.resolve() == src.resolve():
-            raise CLIError("SRC and DST are the same folder")
+    check_output(dst, [src], args.overwrite)
     kind = args.kind
     if kind == "auto":
         kind = "weaver" if src.is_file() and src.suffix in (".pth", ".pt") else "dflash"
@@ -297,11 +324,13 @@ def _add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("weaver", "ddtree", "chain"), default=None,
                    help="generation default written to speculative_config.json (default: weaver if a Weaver is "
                         "given, else ddtree)")
-    p.add_argument("--tree-budget", type=int, default=64, help="generation default tree budget (default: 64)")
+    p.add_argument("--tree-budget", type=positive_int, default=64,
+                   help="generation default tree budget (default: 64)")
     p.add_argument("--card", help="JSON file of model-card fields (training data/steps, results_table, "
                                   "results_command, licences, ...; see MODEL_CARD.md)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="cast the saved weights")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it holds an earlier output of ours (never another folder)")
     p.add_argument("--hub-configs", action="store_true",
                    help="instead: regenerate hub_configs/ (Qwen3.6-27B, Qwen3.5-27B, SmolLM2 pairs) from the "
                         "package sources")
@@ -330,24 +359,24 @@ def run_export(args) -> int:
         raise CLIError(f"missing {', '.join(missing)} (or use --hub-configs)")
     from transformers import AutoConfig
 
-    from .convert import load_dflash, load_weaver
+    from .convert import checked_config, load_dflash, load_weaver
+    from .output_dir import check_output
 
+    inputs = [args.dflash, args.weaver, args.target, args.card]
+    check_output(args.out, inputs, args.overwrite)  # refuse before reading anything
     target_config = AutoConfig.from_pretrained(args.target)
     # check the pairing on the configs first: a mismatch is reported before gigabytes of weights are read
-    from .configuration_dflash import DFlashConfig
-    from .configuration_weaver import WeaverConfig
-
     weaver_config = None
     if args.weaver and not str(args.weaver).endswith((".pth", ".pt")):
-        weaver_config = WeaverConfig.from_pretrained(args.weaver)
-    export.check_pair(target_config, DFlashConfig.from_pretrained(args.dflash), weaver_config)
+        weaver_config = checked_config(args.weaver, "weaver")
+    export.check_pair(target_config, checked_config(args.dflash, "dflash"), weaver_config)
     drafter = load_dflash(args.dflash)
     weaver = load_weaver(args.weaver) if args.weaver else None
     card = json.loads(Path(args.card).read_text()) if args.card else {}
     out = export.export_pair(
         args.out, drafter, weaver, target_config=target_config, target_name=args.target_name or args.target,
         name=args.name, mode=args.mode, tree_budget=args.tree_budget, card=card, dtype=_torch_dtype(args.dtype),
-        overwrite=args.overwrite,
+        overwrite=args.overwrite, inputs=inputs,
     )
     todo = (out / "README.md").read_text().count("[TO FILL")
     print(f"wrote {out} (dflash/{', weaver/' if weaver is not None else ''}, custom_generate/, README.md)"

@@ -20,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -31,11 +29,15 @@ from .configuration_dflash import DFlashConfig
 from .configuration_weaver import WeaverConfig
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
+from .output_dir import check_output, written_output
 
 __all__ = [
     "CheckpointError",
+    "DFLASH_REQUIRED_FIELDS",
     "DFlashTransformersAssistant",
     "RELEASED_WEAVER_CONFIG_FIELDS",
+    "WEAVER_REQUIRED_FIELDS",
+    "checked_config",
     "convert_dflash",
     "convert_weaver",
     "is_zlab_dflash",
@@ -86,22 +88,12 @@ def _check_tensors(found: dict[str, tuple[int, ...]], expected: dict[str, tuple[
         raise CheckpointError(f"{what}: {problems[0]}{more}")
 
 
-def _save(model, dst, overwrite: bool) -> Path:
-    """``save_pretrained`` into a fresh folder that replaces ``dst`` only once complete (no stale or partial files)."""
-    dst = Path(dst)
-    if dst.exists() and any(dst.iterdir()) and not overwrite:
-        raise FileExistsError(f"{dst} exists and is not empty (pass overwrite=True)")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))
-    try:
+def _save(model, dst, overwrite: bool, inputs=()) -> Path:
+    """``save_pretrained`` into a fresh folder that replaces ``dst`` only once complete (no stale or partial files);
+    see :mod:`modeling_weaver.output_dir` for what may be replaced."""
+    with written_output(dst, inputs, overwrite) as tmp:
         model.save_pretrained(tmp)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return dst
+    return Path(dst)
 
 
 def _natural(key: str):
@@ -137,6 +129,55 @@ def _safetensors_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+#: ``config.json`` fields a checkpoint must state: a missing one would load as a silent default (rope θ 10000, a
+#: 151936-token vocabulary...) or fail later with an unrelated error.
+DFLASH_REQUIRED_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "block_size")
+WEAVER_REQUIRED_FIELDS = ("d_model", "d_embed", "d_rank", "num_layers", "num_heads", "mlp_dim", "K",
+                          "candidate_pool_size", "rope_base", "norm_eps")
+
+
+def _config_file(path) -> Path:
+    """``config.json`` of a local model folder or a Hub id (downloaded to the cache)."""
+    local = Path(path)
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise CheckpointError(f"{local}: no config.json (expected a model folder)")
+        return local / "config.json"
+    from transformers.utils import cached_file
+
+    return Path(cached_file(str(path), "config.json"))
+
+
+def checked_config(path, kind: str):
+    """The :class:`DFlashConfig` (``kind="dflash"``) or :class:`WeaverConfig` (``"weaver"``) of a checkpoint folder
+    or Hub id, after checking that its ``config.json`` states every required field (else :class:`CheckpointError`
+    naming the file and the field)."""
+    file = _config_file(path)
+    try:
+        raw = json.loads(file.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err})") from err
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{file}: expected a JSON object")
+    required = {"dflash": DFLASH_REQUIRED_FIELDS, "weaver": WEAVER_REQUIRED_FIELDS}[kind]
+    missing = [name for name in required if raw.get(name) is None]
+    if kind == "dflash" and (raw.get("rope_parameters") or {}).get("rope_theta", raw.get("rope_theta")) is None:
+        missing.append("rope_parameters.rope_theta")  # z-lab files spell it top-level `rope_theta`
+    if missing:
+        more = f" (also: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+        raise CheckpointError(f"{file}: required field '{missing[0]}' is missing{more}")
+    config_class = DFlashConfig if kind == "dflash" else WeaverConfig
+    try:
+        config = config_class.from_pretrained(file.parent)
+    except (TypeError, ValueError, KeyError, IndexError) as err:
+        raise CheckpointError(f"{file}: config does not describe a valid {kind} model: {err}") from err
+    if kind == "dflash" and not config.target_layer_ids:
+        raise CheckpointError(f"{file}: dflash_config.target_layer_ids is missing (and no num_target_layers to "
+                              "derive it)")
+    return config
+
+
 def load_dflash(path, dtype=None, device=None, validate: bool = True) -> DFlashDraftModel:
     """Load a DFlash drafter from a z-lab checkpoint or one of ours (local folder or Hub id), unchanged.
 
@@ -146,13 +187,8 @@ def load_dflash(path, dtype=None, device=None, validate: bool = True) -> DFlashD
     """
     dtype = _dtype(dtype)
     local = Path(path)
+    config = checked_config(path, "dflash")
     if local.exists():
-        if not (local / "config.json").is_file():
-            raise CheckpointError(f"{local}: no config.json (expected a DFlash drafter folder)")
-        config = DFlashConfig.from_pretrained(local)
-        if not config.target_layer_ids:
-            raise CheckpointError(f"{local}/config.json: dflash_config.target_layer_ids is missing (and no "
-                                  "num_target_layers to derive it)")
         if validate:
             _check_tensors(
                 _safetensors_shapes(local), _expected_shapes(DFlashDraftModel, config), f"DFlash checkpoint {local}",
@@ -169,7 +205,8 @@ def load_dflash(path, dtype=None, device=None, validate: bool = True) -> DFlashD
 def convert_dflash(src, dst, dtype=None, overwrite: bool = False) -> Path:
     """z-lab (or our) DFlash checkpoint ``src`` → our Hub layout in ``dst`` (config with our ``auto_map``, code files,
     ``model.safetensors``). Tensors are copied unchanged unless ``dtype`` is given."""
-    return _save(load_dflash(src, dtype=dtype), dst, overwrite)
+    check_output(dst, [src], overwrite)  # refuse before reading the weights
+    return _save(load_dflash(src, dtype=dtype), dst, overwrite, [src])
 
 
 # -------------------------------------------------------------------------------------------------------------- Weaver
@@ -278,7 +315,8 @@ def load_released_weaver(path_or_payload, dtype=None) -> WeaverModel:
 
 def convert_weaver(src, dst, dtype=None, overwrite: bool = False) -> Path:
     """Released Weaver ``.pth`` ``src`` → our Hub folder ``dst`` (config.json with ``auto_map``, code, safetensors)."""
-    return _save(load_released_weaver(src, dtype=dtype), dst, overwrite)
+    check_output(dst, [src], overwrite)
+    return _save(load_released_weaver(src, dtype=dtype), dst, overwrite, [src])
 
 
 def load_weaver(path, dtype=None, device=None) -> WeaverModel:
@@ -287,6 +325,7 @@ def load_weaver(path, dtype=None, device=None) -> WeaverModel:
     if str(path).endswith((".pth", ".pt")):
         model = load_released_weaver(path, dtype=dtype)
     else:
+        checked_config(path, "weaver")
         model = WeaverModel.from_pretrained(path, **({"dtype": dtype} if dtype is not None else {}))
     if device is not None:
         model = model.to(device)

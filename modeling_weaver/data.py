@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from .cli import torch_device
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Shared plumbing: cache folder, wheel members fetched from PyPI, CLI error handling.
 # ----------------------------------------------------------------------------------------------------------------------
@@ -741,7 +743,7 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--tag", default=None,
                         help="shard name tag (shard-TAG-*.pt; default r<rank>); '{rank}' in it becomes the rank")
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="auto", help="target dtype: auto (bf16 on cuda, fp32 on cpu), float32, ...")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser

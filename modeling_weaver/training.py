@@ -55,6 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .cli import torch_device
 from .configuration_dflash import DFlashConfig
 from .configuration_weaver import WeaverConfig
 from .data import TokenDataset, cli_entry, require_dir
@@ -881,7 +882,8 @@ def _add_common(parser: argparse.ArgumentParser, lr: float, warmup: float, batch
     g.add_argument("--output-dir", required=True, help="checkpoint + Hub-layout model folder")
     g.add_argument("--max-length", type=int, default=2048, help="truncate sequences to this many tokens")
     g.add_argument("--target-dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
-    g.add_argument("--device", default=None, help="default: cuda:<LOCAL_RANK> if available, else cpu")
+    g.add_argument("--device", type=torch_device, default=None,
+                   help="default: cuda:<LOCAL_RANK> if available, else cpu")
     o = parser.add_argument_group("optimisation")
     o.add_argument("--anchors", type=int, default=anchors, help="random block anchors per sequence")
     o.add_argument("--gamma", type=float, default=7.0, help="depth decay w_k = exp(-(k-1)/gamma); <= 0 disables")
