@@ -609,6 +609,8 @@ def generate(
     and never passes the streamer on), so pass yours as ``tree_streamer=``: it receives the prompt, every committed
     token and ``end()``. The Hub ``custom_generate`` folder does this for you.
     """
+    # (first: transformers has already widened input_ids for num_beams / num_return_sequences)
+    _check_settings(generation_config, assistant_model=model_kwargs.get("assistant_model"))
     _check_prompt(input_ids)
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
@@ -616,7 +618,6 @@ def generate(
     do_sample = bool(generation_config.do_sample)
     _check_arguments(model, drafter, weaver, mode, tree_budget, verification, do_sample)
     _check_budget(model, tree_budget, input_ids.device)
-    _check_settings(generation_config, assistant_model=model_kwargs.get("assistant_model"))
     _check_processors(logits_processor)
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     if max_new_tokens < 1:
