@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -410,11 +409,9 @@ def _decode(
     def distribution(logits: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
         """Processed scores of every node (``parents``: the tree's; None: one row after the emitted ids)."""
         scores = logits.float()
-        if not processors:
-            pass
-        elif not by_length or parents is None:  # the ids so far stand in for every row
+        if processors and (not by_length or parents is None):  # the ids so far stand in for every row
             scores = processors(out.ids.to(logits.device).expand(logits.shape[0], -1), scores)
-        else:  # a node of depth d continues the emitted ids by d tokens: its processors see that length
+        elif processors:  # a node of depth d continues the emitted ids by d tokens: its processors see that length
             depths = node_depths(parents.to(logits.device))
             for d in sorted(set(depths.tolist())):
                 rows = (depths == d).nonzero()[:, 0]
@@ -436,7 +433,8 @@ def _decode(
     # Greedy with a fixed-shape proposer: whole steps run on the device (one graph each), from the first one on.
     fused = None
     # (fused steps take the target's argmax as it is: not with processors)
-    if hasattr(runner, "propose") and not do_sample and not processors and (accept is None or hasattr(accept, "tensors")):
+    if (hasattr(runner, "propose") and not do_sample and not processors
+            and (accept is None or hasattr(accept, "tensors"))):
         fused = runner.draft.fused_step(runner, target_cache, accept)
         if not out.done:  # (arming runs the drafter over the prompt: not for an output that is complete already)
             # untimed: the prompt's drafter pass is no step's phase (decode tokens/s include it all the same)

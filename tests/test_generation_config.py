@@ -214,8 +214,9 @@ def test_random_generation_configs_equal_generate(mode, prompt_len, max_new, max
     ids = torch.randint(0, VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
     if eos is None:  # often an eos that the continuation meets early
         eos = [int(ar(target, ids, max_new_tokens=3, pad_token_id=0)[0, -1])] if seed % 2 else None
-    config = dict(max_new_tokens=max_new, max_length=None if max_length_extra is None else prompt_len + max_length_extra,
-                  min_new_tokens=min_new, min_length=None if min_length_extra is None else prompt_len + min_length_extra,
+    plus = lambda extra: None if extra is None else prompt_len + extra  # noqa: E731
+    config = dict(max_new_tokens=max_new, max_length=plus(max_length_extra), min_new_tokens=min_new,
+                  min_length=plus(min_length_extra),
                   eos_token_id=eos, temperature=temperature, top_k=top_k, top_p=top_p, do_sample=False, pad_token_id=0)
     if max_new is None and max_length_extra is None:
         config["max_new_tokens"] = 20  # (the two defaults differ: 20 for transformers, 128 here)
