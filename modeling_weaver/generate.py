@@ -600,8 +600,8 @@ def generate(
 
     ``target_step`` as in :func:`speculative_generate` (``"graph"``: CUDA-graph steps on CUDA).
 
-    transformers has already applied ``generation_config`` (``max_new_tokens``, ``eos_token_id``, ``do_sample``,
-    temperature/top-k/top-p) and built the processors and stopping criteria this loop honours.
+    transformers has already prepared ``generation_config`` and built the processors and stopping criteria this loop
+    honours (length-only processors such as ``min_new_tokens`` per tree node); the settings of :data:`REFUSED` raise.
 
     Streaming: transformers keeps ``streamer=`` for itself when ``custom_generate`` is a callable (it sends the prompt
     and never passes the streamer on), so pass yours as ``tree_streamer=``: it receives the prompt, every committed
