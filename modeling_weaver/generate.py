@@ -255,12 +255,10 @@ def _prepare(target, input_ids: torch.Tensor, generation_config, max_new_tokens:
     Without a length from the arguments or either config, ``max_new_tokens`` is 128."""
     if max_new_tokens is not None:
         kwargs["max_new_tokens"] = max_new_tokens
-    has_default_max_length = (kwargs.get("max_length") is None and kwargs.get("max_new_tokens") is None
-                              and all(getattr(c, "max_length", None) is None and getattr(c, "max_new_tokens", None)
-                                      is None for c in (generation_config, target.generation_config)))
-    has_default_min_length = kwargs.get("min_length") is None and all(
-        getattr(c, "min_length", None) is None for c in (generation_config, target.generation_config))
-    if has_default_max_length:
+    configs = (generation_config, target.generation_config)
+    unset = lambda name: kwargs.get(name) is None and all(getattr(c, name, None) is None for c in configs)  # noqa: E731
+    has_default_max_length, has_default_min_length = unset("max_length"), unset("min_length")
+    if has_default_max_length and unset("max_new_tokens"):
         kwargs["max_new_tokens"] = 128
     config, model_kwargs = target._prepare_generation_config(generation_config, **kwargs)
     model_kwargs.pop("output_attentions", None), model_kwargs.pop("output_hidden_states", None)
@@ -271,7 +269,7 @@ def _prepare(target, input_ids: torch.Tensor, generation_config, max_new_tokens:
         raise ValueError(f"{name} is not a generation setting speculative_generate takes")
     _check_settings(config)
     target._prepare_special_tokens(config, True, device=input_ids.device, batch_size=1)
-    config = target._prepare_generated_length(config, False, has_default_min_length, "input_ids",
+    config = target._prepare_generated_length(config, has_default_max_length, has_default_min_length, "input_ids",
                                               input_ids.shape[1], input_ids)
     if config.max_length <= input_ids.shape[1]:
         raise ValueError(f"max_length {config.max_length} leaves no room after the {input_ids.shape[1]}-token prompt")
