@@ -56,6 +56,20 @@ def test_min_length_in_generation_config(factory, field):
     assert torch.equal(via_hf, expected)
 
 
+def test_min_new_tokens_when_sampling():
+    """Sampling with an eos made likely (a single-token sequence bias): no eos before min_new_tokens, in every mode
+    and both verifications, and one soon after."""
+    target, drafter, weaver, ids, _ = setup()
+    eos = target.generation_config.eos_token_id
+    target.generation_config.sequence_bias = {(eos,): 8.0}
+    target.generation_config.min_new_tokens = 12
+    for mode in MODES:
+        for verification in ("target_only", "traversal"):
+            new = spec(target, drafter, weaver, ids, mode, do_sample=True, max_new_tokens=40, verification=verification,
+                       generator=torch.Generator().manual_seed(1))[0, ids.shape[1]:].tolist()
+            assert eos not in new[:12] and eos in new[12:], (mode, verification, new)
+
+
 def test_lengths_from_generation_config():
     target, drafter, weaver, ids, _ = setup()
     target.generation_config.eos_token_id = None
