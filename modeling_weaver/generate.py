@@ -7,22 +7,30 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from transformers.generation import (
-    EosTokenCriteria,
-    GenerateDecoderOnlyOutput,
     EpsilonLogitsWarper,
     EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    GenerateDecoderOnlyOutput,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
     LogitsProcessorList,
-    MaxLengthCriteria,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    SequenceBiasLogitsProcessor,
     StoppingCriteriaList,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
+    TopHLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
     TypicalLogitsWarper,
@@ -32,7 +40,7 @@ from .accept import accept_greedy, accept_target_only, accept_traversal
 from .captured import draft_head, static_draft, static_target, step_options
 from .pairing import check_pair
 from .target import TargetAdapter
-from .tree import tree_drafts, with_root
+from .tree import node_depths, tree_budget_bound, tree_drafts, with_root
 
 MODES = ("weaver", "ddtree", "chain")
 VERIFICATIONS = ("target_only", "traversal")
@@ -42,11 +50,67 @@ ROW_WISE_PROCESSORS = (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    TopHLogitsWarper,
     MinPLogitsWarper,
     TypicalLogitsWarper,
     EpsilonLogitsWarper,
     EtaLogitsWarper,
+    SuppressTokensLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
 )
+# Processors that read only input_ids' length (min_length, forced eos, ...): each tree node's length is known, so they
+# are applied per depth exactly.
+LENGTH_PROCESSORS = (
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    SuppressTokensAtBeginLogitsProcessor,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    ExponentialDecayLengthPenalty,
+)
+
+# What tree speculative decoding refuses, and why: generation settings and generate() arguments. README's "What is
+# refused" lists exactly these names (a test checks).
+REFUSED = {
+    "num_beams": "beam search is another decoding method (num_beams must be 1)",
+    "num_return_sequences": "one sequence per prompt (batch size 1)",
+    "assistant_model": "the drafters are drafter= and weaver=; transformers' assisted decoding is another loop",
+    "prompt_lookup_num_tokens": "prompt lookup is another drafter",
+    "output_scores": "token ids only",
+    "output_logits": "token ids only",
+    "output_attentions": "token ids only",
+    "output_hidden_states": "token ids only",
+    "repetition_penalty": "depends on every earlier token: a tree node's history differs from its row's",
+    "encoder_repetition_penalty": "depends on the prompt's tokens per row",
+    "no_repeat_ngram_size": "depends on every earlier token",
+    "encoder_no_repeat_ngram_size": "depends on the prompt's n-grams per row",
+    "bad_words_ids": "multi-token bad words depend on earlier tokens (single-token ones are applied)",
+    "sequence_bias": "multi-token sequences depend on earlier tokens (single-token ones are applied)",
+    "prefix_allowed_tokens_fn": "depends on every earlier token",
+    "guidance_scale": "classifier-free guidance runs a second model pass per token",
+    "watermarking_config": "watermarks depend on earlier tokens",
+    "attention_mask": "padded prompts (batch size 1, no padding)",
+}
+# The processor that each refused history-dependent setting builds, by class name.
+_PROCESSOR_SETTING = {
+    "RepetitionPenaltyLogitsProcessor": "repetition_penalty",
+    "EncoderRepetitionPenaltyLogitsProcessor": "encoder_repetition_penalty",
+    "NoRepeatNGramLogitsProcessor": "no_repeat_ngram_size",
+    "EncoderNoRepeatNGramLogitsProcessor": "encoder_no_repeat_ngram_size",
+    "NoBadWordsLogitsProcessor": "bad_words_ids",
+    "SequenceBiasLogitsProcessor": "sequence_bias",
+    "PrefixConstrainedLogitsProcessor": "prefix_allowed_tokens_fn",
+    "UnbatchedClassifierFreeGuidanceLogitsProcessor": "guidance_scale",
+    "WatermarkLogitsProcessor": "watermarking_config",
+    "SynthIDTextWatermarkLogitsProcessor": "watermarking_config",
+}
+
+
+def refuse(name: str, value=None) -> ValueError:
+    """The ValueError for a refused setting of :data:`REFUSED`."""
+    shown = "" if value is None else f"={value!r}"
+    return ValueError(f"{name}{shown} is not supported by tree speculative decoding: {REFUSED[name]}")
 
 
 @dataclass
@@ -141,26 +205,86 @@ def _check_prompt(input_ids) -> None:
         raise ValueError("the prompt is empty: give at least one token")
 
 
+def _row_wise(proc) -> bool:
+    if isinstance(proc, SequenceBiasLogitsProcessor):  # (NoBadWords too) one-token sequences: a fixed bias per row
+        seqs = proc.sequence_bias if isinstance(proc.sequence_bias, dict) else [s for s, _ in proc.sequence_bias]
+        return all(len(seq) == 1 for seq in seqs)
+    return isinstance(proc, ROW_WISE_PROCESSORS)
+
+
 def _check_processors(processors: LogitsProcessorList):
     for proc in processors:
-        if not isinstance(proc, ROW_WISE_PROCESSORS):
-            raise ValueError(
-                f"{type(proc).__name__} is not supported by tree speculative decoding: only processors that act on "
-                f"each distribution independently are ({', '.join(p.__name__ for p in ROW_WISE_PROCESSORS)})"
-            )
+        if _row_wise(proc) or isinstance(proc, LENGTH_PROCESSORS):
+            continue
+        name = type(proc).__name__
+        if name in _PROCESSOR_SETTING:
+            raise refuse(_PROCESSOR_SETTING[name])
+        raise ValueError(
+            f"{name} is not supported by tree speculative decoding: only processors that act on each distribution "
+            f"independently ({', '.join(p.__name__ for p in ROW_WISE_PROCESSORS)}) or on its length only "
+            f"({', '.join(p.__name__ for p in LENGTH_PROCESSORS)}) are"
+        )
 
 
-def _warpers(temperature: float, top_k: int | None, top_p: float | None) -> LogitsProcessorList:
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
-    procs = LogitsProcessorList()
-    if temperature != 1.0:
-        procs.append(TemperatureLogitsWarper(temperature))
-    if top_k is not None and top_k > 0:
-        procs.append(TopKLogitsWarper(top_k))
-    if top_p is not None and top_p < 1.0:
-        procs.append(TopPLogitsWarper(top_p))
-    return procs
+def _check_settings(generation_config, **arguments) -> None:
+    """Refuse the settings of :data:`REFUSED` that a prepared ``generation_config`` or ``generate()``'s own
+    ``arguments`` carry (processors are checked by :func:`_check_processors`)."""
+    for name, value in arguments.items():
+        if value is not None:
+            raise refuse(name)
+    for name in ("num_beams", "num_return_sequences"):
+        if (getattr(generation_config, name, None) or 1) > 1:
+            raise refuse(name, getattr(generation_config, name))
+    if getattr(generation_config, "prompt_lookup_num_tokens", None) is not None:
+        raise refuse("prompt_lookup_num_tokens", generation_config.prompt_lookup_num_tokens)
+    for name in ("output_scores", "output_logits", "output_attentions", "output_hidden_states"):
+        if getattr(generation_config, name, False):
+            raise refuse(name, True)
+    # transformers' warpers check these when it samples; top-k/top-p values it would then ignore are refused always
+    if generation_config.do_sample and generation_config.temperature is not None:
+        TemperatureLogitsWarper(generation_config.temperature)
+    if generation_config.top_k is not None and generation_config.top_k != 0:
+        TopKLogitsWarper(generation_config.top_k)
+    if generation_config.top_p is not None:
+        TopPLogitsWarper(generation_config.top_p)
+
+
+def _prepare(target, input_ids: torch.Tensor, generation_config, max_new_tokens: int | None, kwargs: dict):
+    """``generation_config`` (default: the target's) with ``kwargs`` applied and prepared as ``target.generate``
+    prepares it (special-token tensors, lengths), and the processors and stopping criteria it builds from it.
+    Without a length from the arguments or either config, ``max_new_tokens`` is 128."""
+    if max_new_tokens is not None:
+        kwargs["max_new_tokens"] = max_new_tokens
+    configs = (generation_config, target.generation_config)
+    unset = lambda name: kwargs.get(name) is None and all(getattr(c, name, None) is None for c in configs)  # noqa: E731
+    has_default_max_length, has_default_min_length = unset("max_length"), unset("min_length")
+    if has_default_max_length and unset("max_new_tokens"):
+        kwargs["max_new_tokens"] = 128
+    config, model_kwargs = target._prepare_generation_config(generation_config, **kwargs)
+    model_kwargs.pop("output_attentions", None), model_kwargs.pop("output_hidden_states", None)
+    if model_kwargs:  # not generation settings: transformers would hand them to the model's forward
+        name = next(iter(model_kwargs))
+        if name in REFUSED:
+            raise refuse(name)
+        raise ValueError(f"{name} is not a generation setting speculative_generate takes")
+    _check_settings(config)
+    target._prepare_special_tokens(config, True, device=input_ids.device, batch_size=1)
+    config = target._prepare_generated_length(config, has_default_max_length, has_default_min_length, "input_ids",
+                                              input_ids.shape[1], input_ids)
+    if config.max_length <= input_ids.shape[1]:
+        raise ValueError(f"max_length {config.max_length} leaves no room after the {input_ids.shape[1]}-token prompt")
+    processors = target._get_logits_processor(
+        generation_config=config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
+        logits_processor=LogitsProcessorList(), device=input_ids.device, model_kwargs={},
+    )
+    stopping = target._get_stopping_criteria(generation_config=config, stopping_criteria=StoppingCriteriaList())
+    return config, processors, stopping
+
+
+def _check_budget(target, tree_budget: int, device) -> None:
+    bound, why = tree_budget_bound(target, device)
+    if tree_budget > bound:
+        raise ValueError(f"tree_budget {tree_budget} exceeds max_tree_budget(target, {device}) = {bound}: {why}")
 
 
 class DFlashRunner:
@@ -278,10 +402,19 @@ def _decode(
         raise ValueError(f"tree_budget {tree_budget} is too large for this hybrid target on {target_cache.device}: the "
                          f"GDN tree kernel verifies at most {target_cache.max_tree_nodes} nodes (budget + root)")
 
-    def distribution(logits: torch.Tensor) -> torch.Tensor:
+    by_length = any(not _row_wise(proc) for proc in processors)
+
+    def distribution(logits: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
+        """Processed scores of every node (``parents``: the tree's; None: one row after the emitted ids)."""
         scores = logits.float()
-        if processors:  # row-wise processors ignore input_ids: the ids so far stand in for every row
+        if processors and (not by_length or parents is None):  # the ids so far stand in for every row
             scores = processors(out.ids.to(logits.device).expand(logits.shape[0], -1), scores)
+        elif processors:  # a node of depth d continues the emitted ids by d tokens: its processors see that length
+            depths = node_depths(parents.to(logits.device))
+            for d in sorted(set(depths.tolist())):
+                rows = (depths == d).nonzero()[:, 0]
+                ids = torch.cat([out.ids, out.ids.new_zeros(1, d)], 1).to(logits.device)  # (length-only readers)
+                scores[rows] = processors(ids.expand(rows.shape[0], -1), scores[rows])
         return scores.softmax(-1) if do_sample else scores
 
     def first_token(logits: torch.Tensor) -> int:
@@ -297,7 +430,9 @@ def _decode(
 
     # Greedy with a fixed-shape proposer: whole steps run on the device (one graph each), from the first one on.
     fused = None
-    if hasattr(runner, "propose") and not do_sample and (accept is None or hasattr(accept, "tensors")):
+    # (fused steps take the target's argmax as it is: not with processors)
+    if (hasattr(runner, "propose") and not do_sample and not processors
+            and (accept is None or hasattr(accept, "tensors"))):
         fused = runner.draft.fused_step(runner, target_cache, accept)
         if not out.done:  # (arming runs the drafter over the prompt: not for an output that is complete already)
             # untimed: the prompt's drafter pass is no step's phase (decode tokens/s include it all the same)
@@ -334,7 +469,7 @@ def _decode(
         with timed("verify"):
             verified = target_cache.verify(tree)
         with timed("accept"):
-            scores = distribution(verified.logits)
+            scores = distribution(verified.logits, tree.parents)
             if accept is not None:
                 accepted = accept(tree, scores)
             elif not do_sample:
@@ -368,7 +503,7 @@ def speculative_generate(
     weaver=None,
     mode: str = "weaver",
     tree_budget: int = 64,
-    max_new_tokens: int = 128,
+    max_new_tokens: int | None = None,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
@@ -380,11 +515,13 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     target_step: str = "eager",
     timer: PhaseTimer | None = None,
+    generation_config=None,
+    **generation_kwargs,
 ):
     """Lossless tree speculative decoding of ``target`` with a DFlash ``drafter`` (and optionally a Weaver).
 
-    Greedy output is token-identical to ``target.generate(input_ids, do_sample=False)``; sampled output follows the
-    target's (temperature / top-k / top-p processed) distribution exactly.
+    Greedy output is token-identical to ``target.generate(input_ids, do_sample=False)`` with the same generation
+    config; sampled output follows the target's (temperature / top-k / top-p processed) distribution exactly.
 
     Args:
         target: a supported causal LM (see :mod:`modeling_weaver.target`).
@@ -393,7 +530,11 @@ def speculative_generate(
         weaver: :class:`~modeling_weaver.modeling_weaver.WeaverModel`; required for ``mode="weaver"``.
         mode: ``"weaver"`` (Weaver best-first tree), ``"ddtree"`` (best-first over DFlash marginals) or
             ``"chain"`` (plain DFlash).
-        tree_budget: draft nodes per tree (the root/bonus token is extra).
+        tree_budget: draft nodes per tree (the root/bonus token is extra), at most
+            :func:`~modeling_weaver.tree.max_tree_budget`.
+        max_new_tokens: default: ``generation_config``'s ``max_new_tokens`` or ``max_length``, else 128.
+        do_sample, temperature, top_k, top_p: this function's own (greedy unless ``do_sample``; they override
+            ``generation_config``'s); the values are checked as transformers' warpers check them.
         eos_token_id: one id or several; defaults to the target's generation config.
         streamer: a transformers streamer (``put``/``end``); receives the prompt, then tokens as they are committed.
         verification: when sampling, ``"target_only"`` (any tree) or ``"traversal"`` (default for Weaver trees).
@@ -403,33 +544,33 @@ def speculative_generate(
             ``"graph"`` (static, and each verify/commit replayed as a CUDA graph on CUDA) or ``"compiled"`` (graph,
             with the target's tree pass and the tree build ``torch.compile``d once per tree size). Same tokens.
         timer: a :class:`PhaseTimer`: the time of each loop phase lands in ``stats.phase_ms``.
+        generation_config, generation_kwargs: as ``target.generate`` takes them (default: the target's
+            ``generation_config``), prepared as it prepares them; lengths (``min_new_tokens``, ``min_length``, ...)
+            and processors that act per distribution or per length are applied, the settings of :data:`REFUSED`
+            raise a ``ValueError`` naming them.
 
     Returns:
         ``[1, T + new]`` token ids, and a :class:`SpeculativeStats` when ``return_stats=True``.
     """
     _check_prompt(input_ids)
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     _check_arguments(target, drafter, weaver, mode, tree_budget, verification, do_sample)
-    # target.generate(do_sample=False) would also apply generation_config's processors (repetition penalty, ...):
-    # refuse those that a tree cannot apply exactly rather than silently differ from it.
-    greedy_config = copy.deepcopy(target.generation_config)
-    greedy_config.do_sample = False
-    _check_processors(target._get_logits_processor(
-        generation_config=greedy_config, input_ids_seq_length=input_ids.shape[1], encoder_input_ids=input_ids,
-        device=input_ids.device,
-    ))
-    processors = _warpers(temperature, top_k, top_p) if do_sample else LogitsProcessorList()
-    if eos_token_id is None:
-        eos_token_id = target.generation_config.eos_token_id
-    stopping = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
+    _check_budget(target, tree_budget, input_ids.device)
+    settings = dict(generation_kwargs, do_sample=do_sample)
+    if do_sample:  # (greedy: transformers ignores them, and so do we once they are checked)
+        settings.update(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p)
+    else:
+        settings.update({k: v for k, v in (("top_k", top_k), ("top_p", top_p)) if v is not None})
     if eos_token_id is not None:
-        stopping.append(EosTokenCriteria(eos_token_id))
+        settings["eos_token_id"] = eos_token_id
+    config, processors, stopping = _prepare(target, input_ids, generation_config, max_new_tokens, settings)
+    _check_processors(processors)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     ids, stats = _decode(
         target, input_ids[0], runner=DFlashRunner(drafter, target), weaver=weaver, mode=mode, tree_budget=tree_budget,
-        max_new_tokens=max_new_tokens, processors=processors, do_sample=do_sample,
+        max_new_tokens=config.max_length - input_ids.shape[1], processors=processors, do_sample=do_sample,
         verification=verification, stopping_criteria=stopping, streamer=streamer, generator=generator,
         target_step=target_step, timer=timer,
     )
@@ -457,24 +598,23 @@ def generate(
 
     ``target_step`` as in :func:`speculative_generate` (``"graph"``: CUDA-graph steps on CUDA).
 
-    transformers has already applied ``generation_config`` (``max_new_tokens``, ``eos_token_id``, ``do_sample``,
-    temperature/top-k/top-p) and built the processors and stopping criteria this loop honours.
+    transformers has already prepared ``generation_config`` and built the processors and stopping criteria this loop
+    honours (length-only processors such as ``min_new_tokens`` per tree node); the settings of :data:`REFUSED` raise.
 
     Streaming: transformers keeps ``streamer=`` for itself when ``custom_generate`` is a callable (it sends the prompt
     and never passes the streamer on), so pass yours as ``tree_streamer=``: it receives the prompt, every committed
     token and ``end()``. The Hub ``custom_generate`` folder does this for you.
     """
+    # (first: transformers has already widened input_ids for num_beams / num_return_sequences)
+    _check_settings(generation_config, assistant_model=model_kwargs.get("assistant_model"))
     _check_prompt(input_ids)
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
-        raise ValueError("padded prompts are not supported (batch size 1, no padding)")
+        raise refuse("attention_mask")
     do_sample = bool(generation_config.do_sample)
     _check_arguments(model, drafter, weaver, mode, tree_budget, verification, do_sample)
+    _check_budget(model, tree_budget, input_ids.device)
     _check_processors(logits_processor)
-    if any(getattr(generation_config, flag, False) for flag in
-           ("output_scores", "output_logits", "output_attentions", "output_hidden_states")):
-        raise ValueError("tree speculative decoding returns token ids only: output_scores/logits/attentions/"
-                         "hidden_states are not supported")
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     if max_new_tokens < 1:
         raise ValueError(f"max_length {generation_config.max_length} leaves no room after the prompt")

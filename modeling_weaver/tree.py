@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import InitVar, dataclass
 
 import torch
@@ -57,7 +58,7 @@ class Tree:
     @functools.cached_property
     def depths(self) -> torch.Tensor:
         """``[N]`` depth of each node (root 0; padding nodes are roots too). Computed on the tree's device."""
-        return self.ancestor_mask.sum(dim=1) - 1
+        return node_depths(self.parents)
 
     @functools.cached_property
     def ancestor_mask(self) -> torch.Tensor:
@@ -93,16 +94,30 @@ class Tree:
 def ancestor_mask_of(parents: torch.Tensor) -> torch.Tensor:
     """``[N, N]`` bool ancestor-or-self mask of a parent vector ``[N]`` (-1 = root), on its device.
 
-    No host sync and fixed shapes (CUDA graphs can capture it): the reflexive parent relation squared
-    ``ceil(log2 N)`` times covers every ancestor.
+    No host sync and fixed shapes (CUDA graphs can capture it). Pointer doubling: after round k each row holds the
+    ancestors less than ``2^k`` up and ``jump`` the one ``2^k`` up, so ``ceil(log2 N)`` rounds of row gathers cover
+    every ancestor in O(N² log N) bool work (the tree kernels take the dense mask).
     """
     n = parents.shape[0]
     nodes = torch.arange(n, device=parents.device)
-    # (F.one_hot would check its input's range on the host.)
-    reach = ((nodes[:, None] == nodes[None]) | (parents[:, None] == nodes[None])).to(torch.float32)
+    # row n: a sentinel with no ancestors, where every jump past a root lands
+    reach = torch.cat([nodes[:, None] == nodes[None], torch.zeros(1, n, dtype=torch.bool, device=parents.device)])
+    jump = torch.cat([torch.where(parents >= 0, parents, n), parents.new_full((1,), n)])
     for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
-        reach = (reach @ reach).clamp_(max=1.0)
-    return reach > 0
+        reach = reach | reach[jump]
+        jump = jump[jump]
+    return reach[:n]
+
+
+def node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """``[N]`` depth of each node of a parent vector (roots 0), on its device, in O(N log N) (pointer jumping)."""
+    n = parents.shape[0]
+    depth = (parents >= 0).long()
+    jump = torch.where(parents >= 0, parents, torch.arange(n, device=parents.device))
+    for _ in range(max(1, math.ceil(math.log2(max(n, 2))))):
+        depth = depth + torch.where(jump == torch.arange(n, device=parents.device), 0, depth[jump])
+        jump = jump[jump]
+    return depth
 
 
 def children_of(parents: list[int]) -> list[list[int]]:
@@ -484,3 +499,54 @@ def best_known(tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor, 
               torch.where(valid, number[parent.clamp(min=0)], -1),
               torch.where(valid, torch.where(is_node, logq[node], f_logq[slot]), neg_inf))
     return padded_drafts(drafts, budget)  # (fewer candidates than the budget: padding roots)
+
+
+# The most draft nodes a tree may hold on any device: a step's masks are dense [N, N] (the tree kernels' interface)
+# and its target pass grows with N², so past this a step costs more than any block of draft depths can repay.
+MAX_TREE_BUDGET = 4096
+# Share of the device's free memory one step's tree-sized buffers may take (the rest: weights, caches, slack).
+TREE_MEMORY_SHARE = 0.25
+
+
+def _free_memory(device: torch.device) -> int:
+    """Bytes free on ``device`` now: the CUDA allocator's view, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def max_tree_budget(target, device=None) -> int:
+    """The largest ``tree_budget`` a step of ``target`` takes on ``device`` (default: the target's).
+
+    The least of: :data:`MAX_TREE_BUDGET`; for hybrid targets on CUDA, the GDN tree kernel's node limit
+    (``weaver_kernels.max_tree_nodes``, root included); and what fits in :data:`TREE_MEMORY_SHARE` of the free memory,
+    counting per step the [N, N] bool masks (the ancestor mask and its doubling, ≈ 3 N² bytes), on CPU the reference
+    tree attention's fp32 scores over the tree (4 H N² bytes a layer, H query heads; CUDA's kernel keeps them in
+    tiles), and the target's logits with their processed and normalised copies (12 V N bytes, fp32).
+    """
+    return tree_budget_bound(target, device)[0]
+
+
+def tree_budget_bound(target, device=None) -> tuple[int, str]:
+    """:func:`max_tree_budget` and the reason for it (which bound is the least)."""
+    from .target import HYBRID_GDN, text_config  # (target imports this module)
+
+    device = torch.device(device) if device is not None else next(target.parameters()).device
+    config = text_config(target.config)
+    bounds = [(MAX_TREE_BUDGET, f"tree.MAX_TREE_BUDGET = {MAX_TREE_BUDGET}")]
+    hybrid = getattr(target.config, "model_type", None) in HYBRID_GDN
+    nodes = weaver_kernels.max_tree_nodes(device) if hybrid else None
+    if nodes is not None:
+        bounds.append((nodes - 1, f"the GDN tree kernel verifies at most {nodes} nodes (budget + root) on {device}"))
+    heads = getattr(config, "num_attention_heads", 1) if device.type != "cuda" else 0
+    a, b = 3 + 4 * heads, 12 * target.get_output_embeddings().weight.shape[0]  # bytes per step: a N² + b N
+    memory = TREE_MEMORY_SHARE * _free_memory(device)
+    fits = int((-b + math.sqrt(b * b + 4 * a * memory)) / (2 * a))
+    bounds.append((fits, f"a step's tree buffers ({a} N² + {b} N bytes) must fit in {TREE_MEMORY_SHARE:.0%} of the "
+                         f"{memory / TREE_MEMORY_SHARE / 2**30:.1f} GiB free on {device}"))
+    return min(bounds)

@@ -289,7 +289,7 @@ def test_generation_config_processors_are_not_silently_dropped():
     target = TINY_TARGETS["llama"]()
     drafter, weaver = make_drafters(target)
     target.generation_config.repetition_penalty = 1.2
-    with pytest.raises(ValueError, match="RepetitionPenalty"):
+    with pytest.raises(ValueError, match="repetition_penalty"):
         speculative_generate(target, prompts()[1], drafter=drafter, weaver=weaver, max_new_tokens=4)
 
 
@@ -357,7 +357,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="batch size 1"):
         target.generate(ids.repeat(2, 1), custom_generate=generate, drafter=drafter, weaver=weaver,
                         max_new_tokens=4)
-    with pytest.raises(ValueError, match="RepetitionPenalty"):
+    with pytest.raises(ValueError, match="repetition_penalty"):
         target.generate(ids, custom_generate=generate, drafter=drafter, weaver=weaver, max_new_tokens=4,
                         repetition_penalty=1.3)
 

@@ -15,9 +15,13 @@ only resolves the drafters and hands transformers our decoding function, so the 
 
 from modeling_weaver.export import resolve_drafters
 from modeling_weaver.generate import generate as tree_speculative_decoding
+from modeling_weaver.generate import refuse
 
 
 def generate(model, *args, drafter=None, weaver=None, **kwargs):
+    # transformers drops assistant_model before a callable custom_generate runs: refuse it while it is in view
+    if kwargs.get("assistant_model") is not None:
+        raise refuse("assistant_model")
     drafter, weaver, defaults = resolve_drafters(model, drafter, weaver)
     # transformers keeps `streamer` for itself with a callable custom_generate; ours takes it as `tree_streamer`
     if kwargs.get("streamer") is not None:
