@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import positive_int, torch_device
+from .cli import existing_dir, existing_file, positive_int, torch_device
 from .captured import static_target, step_options
 from .data import (
     DATASET_TITLES,
@@ -45,6 +45,7 @@ from .data import (
 from .generate import PHASES, TARGET_STEPS, PhaseTimer, speculative_generate
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
+from .output_dir import check_output, written_output
 from .smollm2 import load_target, resolve_device, resolve_drafter_dtype, resolve_dtype
 from .target import TargetAdapter
 from .tree import Tree
@@ -368,12 +369,13 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
         "plot.png into --out."
     )
     parser.add_argument("--target", default="smollm2", help="'smollm2' (fetched/cached) or a transformers model folder")
-    parser.add_argument("--drafter", default=None, help="DFlash drafter folder (needed for chain/ddtree/weaver)")
-    parser.add_argument("--weaver", default=None, help="Weaver folder (needed for the weaver mode)")
+    parser.add_argument("--drafter", default=None, type=existing_dir,
+                        help="DFlash drafter folder (needed for chain/ddtree/weaver)")
+    parser.add_argument("--weaver", default=None, type=existing_dir, help="Weaver folder (needed for the weaver mode)")
     parser.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval"], choices=sorted(DATASET_TITLES))
-    parser.add_argument("--prompts", default=None,
+    parser.add_argument("--prompts", default=None, type=existing_file,
                         help="JSONL of {dataset, id, prompt} to use instead of --datasets")
-    parser.add_argument("--subset", type=int, default=None, help="first N prompts of each dataset")
+    parser.add_argument("--subset", type=positive_int, default=None, help="first N prompts of each dataset")
     parser.add_argument("--modes", nargs="+", default=list(TREE_MODES), choices=TREE_MODES,
                         help="tree modes (AR always runs as the baseline)")
     parser.add_argument("--budgets", type=positive_int, nargs="+", default=[16, 32, 64],
@@ -390,7 +392,10 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="auto (bf16 where bf16 matmuls are native, else the target's), float32, bfloat16; "
                              "draft logits only shape trees: the output never depends on it")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmark_results", help="output folder")
+    parser.add_argument("--out", default="benchmark_results",
+                        help="output folder: new, empty, or an earlier bench output with --overwrite (filled when the "
+                             "run ends or stops)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it holds an earlier bench output")
     parser.add_argument("--no-plot", action="store_true", help="skip plot.png (no matplotlib needed)")
     parser.add_argument("--strict", action="store_true", help="exit non-zero if a greedy run differs from AR")
     parser.add_argument("--target-step", choices=TARGET_STEPS, default="eager",
@@ -412,6 +417,8 @@ def run_benchmark(args) -> int:
         raise ValueError("--weaver is required for the weaver mode (or drop it from --modes)")
     require_dir(args.drafter, "--drafter")
     require_dir(args.weaver, "--weaver")
+    inputs = [args.target, args.drafter, args.weaver, args.prompts]
+    out = check_output(args.out, inputs, args.overwrite)  # before loading anything
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     prompts = load_prompt_file(args.prompts) if args.prompts else load_eval_prompts(args.datasets)
@@ -424,8 +431,6 @@ def run_benchmark(args) -> int:
     weaver = WeaverModel.from_pretrained(args.weaver, dtype=dtype).to(device).eval() if args.weaver else None
     methods = build_methods(args.modes, args.budgets, args.temperatures, args.sampling_verifications,
                             args.hf_baseline)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     datasets = list(prompts)
     info = (f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), dtype "
             f"{str(dtype).replace('torch.', '')} (drafter {str(drafter_dtype).replace('torch.', '')}), target "
@@ -433,23 +438,24 @@ def run_benchmark(args) -> int:
             f"prompts {', '.join(f'{DATASET_TITLES.get(d, d)} {len(v)}' for d, v in prompts.items())}, "
             f"{time.strftime('%Y-%m-%d')}; AR = our TargetAdapter path, target steps {args.target_step}")
 
-    def save(rows):  # after every method, so an interrupted run keeps what it measured
-        table = markdown_table(rows, datasets) + "\n\nPer verify step (ms):\n\n" + phase_table(rows)
-        (out / "table.md").write_text(table + "\n\n" + info + "\n")
-        serial = [{k: v for k, v in r.items() if k != "_runs"} | {"per_prompt": [asdict(x) | {"output": None}
-                                                                                 for x in r["_runs"]]} for r in rows]
-        (out / "results.json").write_text(json.dumps({"info": info, "args": vars(args), "rows": serial}, indent=1,
-                                                     default=str))
-        return table
+    with written_output(out, inputs, args.overwrite, keep_partial=True) as tmp:
+        def save(rows):  # after every method, so an interrupted run keeps what it measured
+            table = markdown_table(rows, datasets) + "\n\nPer verify step (ms):\n\n" + phase_table(rows)
+            (tmp / "table.md").write_text(table + "\n\n" + info + "\n")
+            serial = [{k: v for k, v in r.items() if k != "_runs"} | {
+                "per_prompt": [asdict(x) | {"output": None} for x in r["_runs"]]} for r in rows]
+            (tmp / "results.json").write_text(json.dumps({"info": info, "args": vars(args), "rows": serial},
+                                                         indent=1, default=str))
+            return table
 
-    rows = run_benchmark_suite(target, tokenizer, drafter, weaver, prompts, methods, args.max_new_tokens,
-                               args.seed, progress=not args.no_progress, max_minutes=args.max_minutes,
-                               on_method=save, target_step=args.target_step)
-    print(save(rows))
-    print(info)
-    if not args.no_plot:
-        plot(rows, out / "plot.png")
-        print(f"plot: {out / 'plot.png'}")
+        rows = run_benchmark_suite(target, tokenizer, drafter, weaver, prompts, methods, args.max_new_tokens,
+                                   args.seed, progress=not args.no_progress, max_minutes=args.max_minutes,
+                                   on_method=save, target_step=args.target_step)
+        print(save(rows))
+        print(info)
+        if not args.no_plot:
+            plot(rows, tmp / "plot.png")
+    print(f"results: {out}" + ("" if args.no_plot else f" (plot: {out / 'plot.png'})"))
     bad = [f"{r['dataset']} {r['method']}" for r in rows if r.get("identical", 1.0) < 1.0]
     if bad:
         msg = f"greedy output differs from AR in: {', '.join(bad)} (see mismatched_prompts in results.json)"

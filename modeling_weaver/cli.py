@@ -75,15 +75,39 @@ def _lazy_module(name: str, module_name: str):
         raise CLIError(f"`{PROG} {name}` needs the Python package '{err.name}', which is not installed") from err
 
 
-def positive_int(text: str) -> int:
-    """argparse type of token counts and tree budgets: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_at_least(minimum: int):
+    """argparse type of counts and budgets: a whole number >= ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+#: Token counts, tree budgets, sizes: >= 1.
+positive_int = int_at_least(1)
+#: Counts where 0 means "none / off".
+nonnegative_int = int_at_least(0)
+
+
+def existing_dir(text: str) -> str:
+    """argparse type of an input folder: it must exist."""
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder")
+    return text
+
+
+def existing_file(text: str) -> str:
+    """argparse type of an input file: it must exist."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file")
+    return text
 
 
 def torch_device(text: str) -> str:

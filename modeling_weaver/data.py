@@ -46,7 +46,8 @@ from pathlib import Path
 
 import torch
 
-from .cli import torch_device
+from .cli import existing_file, nonnegative_int, positive_int, torch_device
+from .output_dir import check_new_files
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Shared plumbing: cache folder, wheel members fetched from PyPI, CLI error handling.
@@ -531,6 +532,14 @@ class DataStats:
     seconds: float = 0.0
 
 
+def check_tag_free(out_dir: str | Path, tag: str) -> None:
+    """Refuse a folder that already holds any file a run tagged ``tag`` writes: runs share a data folder by tag."""
+    out_dir = Path(out_dir)
+    check_new_files([*sorted(out_dir.glob(f"shard-{tag}-*.pt")), out_dir / f"prompts-{tag}.jsonl",
+                     out_dir / f"manifest-{tag}.json"],
+                    "make-data never overwrites an earlier run's files; pass another --tag or --out")
+
+
 def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSettings,
                        leak_checker: LeakChecker | None = None, tag: str = "r0", progress: bool = True) -> DataStats:
     """Regenerate training data with the target (module docstring); writes shards into ``out_dir``.
@@ -550,8 +559,7 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
     from .prompts import SOURCES, PromptMixer, parse_mix
 
     out_dir = Path(out_dir)
-    if list(out_dir.glob(f"shard-{tag}-*.pt")):
-        raise ValueError(f"{out_dir} already holds shard-{tag}-*.pt files: choose another output folder or tag")
+    check_tag_free(out_dir, tag)
     out_dir.mkdir(parents=True, exist_ok=True)
     checker = leak_checker if leak_checker is not None else LeakChecker(n=settings.leak_ngram,
                                                                         threshold=settings.leak_threshold)
@@ -710,20 +718,21 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     d = DataSettings()
     parser.add_argument("--target", default="smollm2", help="'smollm2' (fetched/cached) or a transformers model folder")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--num-samples", type=int, default=d.num_samples, help="samples to write (per rank)")
-    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts generated per round")
+    parser.add_argument("--num-samples", type=positive_int, default=d.num_samples, help="samples to write (per rank)")
+    parser.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="prompts generated per round")
     parser.add_argument("--prompt-temperature", type=float, default=d.prompt_temperature)
     parser.add_argument("--prompt-top-p", type=float, default=d.prompt_top_p)
-    parser.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens)
-    parser.add_argument("--min-prompt-words", type=int, default=d.min_prompt_words)
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=d.max_prompt_tokens)
+    parser.add_argument("--min-prompt-words", type=nonnegative_int, default=d.min_prompt_words)
     parser.add_argument("--keep-unfinished-prompts", action="store_true",
                         help="keep user turns cut at --max-prompt-tokens (dropped by default)")
     parser.add_argument("--response-temperature", type=float, default=d.response_temperature)
     parser.add_argument("--greedy-fraction", type=float, default=d.greedy_fraction,
                         help="fraction of rounds answered greedily (the rest at --response-temperature)")
-    parser.add_argument("--max-response-tokens", type=int, default=d.max_response_tokens)
-    parser.add_argument("--shard-size", type=int, default=d.shard_size, help="samples per shard file")
-    parser.add_argument("--leak-ngram", type=int, default=d.leak_ngram, help="word n-gram length of the leak check")
+    parser.add_argument("--max-response-tokens", type=positive_int, default=d.max_response_tokens)
+    parser.add_argument("--shard-size", type=positive_int, default=d.shard_size, help="samples per shard file")
+    parser.add_argument("--leak-ngram", type=positive_int, default=d.leak_ngram,
+                        help="word n-gram length of the leak check")
     parser.add_argument("--leak-threshold", type=float, default=d.leak_threshold,
                         help="fraction of an eval prompt's n-grams that marks a leak")
     parser.add_argument("--max-minutes", type=float, default=None, help="stop after this many minutes")
@@ -737,7 +746,7 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--code-packages", nargs="*", default=[], metavar="PACKAGE",
                         help="installed packages whose documented functions the code/passage sources draw from "
                              "besides the standard library (e.g. numpy sympy)")
-    parser.add_argument("--exclude-prompts", nargs="*", default=[], metavar="JSONL",
+    parser.add_argument("--exclude-prompts", nargs="*", type=existing_file, default=[], metavar="JSONL",
                         help="prompts-*.jsonl files (e.g. a held-out set) whose user turns and their near duplicates "
                              "are never used")
     parser.add_argument("--tag", default=None,
@@ -757,8 +766,9 @@ def run_make_data(args) -> int:
     device = resolve_device(args.device, local_rank=int(os.environ.get("LOCAL_RANK", 0)))
     settings = DataSettings(**{k: getattr(args, k) for k in asdict(DataSettings()) if hasattr(args, k)})
     settings.seed = args.seed + 1000 * rank
-    model, tokenizer = load_target(args.target, dtype=resolve_dtype(args.dtype, device), device=device)
     tag = f"r{rank}" if args.tag is None else args.tag.replace("{rank}", str(rank))
+    check_tag_free(args.out, tag)  # before loading the target
+    model, tokenizer = load_target(args.target, dtype=resolve_dtype(args.dtype, device), device=device)
     stats = make_training_data(model, tokenizer, args.out, settings, tag=tag,
                                progress=not args.no_progress and rank == 0)
     print(

@@ -1,9 +1,11 @@
-"""Output folders of the commands that write (convert, export, fetch-smollm2): nothing of the user's is ever deleted.
+"""Output folders and files of the commands that write: nothing of the user's is ever deleted or overwritten.
 
-Every folder we write is built in a fresh temporary folder beside the destination and renamed into place once
-complete, carrying a marker file (:data:`MARKER`). An existing non-empty destination is replaced only with
-``overwrite=True`` and only when it carries that marker; a destination that overlaps an input (equal, inside it, or
-holding it, symlinks resolved) is refused. Folders get the permissions of a plain ``mkdir`` (the umask decides).
+Every folder we write (convert, export, fetch-smollm2, bench, replay, ...) is built in a fresh temporary folder
+beside the destination and renamed into place once complete, carrying a marker file (:data:`MARKER`). An existing
+non-empty destination is replaced only with ``overwrite=True`` and only when it carries that marker; a destination
+that overlaps an input (equal, inside it, or holding it, symlinks resolved) is refused. Folders get the permissions of
+a plain ``mkdir`` (the umask decides). Commands that add files to a folder they share with other runs (make-data's
+tagged files, a script's single output file) refuse a name that already exists (:func:`check_new_files`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
-__all__ = ["MARKER", "OutputOverlapError", "check_output", "is_our_output", "written_output"]
+__all__ = ["MARKER", "OutputOverlapError", "check_new_files", "check_output", "is_our_output", "written_output"]
 
 #: Present in every folder this package writes; only such a folder may be replaced.
 MARKER = ".modeling_weaver_output"
@@ -40,9 +42,10 @@ def _overlap(out: Path, inputs: Iterable) -> Path | None:
     return None
 
 
-def check_output(out, inputs: Iterable = (), overwrite: bool = False) -> Path:
+def check_output(out, inputs: Iterable = (), overwrite: bool = False, flag: str | None = "--overwrite") -> Path:
     """Refuse ``out`` before any work: it overlaps an input, is not a folder, or is a non-empty folder that we may not
-    replace (no ``overwrite``, or no :data:`MARKER`). Returns ``out`` with symlinks resolved."""
+    replace (no ``overwrite``, or no :data:`MARKER`). ``flag``: the command's option that sets ``overwrite``, named in
+    the refusal (None: it has none). Returns ``out`` with symlinks resolved."""
     out = Path(out).resolve()
     clash = _overlap(out, inputs)
     if clash is not None:
@@ -52,33 +55,49 @@ def check_output(out, inputs: Iterable = (), overwrite: bool = False) -> Path:
         raise FileExistsError(f"{out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise FileExistsError(f"{out} exists and is not empty (pass overwrite=True / --overwrite)")
+            how = f"pass {flag} to replace our own earlier output there, or choose another folder" if flag else (
+                "choose another folder")
+            raise FileExistsError(f"{out} exists and is not empty: {how}")
         if not is_our_output(out):
-            raise FileExistsError(f"{out} is not a folder written by modeling-weaver (no {MARKER} file): --overwrite "
+            raise FileExistsError(f"{out} is not a folder written by modeling-weaver (no {MARKER} file): {flag} "
                                   "replaces only our own output; choose another folder or empty it yourself")
     return out
 
 
+def check_new_files(paths: Iterable, hint: str) -> None:
+    """Refuse before any work when a file this command would create already exists (``hint``: what to do instead)."""
+    taken = [str(p) for p in paths if os.path.lexists(p)]
+    if taken:
+        raise FileExistsError(f"{', '.join(taken)} already exist{'s' if len(taken) == 1 else ''}: {hint}")
+
+
 @contextmanager
-def written_output(out, inputs: Iterable = (), overwrite: bool = False) -> Iterator[Path]:
+def written_output(out, inputs: Iterable = (), overwrite: bool = False, flag: str | None = "--overwrite",
+                   keep_partial: bool = False) -> Iterator[Path]:
     """Yield an empty temporary folder beside ``out`` to write into; on success it is marked and renamed to ``out``
     (replacing the old output only then), on failure it is removed and ``out`` is left as it was.
 
     ``inputs``: paths the output must not overlap (checked by :func:`check_output` before anything is written).
+    ``keep_partial``: on failure or interrupt, what was written so far still goes to ``out`` (a benchmark's rows).
     """
     inputs = list(inputs)
-    out = check_output(out, inputs, overwrite)
+    out = check_output(out, inputs, overwrite, flag)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()  # mode 0o777 & ~umask, unlike tempfile.mkdtemp's 0o700
+    finished = False
     try:
         yield tmp
-        (tmp / MARKER).write_text(_MARKER_TEXT)
-        check_output(out, inputs, overwrite)  # the destination may have changed while we wrote
-        _swap_in(tmp, out)
+        finished = True
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        try:
+            if tmp.exists() and (finished or keep_partial and any(tmp.iterdir())):
+                (tmp / MARKER).write_text(_MARKER_TEXT)
+                check_output(out, inputs, overwrite, flag)  # the destination may have changed while we wrote
+                _swap_in(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
 
 
 def _swap_in(tmp: Path, out: Path) -> None:
@@ -86,10 +105,13 @@ def _swap_in(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)  # a missing or empty folder is replaced in one rename
         return
     old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(out, old)  # a marked folder of ours (check_output)
+    os.replace(out, old)  # a marked folder of ours (check_output); until the next rename succeeds, it is the output
     try:
         os.replace(tmp, out)
-    except BaseException:
-        os.replace(old, out)
+    except BaseException as err:
+        try:
+            os.replace(old, out)
+        except BaseException:
+            raise OSError(f"replacing {out} failed ({err}) and so did putting the old output back: it is in {old}")
         raise
-    shutil.rmtree(old)
+    shutil.rmtree(old)  # only now is the new output complete in place

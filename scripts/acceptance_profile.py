@@ -26,9 +26,11 @@ except ImportError:  # running from a checkout without `pip install -e .`
 import torch
 from tqdm.auto import tqdm
 
-from modeling_weaver.data import DATASET_TITLES, chat_prompt_ids, load_eval_prompts, load_prompt_file, require_dir
+from modeling_weaver.cli import existing_dir, existing_file, int_at_least, positive_int, torch_device
+from modeling_weaver.data import DATASET_TITLES, chat_prompt_ids, load_eval_prompts, load_prompt_file
 from modeling_weaver.modeling_dflash import DFlashDraftModel
 from modeling_weaver.modeling_weaver import WeaverModel
+from modeling_weaver.output_dir import check_output, written_output
 from modeling_weaver.smollm2 import load_target, resolve_device, resolve_dtype
 from modeling_weaver.training import acceptance_profile
 
@@ -51,23 +53,29 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="acceptance_profile.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--target", default="smollm2", help="'smollm2' (fetched/cached) or a transformers folder")
-    parser.add_argument("--drafter", required=True, help="DFlash drafter folder")
-    parser.add_argument("--weaver", default=None, help="Weaver folder (without it the Weaver columns repeat DFlash)")
+    parser.add_argument("--drafter", required=True, type=existing_dir, help="DFlash drafter folder")
+    parser.add_argument("--weaver", default=None, type=existing_dir,
+                        help="Weaver folder (without it the Weaver columns repeat DFlash)")
     parser.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval"], choices=sorted(DATASET_TITLES))
-    parser.add_argument("--prompts", default=None,
+    parser.add_argument("--prompts", default=None, type=existing_file,
                         help="JSONL of {prompt[, dataset, id]} to use instead of --datasets (e.g. make-data's "
                              "prompts-*.jsonl of a held-out seed: the drafters' own kind of prompt)")
-    parser.add_argument("--subset", type=int, default=8, help="first N prompts of each dataset")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="length of each greedy answer")
-    parser.add_argument("--topk", type=int, default=8, help="the DFlash top-k column")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--subset", type=positive_int, default=8, help="first N prompts of each dataset")
+    parser.add_argument("--max-new-tokens", type=int_at_least(2), default=128, help="length of each greedy answer")
+    parser.add_argument("--topk", type=positive_int, default=8, help="the DFlash top-k column")
+    parser.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="float32", help="target and drafters: float32 or bfloat16")
-    parser.add_argument("--out", default=None, help="folder for profile.json and profile.md")
+    parser.add_argument("--out", default=None,
+                        help="folder for profile.json and profile.md: new, empty, or an earlier profile with "
+                             "--overwrite")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it holds an earlier profile")
     args = parser.parse_args(argv)
-    require_dir(args.drafter, "--drafter")
-    require_dir(args.weaver, "--weaver")
-    if args.subset < 1 or args.max_new_tokens < 2:
-        parser.error("--subset must be ≥ 1 and --max-new-tokens ≥ 2")
+    inputs = [args.target, args.drafter, args.weaver, args.prompts]
+    if args.out:
+        try:
+            check_output(args.out, inputs, args.overwrite)  # before loading anything
+        except (FileExistsError, ValueError) as err:
+            parser.error(f"argument --out: {err}")
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -100,10 +108,9 @@ def main(argv=None) -> int:
                 f"`{' '.join(sys.argv)}`")
     print("\n\n".join(text))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "profile.json").write_text(json.dumps(report, indent=1))
-        (out / "profile.md").write_text("\n\n".join(text) + "\n")
+        with written_output(args.out, inputs, args.overwrite) as out:
+            (out / "profile.json").write_text(json.dumps(report, indent=1))
+            (out / "profile.md").write_text("\n\n".join(text) + "\n")
     return 0
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from modeling_weaver.captured import DraftHead
+from modeling_weaver.cli import positive_int
 
 
 def median_ms(fn, runs: int, reps: int) -> float:
@@ -34,12 +35,12 @@ def median_ms(fn, runs: int, reps: int) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=15, help="block rows projected (block size − 1)")
-    parser.add_argument("--hidden", type=int, default=5120)
-    parser.add_argument("--vocab", type=int, default=248320)
-    parser.add_argument("--pool", type=int, default=512)
-    parser.add_argument("--runs", type=int, default=15)
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--rows", type=positive_int, default=15, help="block rows projected (block size − 1)")
+    parser.add_argument("--hidden", type=positive_int, default=5120)
+    parser.add_argument("--vocab", type=positive_int, default=248320)
+    parser.add_argument("--pool", type=positive_int, default=512)
+    parser.add_argument("--runs", type=positive_int, default=15)
+    parser.add_argument("--reps", type=positive_int, default=20)
     args = parser.parse_args()
     torch.manual_seed(0)
     weight = (torch.randn(args.vocab, args.hidden, device="cuda") * args.hidden ** -0.5).bfloat16()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import random
 import statistics
@@ -363,7 +364,7 @@ def main():
     ap.add_argument("--kinds", nargs="+", default=["best_first", "chain"])
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--reps", type=int, default=60)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="JSON file to write (a new file: an existing one is refused)")
     ap.add_argument("--impls", nargs="+", default=["fused", "split", "resident"])
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-ref", action="store_true")
@@ -390,6 +391,8 @@ def main():
                     help="also time the fused verify with peel_root (node 0 as a recurrent step), at the --T of the "
                          "form 16n + 1 (e.g. --T 17 65 129)")
     args = ap.parse_args()
+    if args.out and os.path.lexists(args.out):  # refused before minutes of timing, not after
+        ap.error(f"argument --out: {args.out} already exists; choose another file")
     fla = None
     if not args.no_fla:
         try:
@@ -443,7 +446,7 @@ def main():
               {i: r.get(f"rel_rms_{i}", {}).get("o") for i in args.impls},
               "baseline o", f"{(r.get('baseline') or {}).get('rel_rms_o', float('nan')):.2e}")
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out, "x") as f:
             json.dump(dict(meta=meta, results=results), f, indent=1)
 
 

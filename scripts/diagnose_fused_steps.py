@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from modeling_weaver.benchmark import autoregressive_generate
+from modeling_weaver.cli import nonnegative_int, positive_int
 from modeling_weaver.captured import (_STATIC_TARGETS, FusedGreedyStep, PipelinedSteps, StaticDraft, StaticProposer,
                                       StaticTarget)
 from modeling_weaver.replay import (ReplayedAcceptance, ab_setting, ab_switches, graph_replay_ms, memory_check,
@@ -98,19 +99,23 @@ def host_timeline(fn) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3.6-27b")
-    parser.add_argument("--budget", type=int, default=64)
+    parser.add_argument("--budget", type=positive_int, default=64)
     parser.add_argument("--modes", nargs="+", default=["weaver", "ddtree", "chain"])
     parser.add_argument("--mal", nargs="+", type=float, default=[7.1, 5.4, 4.0], help="synthetic MAL per mode")
     parser.add_argument("--target-step", default="compiled")
-    parser.add_argument("--memory-tokens", type=int, default=0)
-    parser.add_argument("--out", default="diag")
+    parser.add_argument("--memory-tokens", type=nonnegative_int, default=0)
+    parser.add_argument("--out", default="diag", help="new or empty folder (filled when the run ends or stops)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it holds an earlier output")
     parser.add_argument("--timeline", action="store_true", help="host timeline per method (step 4)")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile and graph timings (step 2)")
     parser.add_argument("--ab", nargs="+", choices=sorted(ab_switches()), default=[],
                         help="after the suite, the first mode again with each setting flipped (AR again as well)")
     args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    with written_output(args.out, (), args.overwrite, keep_partial=True) as out:
+        run(args, out)
+
+
+def run(args, out: Path):
     device = torch.device("cuda")
     target, drafter, weaver = random_models(args.shape, device, torch.bfloat16)
     traces = {(m, args.budget): synthetic_trace(v, drafter.block_size) for m, v in zip(args.modes, args.mal)}

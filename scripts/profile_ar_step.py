@@ -38,6 +38,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from modeling_weaver.benchmark import autoregressive_generate
+from modeling_weaver.cli import nonnegative_int, positive_int
 from modeling_weaver.captured import cache_bucket, static_draft, static_target
 from modeling_weaver.replay import (FirstTokenClock, ab_setting, graph_replay_ms, random_models, random_prompt,
                                     switched)
@@ -105,14 +106,14 @@ def graph_gap(target, ids, target_step: str, ar, reps: int) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="qwen3.6-27b")
-    parser.add_argument("--tokens", type=int, default=8)
-    parser.add_argument("--prompt-length", type=int, default=512)
+    parser.add_argument("--tokens", type=positive_int, default=8)
+    parser.add_argument("--prompt-length", type=positive_int, default=512)
     parser.add_argument("--target-step", choices=("static", "compiled"), default="static")
     parser.add_argument("--graph-gap", action="store_true")
     parser.add_argument("--proposer", nargs="+", choices=("chain", "ddtree", "weaver"), default=[])
-    parser.add_argument("--budget", type=int, default=64)
-    parser.add_argument("--tree-nodes", type=int)
-    parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--budget", type=positive_int, default=64)
+    parser.add_argument("--tree-nodes", type=positive_int)
+    parser.add_argument("--rows", type=positive_int, default=30)
     parser.add_argument("--graphs", action="store_true", help="each phase alone in a CUDA graph (section 5)")
     parser.add_argument("--gates-ab", action="store_true",
                         help="the AR step's graph with the GDN gates as their own launch and formed in the GDN "
@@ -125,8 +126,8 @@ def main():
                              "tree.SPINE_WIDTH)")
     parser.add_argument("--proposer-ab", nargs="+", choices=PROPOSER_AB, default=[],
                         help="each --proposer's draft + tree graph with the switch off and on (section 8)")
-    parser.add_argument("--graph-runs", type=int, default=7)
-    parser.add_argument("--max-length", type=int, default=0,
+    parser.add_argument("--graph-runs", type=positive_int, default=7)
+    parser.add_argument("--max-length", type=nonnegative_int, default=0,
                         help="cache capacity at least this (the replay's prompt 512 + 512 new tokens: bucket 2048)")
     parser.add_argument("--no-tables", action="store_true",
                         help="skip the AR and verify kernel tables (sections 1 and 4; each compiles its own step)")

@@ -60,9 +60,10 @@ for stage in "$@"; do
     profile) # teacher-forced acceptance of DFLASH_DIR (+ WORK/weaver if trained): eval prompts and held-out turns
       w=; [ -f "$WORK/weaver/config.json" ] && w="--weaver $WORK/weaver"
       python3 scripts/acceptance_profile.py --drafter "$DFLASH_DIR" $w --subset 8 --max-new-tokens 128 \
-        --out "$WORK/profile-eval-${PROFILE_NAME:-x}" > /dev/null
+        --out "$WORK/profile-eval-${PROFILE_NAME:-x}" --overwrite > /dev/null
       python3 scripts/acceptance_profile.py --drafter "$DFLASH_DIR" $w --prompts "$HELDOUT" \
-        --subset "${HELDOUT_N:-64}" --max-new-tokens 128 --out "$WORK/profile-heldout-${PROFILE_NAME:-x}" > /dev/null
+        --subset "${HELDOUT_N:-64}" --max-new-tokens 128 --out "$WORK/profile-heldout-${PROFILE_NAME:-x}" --overwrite \
+        > /dev/null
       python3 scripts/zoo_curve.py summary "$WORK"/profile-*-"${PROFILE_NAME:-x}" ;;
     back)    # what the next call or session needs, into $OUT in ≤ 15 MiB pieces (join: cat X.tar.xz.* | tar xJf -):
       # every trained model folder but its training_state.pt, logs, profiles, data manifests; BACK_DATA=TAG: that

@@ -26,6 +26,7 @@ from transformers import AutoModel
 
 import modeling_weaver.captured as captured
 import modeling_weaver.tree as tree_module
+from modeling_weaver.cli import nonnegative_int, positive_int
 from modeling_weaver import speculative_generate
 from modeling_weaver.data import chat_prompt_ids, load_eval_prompts
 from modeling_weaver.replay import switched
@@ -36,19 +37,19 @@ SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-in
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", type=int, default=64)
-    parser.add_argument("--widths", type=int, nargs="+", default=[])
+    parser.add_argument("--budget", type=positive_int, default=64)
+    parser.add_argument("--widths", type=positive_int, nargs="+", default=[])
     parser.add_argument("--calibrations", nargs="+", default=[], metavar="TAU,ALPHA")
     parser.add_argument("--spines", nargs="+", default=[], metavar="ROUNDS,WIDTH",
                         help="trees from DFlash's chain first, then ROUNDS rounds of WIDTH (tree.WEAVER_SPINE)")
-    parser.add_argument("--fans", type=int, nargs="+", default=[],
+    parser.add_argument("--fans", type=positive_int, nargs="+", default=[],
                         help="default trees with this many children published per stepped node (tree.CHILDREN_PER_NODE)")
-    parser.add_argument("--root-children", type=int, nargs="+", default=[],
+    parser.add_argument("--root-children", type=nonnegative_int, nargs="+", default=[],
                         help="default trees whose root offers this many children (tree.ROOT_CHILDREN)")
     parser.add_argument("--int8-draft-head", action="store_true",
                         help="the drafter projects with the int8 copy of the lm_head (captured.INT8_DRAFT_HEAD)")
-    parser.add_argument("--subset", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--subset", type=positive_int, default=4)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=96)
     args = parser.parse_args()
     if not any((args.widths, args.calibrations, args.spines, args.fans, args.root_children)):
         args.widths = [1, 4, 8, 16]

@@ -13,6 +13,7 @@
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -135,9 +136,12 @@ def main(argv=None) -> int:
     p.set_defaults(func=record)
     p = sub.add_parser("report", help="markdown table and PNG of the ledger")
     p.add_argument("--ledger", required=True)
-    p.add_argument("--png", default=None)
+    p.add_argument("--png", default=None, help="plot file to write (a new file, or --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --png")
     p.set_defaults(func=report)
     args = parser.parse_args(argv)
+    if getattr(args, "png", None) and os.path.lexists(args.png) and not args.overwrite:
+        p.error(f"argument --png: {args.png} already exists; pass --overwrite to replace it")
     return args.func(args)
 
 

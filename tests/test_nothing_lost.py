@@ -23,7 +23,7 @@ from modeling_weaver.convert import (
     load_weaver,
 )
 from modeling_weaver.export import export_pair, resolve_drafters, sync_hub_configs
-from modeling_weaver.output_dir import MARKER, OutputOverlapError, written_output
+from modeling_weaver.output_dir import MARKER, OutputOverlapError, is_our_output, written_output
 
 
 def snapshot(root: Path) -> dict:
@@ -115,6 +115,142 @@ def test_a_failed_write_leaves_the_old_output_as_it_was(tmp_path):
             raise RuntimeError("half way")
     assert snapshot(tmp_path / "out") == before
     no_leftovers(tmp_path)
+
+
+def _failing_rename(monkeypatch, fails):
+    """os.replace in output_dir raising for the renames ``fails(src, dst)`` picks: a crash between the renames."""
+    import modeling_weaver.output_dir as od
+
+    real = os.replace
+
+    def replace(src, dst):
+        if fails(Path(src), Path(dst)):
+            raise OSError("disk gone")
+        return real(src, dst)
+
+    monkeypatch.setattr(od.os, "replace", replace)
+
+
+@pytest.mark.parametrize("failing", ["new into place", "new into place and old back"])
+def test_a_failed_rename_keeps_the_old_output(tmp_path, monkeypatch, failing):
+    with written_output(tmp_path / "out") as tmp:
+        (tmp / "a.txt").write_text("first")
+    before = snapshot(tmp_path / "out")
+    if failing == "new into place":
+        _failing_rename(monkeypatch, lambda src, dst: ".tmp-" in src.name)
+        with pytest.raises(OSError, match="disk gone"):
+            with written_output(tmp_path / "out", overwrite=True) as tmp:
+                (tmp / "a.txt").write_text("second")
+        assert snapshot(tmp_path / "out") == before
+        no_leftovers(tmp_path)
+    else:  # the old output cannot go back either: it is kept where the error says
+        _failing_rename(monkeypatch, lambda src, dst: dst.name == "out")
+        with pytest.raises(OSError, match=r"the old output back: it is in .*\.out\.old-") as err:
+            with written_output(tmp_path / "out", overwrite=True) as tmp:
+                (tmp / "a.txt").write_text("second")
+        kept = Path(str(err.value).rsplit("it is in ", 1)[1])
+        assert snapshot(kept) == before
+
+
+def test_a_failed_cleanup_leaves_the_new_output_complete(tmp_path, monkeypatch):
+    import modeling_weaver.output_dir as od
+
+    with written_output(tmp_path / "out") as tmp:
+        (tmp / "a.txt").write_text("first")
+    monkeypatch.setattr(od.shutil, "rmtree", lambda path, **k: (_ for _ in ()).throw(OSError("busy")))
+    with pytest.raises(OSError, match="busy"):
+        with written_output(tmp_path / "out", overwrite=True) as tmp:
+            (tmp / "a.txt").write_text("second")
+    assert (tmp_path / "out" / "a.txt").read_text() == "second" and (tmp_path / "out" / MARKER).is_file()
+
+
+def test_partial_results_are_kept_only_when_asked(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        with written_output(tmp_path / "res", keep_partial=True) as tmp:
+            (tmp / "table.md").write_text("rows so far")
+            raise KeyboardInterrupt
+    assert (tmp_path / "res" / "table.md").read_text() == "rows so far" and is_our_output(tmp_path / "res")
+    with pytest.raises(RuntimeError):
+        with written_output(tmp_path / "empty", keep_partial=True):
+            raise RuntimeError("nothing measured yet")
+    assert not (tmp_path / "empty").exists()
+    no_leftovers(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------ bench, replay, profile
+
+
+def test_bench_refuses_an_unrelated_out_before_loading_anything(tmp_path, capsys):
+    out = user_folder(tmp_path / "results")
+    drafter = (tmp_path / "dflash")
+    drafter.mkdir()  # empty: loading it would fail, so a refusal must come first
+    argv = ["bench", "--target", tmp_path / "no-target", "--drafter", drafter, "--modes", "chain", "--no-plot",
+            "--out", out]
+    refused_untouched(capsys, out, "exists and is not empty: pass --overwrite", *argv)
+    refused_untouched(capsys, out, "not a folder written by modeling-weaver", *argv, "--overwrite")
+    refused_untouched(capsys, drafter, "overlaps the input", *argv[:-1], drafter / "results")
+
+
+def test_replay_refuses_an_unrelated_out_and_a_trace_inside_it(tmp_path, capsys):
+    out = user_folder(tmp_path / "results")
+    refused_untouched(capsys, out, "exists and is not empty: pass --overwrite", "replay", "--synthetic-mal",
+                      "chain=4", "--device", "cpu", "--out", out)
+    (out / "results.json").write_text("{}")
+    refused_untouched(capsys, out, "overlaps the input", "replay", "--trace", out / "results.json", "--out", out,
+                      "--overwrite")
+
+
+def _script(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_acceptance_profile_refuses_an_unrelated_out(tmp_path, capsys):
+    out = user_folder(tmp_path / "profile")
+    before = snapshot(out)
+    with pytest.raises(SystemExit) as exit_info:
+        _script("acceptance_profile").main(["--drafter", str(tmp_path), "--target", str(tmp_path / "none"),
+                                            "--out", str(out)])
+    assert exit_info.value.code == 2 and "argument --out" in capsys.readouterr().err
+    assert snapshot(out) == before
+
+
+def test_zoo_report_refuses_an_existing_png(tmp_path, capsys):
+    (tmp_path / "ledger.jsonl").write_text("")
+    (tmp_path / "curve.png").write_bytes(b"mine")
+    with pytest.raises(SystemExit):
+        _script("zoo_curve").main(["report", "--ledger", str(tmp_path / "ledger.jsonl"), "--png",
+                                   str(tmp_path / "curve.png")])
+    assert "pass --overwrite" in capsys.readouterr().err and (tmp_path / "curve.png").read_bytes() == b"mine"
+
+
+# ------------------------------------------------------------------------------------------- make-data, training
+
+
+@pytest.mark.parametrize("earlier", ["prompts-r0.jsonl", "manifest-r0.json", "shard-r0-00000.pt"])
+def test_make_data_never_overwrites_an_earlier_runs_files(tmp_path, capsys, earlier):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / earlier).write_text("an earlier run")
+    (data / "prompts-r1.jsonl").write_text("another tag")
+    refused_untouched(capsys, data, f"{data / earlier} already exists: make-data never overwrites an earlier run's "
+                      "files; pass another --tag or --out", "make-data", "--target", tmp_path / "no-target",
+                      "--out", data)
+
+
+@pytest.mark.parametrize("command", ["train-dflash", "train-weaver"])
+def test_a_fresh_training_run_refuses_a_used_folder(tmp_path, capsys, command):
+    data = tmp_path / "data"
+    data.mkdir()
+    out = user_folder(tmp_path / "run")
+    extra = ["--drafter", data] if command == "train-weaver" else []
+    argv = [command, "--target", tmp_path / "no-target", "--data", data, *extra, "--device", "cpu"]
+    refused_untouched(capsys, out, "exists and is not empty: choose another folder", *argv, "--output-dir", out)
+    refused_untouched(capsys, data, "overlaps the input", *argv, "--output-dir", data / "run")
 
 
 # -------------------------------------------------------------------------------------------------------- export
@@ -217,6 +353,22 @@ def test_fetch_writes_and_forces_only_its_own_cache(tmp_path, capsys, fake_gguf_
     no_leftovers(tmp_path)
 
 
+def test_fetch_split_writes_a_fresh_folder_and_refuses_an_unrelated_one(tmp_path, capsys, fake_gguf_conversion):
+    split = user_folder(tmp_path / "parts")
+    argv = ["fetch-smollm2", "--cache-dir", tmp_path / "cache", "--gguf", fake_gguf_conversion, "--split", split]
+    refused_untouched(capsys, split, "exists and is not empty: pass --force", *argv)
+    assert not (tmp_path / "cache").exists()  # refused before converting
+    refused_untouched(capsys, split, "not a folder written by modeling-weaver (no .modeling_weaver_output file): "
+                      "--force replaces only our own output", *argv, "--force")
+    fresh = tmp_path / "fresh"
+    assert cli(capsys, *argv[:-1], fresh, "--split-parts", "2")[0] == 0
+    assert sorted(p.name for p in fresh.iterdir()) == [MARKER, "a", "b"]
+    assert b"".join((fresh / d / "model.gguf.part{}".format(i)).read_bytes() for i, d in enumerate("ab")) == b"GGUF"
+    assert cli(capsys, *argv[:-1], fresh, "--split-parts", "3", "--force")[0] == 0
+    assert sorted(p.name for p in fresh.iterdir()) == [MARKER, "a", "b", "c"]
+    no_leftovers(tmp_path)
+
+
 # ------------------------------------------------------------------------------------------------------- loaders
 
 
@@ -311,6 +463,21 @@ def test_pair_repo_subfolder_inside_loads(tmp_path):
     (["train-dflash", "--device", "foo"], "argument --device"),
     (["train-weaver", "--device", "foo"], "argument --device"),
     (["make-data", "--device", "foo"], "argument --device"),
+    (["make-data", "--num-samples", "0"], "argument --num-samples: must be >= 1, got 0"),
+    (["make-data", "--exclude-prompts", "/no/such.jsonl"], "argument --exclude-prompts: '/no/such.jsonl' is not a"),
+    (["train-dflash", "--batch-size", "0"], "argument --batch-size: must be >= 1"),
+    (["train-dflash", "--log-every", "0"], "argument --log-every: must be >= 1"),
+    (["train-dflash", "--save-every", "-1"], "argument --save-every: must be >= 0"),
+    (["train-dflash", "--data", "/no/such/dir"], "argument --data: '/no/such/dir' is not a folder"),
+    (["train-weaver", "--drafter", "/no/such/dir"], "argument --drafter: '/no/such/dir' is not a folder"),
+    (["train-weaver", "--pool", "0"], "argument --pool: must be >= 1"),
+    (["replay", "--trace", "/no/such.json"], "argument --trace: '/no/such.json' is not a file"),
+    (["replay", "--hf-tokens", "-1"], "argument --hf-tokens: must be >= 0"),
+    (["bench", "--subset", "0"], "argument --subset: must be >= 1"),
+    (["bench", "--drafter", "/no/such/dir"], "argument --drafter: '/no/such/dir' is not a folder"),
+    (["fetch-smollm2", "--split-parts", "0"], "argument --split-parts: must be >= 1"),
+    (["fetch-smollm2", "--split-parts", "27"], "argument --split-parts: must be <= 26"),
+    (["fetch-smollm2", "--gguf", "/no/such.gguf"], "argument --gguf: '/no/such.gguf' is not a file"),
 ])
 def test_bad_flags_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -322,3 +489,15 @@ def test_bad_flags_are_argparse_errors(argv, message, capsys):
 def test_good_device_flags_pass():
     args = build_parser("demo").parse_args(["demo", "--device", "cpu", "--max-new-tokens", "1", "--tree-budget", "1"])
     assert (args.device, args.max_new_tokens, args.tree_budget) == ("cpu", 1, 1)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--drafter", ".", "--device", "foo"], "argument --device: 'foo' is not a torch device"),
+    (["--drafter", ".", "--max-new-tokens", "1"], "argument --max-new-tokens: must be >= 2, got 1"),
+    (["--drafter", ".", "--subset", "0"], "argument --subset: must be >= 1"),
+    (["--drafter", "/no/such/dir"], "argument --drafter: '/no/such/dir' is not a folder"),
+])
+def test_acceptance_profile_flags_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _script("acceptance_profile").main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
