@@ -277,7 +277,7 @@ def test_barren_generation_stops_with_a_reason(tmp_path):
     with pytest.raises(RuntimeError, match="no usable user turn in 20 rounds"):
         make_training_data(tiny_llama(), tiny_chat_tokenizer(), tmp_path, settings, leak_checker=LeakChecker(EVAL),
                            progress=False)
-    with pytest.raises(FileExistsError, match="shard-r0-00000.pt already exist.*another --tag or --out"):
+    with pytest.raises(FileExistsError, match=r"shard-r0-00000.pt, .*prompts-r0.jsonl, .*manifest-r0.json already exist: .*another --tag or --out"):
         write_shard(tmp_path / "shard-r0-00000.pt", [{"input_ids": [1, 2], "prompt_len": 1, "greedy": True,
                                                       "prompt_hash": 1}])
         make_training_data(tiny_llama(), tiny_chat_tokenizer(), tmp_path, settings, progress=False)

@@ -15,6 +15,7 @@ from modeling_weaver.generate import speculative_generate
 from modeling_weaver.smollm2 import (
     add_fetch_arguments,
     default_cache_dir,
+    ensure_cached,
     is_cached,
     join_parts,
     load_smollm2,
@@ -44,8 +45,11 @@ def test_offline_and_not_cached_is_a_clear_error(tmp_path, monkeypatch, capsys):
     assert run_fetch(add_fetch_arguments(argparse.ArgumentParser()).parse_args([])) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: SmolLM2-135M-Instruct is not cached")
-    assert run_fetch(add_fetch_arguments(argparse.ArgumentParser()).parse_args(["--gguf", str(tmp_path / "x")])) == 1
-    assert "not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a missing GGUF is an argparse error now
+        add_fetch_arguments(argparse.ArgumentParser()).parse_args(["--gguf", str(tmp_path / "x")])
+    assert f"argument --gguf: '{tmp_path / 'x'}' is not a file" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="not found"):
+        ensure_cached(tmp_path / "c", gguf=[tmp_path / "x"])
 
 
 def test_missing_extra_names_it():

@@ -217,12 +217,17 @@ def test_schedules_and_losses():
 
 
 def test_cli_errors_are_one_line(tiny, capsys):
+    with pytest.raises(SystemExit):  # a missing input folder is an argparse error
+        add_train_weaver_arguments(argparse.ArgumentParser()).parse_args(
+            ["--target", str(tiny / "target"), "--data", str(tiny / "data"), "--drafter", str(tiny / "nope"),
+             "--output-dir", str(tiny / "w2")])
+    assert "argument --drafter" in capsys.readouterr().err
     args = add_train_weaver_arguments(argparse.ArgumentParser()).parse_args(
-        ["--target", str(tiny / "target"), "--data", str(tiny / "data"), "--drafter", str(tiny / "nope"),
-         "--output-dir", str(tiny / "w2"), "--no-progress"])
+        ["--target", str(tiny / "target"), "--data", str(tiny / "data"), "--drafter", str(tiny / "target"),
+         "--output-dir", str(tiny / "data" / "w2"), "--no-progress"])
     assert run_train_weaver(args) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error:")
+    assert len(err) == 1 and err[0].startswith("error:") and "overlaps the input" in err[0]
     args = _dflash_args(tiny, tiny / "d2", "--resume")
     assert run_train_dflash(args) == 1
     assert "no training_state.pt" in capsys.readouterr().err
