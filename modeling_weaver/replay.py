@@ -237,8 +237,6 @@ def ab_switches() -> dict:
     """The settings the A/B scripts flip, by name: ``(owner, attribute, off, on)`` for a class or module switch read
     when a step is built (None, "on where it applies", counts as on), or None for ``int8_drafter``
     (:func:`int8_drafter`). Built on first use: it imports the kernel modules."""
-    from weaver_kernels.gdn_tree import chunk as gdn_chunk
-
     from . import captured, tree
     from .target import GatedDeltaNetLayerCache
 
@@ -246,7 +244,8 @@ def ab_switches() -> dict:
             "peel_root": (GatedDeltaNetLayerCache, "peel_root", False, True),
             "gates_in_kernel": (GatedDeltaNetLayerCache, "gates_in_kernel", False, True),
             "node_attention": (tree, "FUSED_NODE_ATTENTION", False, True),
-            "neumann": (gdn_chunk, "USE_NEUMANN", False, True), "spine": (tree, "WEAVER_SPINE", False, True),
+            "neumann": (GatedDeltaNetLayerCache, "neumann", False, True),
+            "spine": (tree, "WEAVER_SPINE", False, True),
             "int8_head": (captured, "INT8_DRAFT_HEAD", False, True), "int8_drafter": None,
             "fan64": (tree, "CHILDREN_PER_NODE", 8, 64), "root_leaves": (tree, "ROOT_CHILDREN", 0, None)}
 

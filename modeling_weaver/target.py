@@ -289,6 +289,8 @@ class GatedDeltaNetLayerCache:
     # in the Neumann form, at half the padded size (weaver_kernels' peel_root; H200, 16 layers in a graph: 65 nodes
     # 35.3 → 30.7 µs per layer fused, 20.1 Neumann; 17 nodes 12.5 → 8.7; BENCHMARKS.md)
     peel_root = True
+    # the tree verify gets the caller's depth bound, which lets it take the Neumann form (False: row-block forms only)
+    neumann = True
 
     def __init__(self, gdn: torch.nn.Module, device, dtype):
         self.gdn = gdn
@@ -336,7 +338,7 @@ class GatedDeltaNetLayerCache:
         g, beta, raw = self._gates(a, b)
         o, u, gamma = weaver_kernels.gdn_tree_verify(
             q, k, v, g, beta, self.state, tree_mask, use_qk_l2norm_in_kernel=True, peel_root=self.peel_root,
-            max_depth=max_depth, **raw
+            max_depth=max_depth if self.neumann else None, **raw
         )
         self.pending = (mixed, k, u, gamma)
         return self._output(o, z)

@@ -17,7 +17,7 @@ warm-up (autotuning happens before capture). Eager per-call medians (host launch
 them. Bytes are the minimum traffic (each input read once, each output written once) over the measured time,
 against the ≈4.3 TB/s copy bandwidth measured on these H200s.
 
-    python scripts/bench_kernels.py [--T 16 32 64 128] [--layers 24] [--reps 60] [--impls fused split resident]
+    python scripts/bench_kernels.py [--T 16 32 64 128] [--layers 24] [--reps 60] [--impls fused resident neumann]
         [--no-fla] [--no-ref] [--no-baseline] [--commit-chunks 32 64] [--verify-bt 32 64]
         [--commit-precision tf32x3] [--verify-inverse-precision tf32x3] [--resident-configs 64:8]
         [--out bench.json]
@@ -208,7 +208,8 @@ def bench_T(T, kind, args, fla):
         v_, c_ = verify_fn(x, ob, impl), commit_fn(x, ob)
         return lambda: (v_(), c_())
 
-    impls = [i for i in args.impls if i != "resident" or T <= RESIDENT_MAX_NODES]  # resident: T ≤ 128
+    limits = {"resident": RESIDENT_MAX_NODES, "neumann": NEUMANN_MAX_NODES}
+    impls = [i for i in args.impls if T <= limits.get(i, T)]
     for impl in impls:
         o, u, gm = gdn_tree_verify_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], x["S0"], mask,
                                           use_qk_l2norm_in_kernel=True, impl=impl)
@@ -298,14 +299,10 @@ def bench_T(T, kind, args, fla):
 
 
 def _best_configs():
-    from weaver_kernels.gdn_tree import chunk
+    from weaver_kernels.gdn_tree import fused
 
-    out = {}
-    for name in ("_gdn_tree_verify_autotuned", "_split_local_autotuned", "_split_solve_autotuned",
-                 "_split_output_autotuned"):
-        at = getattr(chunk, name)
-        out[name] = {str(k): str(v) for k, v in getattr(at, "cache", {}).items()}
-    return out
+    at = fused._gdn_tree_verify_autotuned
+    return {"_gdn_tree_verify_autotuned": {str(k): str(v) for k, v in getattr(at, "cache", {}).items()}}
 
 
 def _finish(res, T, L, args, par_t, path, mask=None, layers=None):
@@ -365,7 +362,7 @@ def main():
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--out", default=None, help="JSON file to write (a new file: an existing one is refused)")
-    ap.add_argument("--impls", nargs="+", default=["fused", "split", "resident"])
+    ap.add_argument("--impls", nargs="+", default=["fused", "resident"])
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-ref", action="store_true")
     ap.add_argument("--no-baseline", action="store_true")

@@ -63,8 +63,8 @@ def test_neumann_verify_identity_on_gpu(mode, monkeypatch):
     from weaver_kernels.gdn_tree import chunk
 
     taken = []
-    real = chunk._verify_neumann
-    monkeypatch.setattr(chunk, "_verify_neumann", lambda *a: (taken.append(a[-1]), real(*a)))
+    real = chunk.verify_neumann
+    monkeypatch.setattr(chunk, "verify_neumann", lambda *a: (taken.append(a[-1]), real(*a)))
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
     for ids in prompts():

@@ -3,10 +3,10 @@
 CPU part (CI): every Triton kernel runs on Triton's CPU interpreter at tiny shapes against the fp64 torch references.
 Triton decides compiled-vs-interpreted when a kernel is *decorated* (and reads ``TRITON_INTERPRET`` again at
 launch), and other test files in the same pytest process import ``weaver_kernels`` normally. So this file never sets
-the variable process-wide: ``weaver_kernels.utils.load_interpreted`` re-executes each kernel module privately under
-``TRITON_INTERPRET=1`` (``sys.modules`` untouched; its autotuner collapses to one config) and its launches set the
-variable only for their duration. The optional fla cross-check runs in a subprocess with the variable set from the
-start (fla decorates its kernels at import).
+the variable process-wide: ``weaver_kernels.utils.load_interpreted`` re-executes each kernel module, with the kernel
+modules it imports, privately under ``TRITON_INTERPRET=1`` (``sys.modules`` untouched; its autotuner collapses to one
+config) and its launches set the variable only for their duration. The optional fla cross-check runs in a subprocess
+with the variable set from the start (fla decorates its kernels at import).
 
 Interpreter quirks handled in the kernels/tests: its ``tl.dot`` multiplies 16-bit operands as raw bits (the kernels
 upcast to fp32 under the interpreter — exact), and it truncates fp32→bf16 on store (bf16 outputs there carry
@@ -549,7 +549,7 @@ def test_tree_attention_reference_is_masked_attention():
         w = torch.softmax((q[0, :, i, None] @ k[0, :, visible].transpose(-1, -2))[:, 0] * 0.3, -1)
         torch.testing.assert_close(got[0, i].view(H, D), torch.einsum("ht,htd->hd", w, v[0, :, visible]))
 
-@pytest.mark.parametrize("impl", ["fused", "split", "resident", "neumann"])
+@pytest.mark.parametrize("impl", ["fused", "resident", "neumann"])
 @pytest.mark.parametrize("case", TREE_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-B{c[2]}-H{c[3]}x{c[4]}-K{c[5]}V{c[6]}-{str(c[7])[6:]}-l2{int(c[8])}")
 def test_gdn_tree_verify_commit_interpreter(ik, case, impl):
     kind, T, B, H, HV, K, V, dtype, l2 = case
@@ -562,7 +562,7 @@ def test_gdn_tree_verify_commit_interpreter(ik, case, impl):
     _assert_errs(err, dtype)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split", "resident", "neumann"])
+@pytest.mark.parametrize("impl", ["fused", "resident", "neumann"])
 def test_gdn_tree_multiple_value_blocks_interpreter(ik, impl):
     """V = 32 split into two BV = 16 programs: gamma written once, u scratch per column block."""
     rng = random.Random(5)
@@ -571,7 +571,7 @@ def test_gdn_tree_multiple_value_blocks_interpreter(ik, impl):
     _assert_errs(err, torch.float32)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split", "resident", "neumann"])
+@pytest.mark.parametrize("impl", ["fused", "resident", "neumann"])
 def test_gdn_tree_column_chunks_interpreter(ik, impl):
     """T = 40 with 16-column inner steps: ancestors spread over several earlier blocks and column chunks."""
     rng = random.Random(8)
@@ -580,7 +580,7 @@ def test_gdn_tree_column_chunks_interpreter(ik, impl):
         _assert_errs(err, torch.float32)
 
 
-@pytest.mark.parametrize("impl", ["fused", "split", "resident", "neumann"])
+@pytest.mark.parametrize("impl", ["fused", "resident", "neumann"])
 def test_gdn_tree_raw_gates_interpreter(ik, impl):
     """The gates formed from the raw projections (transformers' formula) on a 20-node tree over two row blocks and
     a chain; fp32 (the interpreter truncates where the GPU rounds β to 16 bits: the GPU test at real shape). With
@@ -622,8 +622,8 @@ def test_gdn_tree_neumann_peeled_root_interpreter(ik, dtype, monkeypatch):
     rng = random.Random(33)
     forest = [-1, -1] + [rng.randrange(i) for i in range(2, 17)]
     peels = []
-    real = ik.chunk._verify_neumann
-    monkeypatch.setattr(ik.chunk, "_verify_neumann", lambda *a: (peels.append(a[-1]), real(*a)))
+    real = ik.chunk.verify_neumann
+    monkeypatch.setattr(ik.chunk, "verify_neumann", lambda *a: (peels.append(a[-1]), real(*a)))
     for parents in (chain_parents(17), best_first_parents(33, rng), star_parents(17), forest, chain_parents(20)):
         for raw_gates in (False, True) if dtype == torch.float32 else (False,):
             err = check_gdn_tree(ik.chunk, parents, 2, 1, 2, 16, 32, dtype, True, seed=len(parents), BV=16,
@@ -635,8 +635,10 @@ def test_gdn_tree_neumann_peeled_root_interpreter(ik, dtype, monkeypatch):
 def test_gdn_tree_neumann_by_depth_bound_interpreter(ik, monkeypatch):
     """impl=None takes the Neumann form for NEUMANN_NODES nodes (after the root step) when the caller bounds the
     depth by NEUMANN_MAX_DEPTH, and the row-block forms otherwise."""
+    from weaver_kernels.gdn_tree import dispatch
+
     taken = []
-    monkeypatch.setattr(ik.chunk, "_verify_neumann", lambda args, *rest: taken.append((args[12], rest[-1])))
+    monkeypatch.setattr(ik.chunk, "verify_neumann", lambda args, *rest: taken.append((args[12], rest[-1])))
     x = gdn_inputs(1, 129, 1, 2, 16, 16, torch.float32, "cpu", 0, True)
     for T, depth, peel in ((48, 15, False), (49, 15, False), (33, 15, True), (64, 15, True), (65, 15, True),
                            (80, 15, False), (97, 15, False), (128, 31, False), (129, 15, True), (129, 15, False),
@@ -645,21 +647,23 @@ def test_gdn_tree_neumann_by_depth_bound_interpreter(ik, monkeypatch):
         ik.chunk.gdn_tree_verify_triton(*(t[:, :T] for t in x[:5]), x[5], M, use_qk_l2norm_in_kernel=True,
                                         max_depth=depth, peel_root=peel)
     assert taken == [(49, 0), (64, 0), (65, 1), (97, 0), (128, 0), (129, 1)], taken
-    assert ik.chunk.NEUMANN_MAX_DEPTH == 31
-    assert list(ik.chunk.NEUMANN_NODES) == [*range(49, 65), *range(97, 129)]
+    assert dispatch.NEUMANN_MAX_DEPTH == 31
+    assert list(dispatch.NEUMANN_NODES) == [*range(49, 65), *range(97, 129)]
 
 
 def test_gdn_tree_default_form_by_size_interpreter(ik, monkeypatch):
     """impl=None takes the resident form for RESIDENT_NODES (where it measured faster) and the fused one around it;
     both correct at the edges."""
+    from weaver_kernels.gdn_tree import dispatch
+
     taken = []
-    real = ik.chunk._verify_resident
-    monkeypatch.setattr(ik.chunk, "_verify_resident", lambda args, *rest: (taken.append(args[12]), real(args, *rest)))
+    real = ik.chunk.verify_resident
+    monkeypatch.setattr(ik.chunk, "verify_resident", lambda args, *rest: (taken.append(args[12]), real(args, *rest)))
     rng = random.Random(3)
     for T in (48, 49, 64, 65):
         err = check_gdn_tree(ik.chunk, best_first_parents(T, rng), 1, 1, 2, 16, 16, torch.float32, True, seed=T)
         _assert_errs(err, torch.float32)
-    assert taken == [49, 64] and list(ik.chunk.RESIDENT_NODES) == list(range(49, 65))
+    assert taken == [49, 64] and list(dispatch.RESIDENT_NODES) == list(range(49, 65))
     # the fused kernel's own options send impl=None there: other row blocks, the root step where it applies
     taken.clear()
     for T, kw in ((50, dict(BT=32)), (49, dict(peel_root=True)), (50, dict(peel_root=True))):
@@ -756,7 +760,7 @@ def test_gdn_tree_row_blocks_interpreter(ik, BT):
         err = check_gdn_tree(ik.chunk, parents, 1, 1, 2, 16, 16, torch.float32, True, seed=BT, BT=BT, impl="fused")
         _assert_errs(err, torch.float32)
     with pytest.raises(ValueError, match="BT must be"):
-        check_gdn_tree(ik.chunk, parents, 1, 1, 2, 16, 16, torch.float32, True, seed=0, BT=32, impl="split")
+        check_gdn_tree(ik.chunk, parents, 1, 1, 2, 16, 16, torch.float32, True, seed=0, BT=48, impl="fused")
 
 
 def test_gdn_tree_random_search_interpreter(ik):
@@ -775,7 +779,7 @@ def test_gdn_tree_random_search_interpreter(ik):
         parents = _tree(kind, T, rng)
         leaf = rng.randrange(T)
         err = check_gdn_tree(ik.chunk, parents, B, H, HV, K, V, dtype, l2, seed=trial, leaf=leaf,
-                             BV=rng.choice([None, 16]), impl=rng.choice(["fused", "split", "resident", "neumann"]))
+                             BV=rng.choice([None, 16]), impl=rng.choice(["fused", "resident", "neumann"]))
         try:
             _assert_errs(err, dtype)
         except AssertionError as e:
@@ -1270,7 +1274,7 @@ def test_tree_attention_dflash_block_gpu(window, block):
 @pytest.mark.parametrize("T", [16, 37, 64, 128, 129])
 @pytest.mark.parametrize("kind", ["best_first", "chain", "star", "shuffled"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("impl", ["fused", "split", "resident", "neumann"])
+@pytest.mark.parametrize("impl", ["fused", "resident", "neumann"])
 def test_gdn_tree_real_shape_gpu(T, kind, dtype, impl):
     from weaver_kernels.gdn_tree import chunk
 
@@ -1339,22 +1343,20 @@ def test_gdn_tree_tf32x3_gpu(dtype):
 @pytest.mark.gpu
 @gpu
 def test_gdn_tree_all_configs_gpu():
-    """Every autotune candidate is correct (the race-prone u read-backs included), for both forms."""
-    from weaver_kernels.gdn_tree import chunk
+    """Every autotune candidate is correct (the race-prone u read-backs included), for the row-block forms."""
+    from weaver_kernels.gdn_tree import chunk, fused
 
-    fused = {(c.kwargs["BV"], c.num_warps) for c in chunk._VERIFY_CANDIDATES + chunk._VERIFY_CONFIGS}
-    split = {(c.kwargs["BV"], c.num_warps) for c in chunk._LOCAL_CONFIGS + chunk._SOLVE_CONFIGS + chunk._OUTPUT_CONFIGS}
+    configs = {(c.kwargs["BV"], c.num_warps) for c in fused._VERIFY_CANDIDATES + fused._VERIFY_CONFIGS}
     for T in (64, 128):
         parents = best_first_parents(T, random.Random(T))
         for BV, nw in ((bv, w) for bv in (16, 32, 64) for w in (4, 8)):
             err = check_gdn_tree(chunk, parents, 1, 16, 48, 128, 128, torch.bfloat16, True, seed=nw, device="cuda",
                                  BV=BV, num_warps=nw, impl="resident")
             _assert_errs(err, torch.bfloat16)
-        for impl, configs in (("fused", fused), ("split", split)):
-            for BV, nw in sorted(configs):
-                err = check_gdn_tree(chunk, parents, 1, 16, 48, 128, 128, torch.bfloat16, True, seed=nw,
-                                     device="cuda", BV=BV, num_warps=nw, impl=impl)
-                _assert_errs(err, torch.bfloat16)
+        for BV, nw in sorted(configs):
+            err = check_gdn_tree(chunk, parents, 1, 16, 48, 128, 128, torch.bfloat16, True, seed=nw, device="cuda",
+                                 BV=BV, num_warps=nw, impl="fused")
+            _assert_errs(err, torch.bfloat16)
 
 
 @pytest.mark.gpu

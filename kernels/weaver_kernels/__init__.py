@@ -17,10 +17,12 @@ tree build, :func:`node_attention` (a layer's RoPE, node K/V writes and attentio
 :func:`pool_scores` and :func:`weaver_expand`: one expansion round's candidate scoring and frontier bookkeeping in
 two launches. For drafters, :func:`int8_linear` (a few rows through int8 weights: the draft's lm_head).
 
-Kernels: :mod:`.gdn_tree.chunk` (verify + commit), :mod:`.conv_tree.conv`, :mod:`.tree_attention.split`,
-:mod:`.gdn_tree.fused_recurrent` (one-token decode), :mod:`.rms_norm.fused`, :mod:`.weaver_tree.expand`,
-:mod:`.weaver_tree.attention`, :mod:`.int8_linear.skinny`, and the
-mainline recurrent baseline :mod:`.gdn_tree.baseline` (benchmarks only). References: ``*.naive``.
+Kernels: :mod:`.gdn_tree.chunk` (verify: the forms in :mod:`.gdn_tree.fused`, :mod:`.gdn_tree.resident` and
+:mod:`.gdn_tree.neumann`, chosen in :mod:`.gdn_tree.dispatch`), :mod:`.gdn_tree.commit`, :mod:`.conv_tree.conv`,
+:mod:`.tree_attention.split`, :mod:`.gdn_tree.fused_recurrent` (one-token decode), :mod:`.rms_norm.fused`,
+:mod:`.weaver_tree.expand`, :mod:`.weaver_tree.attention`, :mod:`.int8_linear.skinny`, and the mainline recurrent
+baseline :mod:`.gdn_tree.baseline` (benchmarks only); the Triton helpers they share: :mod:`.triton_utils`.
+References: ``*.naive``.
 """
 
 from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref

@@ -26,7 +26,7 @@ def max_tree_nodes(device) -> int | None:
     """Largest tree the GDN verify op takes on ``device`` (the Triton kernel's limit on CUDA; None = unbounded)."""
     if torch.device(device).type != "cuda":
         return None
-    from .gdn_tree.chunk import MAX_NODES
+    from .gdn_tree.dispatch import MAX_NODES
 
     return MAX_NODES
 
@@ -74,7 +74,7 @@ def _gdn_tree_commit_op(
     state: Tensor, k: Tensor, u: Tensor, gamma: Tensor, path: Tensor, use_qk_l2norm_in_kernel: bool
 ) -> None:
     if state.is_cuda:
-        from .gdn_tree.chunk import gdn_tree_commit_triton
+        from .gdn_tree.commit import gdn_tree_commit_triton
 
         gdn_tree_commit_triton(state, k, u, gamma, path, use_qk_l2norm_in_kernel)
     else:
@@ -274,10 +274,10 @@ def gdn_tree_verify(
     """Tree gated delta rule from the committed state; writes no state. See ``gdn_tree.naive.gdn_tree_verify_ref``.
 
     Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32, ``gamma [B, T, HV]`` fp32.
-    CUDA: Triton, T ≤ 256 nodes (``gdn_tree.chunk.MAX_NODES``): one launch, or two for 49-64 nodes (the resident
-    form, faster there; ``gdn_tree.chunk.RESIDENT_NODES``), or, where ``max_depth`` bounds the tree's depth by
-    ``gdn_tree.chunk.NEUMANN_MAX_DEPTH`` (a block drafter's trees: block size − 1), two for 49-64 and 97-128 nodes
-    after the root (``gdn_tree.chunk.NEUMANN_NODES``: the Neumann form, no serial row blocks). ``tree_mask``: the
+    CUDA: Triton, T ≤ 256 nodes (``gdn_tree.dispatch.MAX_NODES``): one launch, or two for 49-64 nodes (the resident
+    form, faster there; ``gdn_tree.dispatch.RESIDENT_NODES``), or, where ``max_depth`` bounds the tree's depth by
+    ``gdn_tree.dispatch.NEUMANN_MAX_DEPTH`` (a block drafter's trees: block size − 1), two for 49-64 and 97-128 nodes
+    after the root (``gdn_tree.dispatch.NEUMANN_NODES``: the Neumann form, no serial row blocks). ``tree_mask``: the
     ancestor-or-self mask (transitively closed). ``max_depth`` only picks the form: a deeper tree is still solved
     exactly. With ``A_log`` and ``dt_bias``
     (``[HV]``), ``g`` and ``beta`` are the raw gate projections a and b, and the gates are formed in the same launch

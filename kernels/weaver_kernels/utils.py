@@ -65,23 +65,40 @@ def load_interpreted(module_name: str) -> types.ModuleType:
 
     Triton decides at *decoration* time (``@triton.jit``) whether a kernel is compiled or interpreted, from
     ``TRITON_INTERPRET``. Tests that share one process with code that already imported the kernels in compiled mode
-    (any CPU-only pytest run) therefore cannot flip the variable afterwards. This executes the module's source
-    again under ``TRITON_INTERPRET=1`` without touching ``sys.modules``: the normal module stays as it was, the
-    copy's kernels accept CPU tensors, and its autotuners are collapsed to one config (each module checks
-    :func:`is_interpret` when it is executed). Relative imports resolve to the already-imported package.
+    (any CPU-only pytest run) therefore cannot flip the variable afterwards. This executes the module again under
+    ``TRITON_INTERPRET=1``, together with every kernel module of the package it imports (those that import Triton:
+    the shared helpers of :mod:`.triton_utils`, another folder's launchers), so the copy calls interpreted kernels
+    and helpers only. ``sys.modules`` and the packages' attributes are left as they were: the normal modules stay
+    compiled, the copy's kernels accept CPU tensors, and its autotuners are collapsed to one config (each module
+    checks :func:`is_interpret` when it is executed). Modules without Triton (references, ``utils``) are shared.
 
-    Triton's own ``@jit`` library functions (``tl.sum``, ``tl.cdiv``, ``tl.sigmoid``…) keep the mode of the process's
-    first ``import triton``, so kernels meant for this must call only Triton builtins and their module's own jit
-    helpers (ours do). Triton is imported here first, outside interpreter mode, so that loading an interpreted copy
-    never turns the process's Triton library into interpreted functions (which would break compiled kernels and
-    torch.compile later in the same process).
+    Triton is imported here first, outside interpreter mode, so that loading an interpreted copy never turns the
+    process's Triton library into interpreted functions (which would break compiled kernels and torch.compile later
+    in the same process).
     """
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or spec.loader is None:
-        raise ImportError(module_name)
-    import triton  # noqa: F401  (first import in the process's own mode, never in interpreter mode by accident)
+    import sys
 
-    with interpret_env(True):
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return mod
+    import triton
+
+    importlib.import_module(module_name)  # the compiled import names every kernel module the copy needs
+    root = module_name.split(".")[0] + "."
+
+    def kernel_module(name: str, mod) -> bool:
+        return name == module_name or (name.startswith(root) and not hasattr(mod, "__path__")
+                                       and getattr(mod, "triton", None) is triton)
+
+    saved = {name: mod for name, mod in sys.modules.items() if kernel_module(name, mod)}
+    before = set(sys.modules)
+    try:
+        for name in saved:
+            del sys.modules[name]
+        with interpret_env(True):
+            copy = importlib.import_module(module_name)
+    finally:
+        for name in set(sys.modules) - before:
+            del sys.modules[name]
+        sys.modules.update(saved)
+        for name, mod in saved.items():  # the import rebound the packages' attributes to the copies
+            parent, _, child = name.rpartition(".")
+            setattr(sys.modules[parent], child, mod)
+    return copy

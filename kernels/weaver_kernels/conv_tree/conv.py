@@ -17,22 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import is_interpret, launch_ctx, next_pow2
-
-_INTERPRET = is_interpret()
-
-
-# Only Triton builtins and this module's own @triton.jit helpers are used inside the kernels (no tl.sum/tl.cdiv/
-# tl.sigmoid, which are @jit functions of triton.language itself): utils.load_interpreted can then run this module
-# on Triton's CPU interpreter even in a process that imported Triton in compiled mode.
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _rsum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _add)
+from ..triton_utils import INTERPRET, rsum
+from ..utils import launch_ctx, next_pow2
 
 
 @triton.jit
@@ -86,13 +72,13 @@ def _conv_tree_commit_kernel(
     m_c = o_c < C
     o_l = tl.arange(0, LP)
     p = tl.load(path + o_l, mask=o_l < L, other=-1).to(tl.int32)
-    n = _rsum((p >= 0).to(tl.int32), axis=0)
+    n = rsum((p >= 0).to(tl.int32), axis=0)
 
     o_s = tl.arange(0, BW)  # new window slot s (oldest first) takes position n + s of cat(window, x[path])
     m_s = o_s < W1
     pos = n + o_s
     from_win = pos < W1
-    node = _rsum(tl.where(o_l[None, :] == (pos - W1)[:, None], p[None, :], 0), axis=1)
+    node = rsum(tl.where(o_l[None, :] == (pos - W1)[:, None], p[None, :], 0), axis=1)
     xv = tl.load(x + i_b * sx_b + node[:, None] * sx_t + o_c[None, :],
                  mask=(m_s & ~from_win)[:, None] & m_c[None, :], other=0.0)
     w_base = window + i_b * sw_b + o_c[None, :] * sw_c
@@ -120,7 +106,7 @@ def _conv_decode_kernel(
     xv = tl.load(x + i_b * sx_b + o_c, mask=m_c, other=0.0)
     seq = tl.where((o_s == W - 1)[:, None], xv[None, :].to(tl.float32), win.to(tl.float32))
     wt = tl.load(weight + o_c[None, :] * W + o_s[:, None], mask=(o_s < W)[:, None] & m_c[None, :], other=0.0)
-    acc = _rsum(seq * wt.to(tl.float32), 0)
+    acc = rsum(seq * wt.to(tl.float32), 0)
     if HAS_BIAS:
         acc += tl.load(bias + o_c, mask=m_c, other=0.0).to(tl.float32)
     if SILU:
@@ -151,7 +137,7 @@ def conv_decode_triton(x: torch.Tensor, window: torch.Tensor, weight: torch.Tens
     weight = weight.reshape(C, W).contiguous()
     out = torch.empty((B, 1, C), dtype=x.dtype, device=x.device)
     BC = min(BC, max(16, next_pow2(C)))
-    with launch_ctx(_INTERPRET):
+    with launch_ctx(INTERPRET):
         _conv_decode_kernel[(triton.cdiv(C, BC), B)](
             x, window, weight, bias if bias is not None else weight, out, C,
             x.stride(0), window.stride(0), window.stride(1), window.stride(2), out.stride(0),
@@ -195,7 +181,7 @@ def conv_tree_triton(
     BC = min(BC, max(16, next_pow2(C)))
     BN = min(BN, max(1, next_pow2(T)))
     grid = (triton.cdiv(C, BC), triton.cdiv(T, BN), B)
-    with launch_ctx(_INTERPRET):
+    with launch_ctx(INTERPRET):
         _conv_tree_kernel[grid](
             x, window, weight, bias if bias is not None else weight, parents, out, T, C,
             x.stride(0), x.stride(1), window.stride(0), window.stride(1), window.stride(2), out.stride(0), out.stride(1),
@@ -214,7 +200,7 @@ def conv_tree_commit_triton(
     path = path.to(device=window.device)
     L = path.numel()
     BC = min(BC, max(16, next_pow2(C)))
-    with launch_ctx(_INTERPRET):
+    with launch_ctx(INTERPRET):
         _conv_tree_commit_kernel[(triton.cdiv(C, BC), B)](
             window, x, path, L, C,
             x.stride(0), x.stride(1), window.stride(0), window.stride(1), window.stride(2),

@@ -1,1 +1,2 @@
-"""Tree gated delta rule: torch reference (naive), Triton verify/commit (chunk), mainline baseline."""
+"""Tree gated delta rule: torch reference (naive), Triton verify (chunk → fused / resident / neumann, chosen in
+dispatch) and commit, one-token decode (fused_recurrent), mainline baseline."""

@@ -17,22 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import is_interpret, launch_ctx, next_pow2
-
-_INTERPRET = is_interpret()
-
-
-# Only Triton builtins and this module's own @triton.jit helpers are used inside the kernels (no tl.sum/tl.cdiv/
-# tl.sigmoid, which are @jit functions of triton.language itself): utils.load_interpreted can then run this module
-# on Triton's CPU interpreter even in a process that imported Triton in compiled mode.
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _rsum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _add)
+from ..triton_utils import INTERPRET, rsum
+from ..utils import launch_ctx, next_pow2
 
 
 @triton.jit
@@ -72,16 +58,16 @@ def _recurrent_tree_kernel(
         kt = tl.load(k + i_b64 * sk_b + t * sk_t + i_h * sk_h + o_k, mask=m_k, other=0.0).to(tl.float32)
         qt = tl.load(q + i_b64 * sq_b + t * sq_t + i_h * sq_h + o_k, mask=m_k, other=0.0).to(tl.float32)
         if L2NORM:
-            kt = kt * tl.rsqrt(_rsum(kt * kt, axis=0) + 1e-6)
-            qt = qt * tl.rsqrt(_rsum(qt * qt, axis=0) + 1e-6)
+            kt = kt * tl.rsqrt(rsum(kt * kt, axis=0) + 1e-6)
+            qt = qt * tl.rsqrt(rsum(qt * qt, axis=0) + 1e-6)
         vt = tl.load(v + i_b64 * sv_b + t * sv_t + i_hv * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
         gt = tl.load(g + i_b64 * sg_b + t * sg_t + i_hv * sg_h).to(tl.float32)
         bt = tl.load(beta + i_b64 * sb_b + t * sb_t + i_hv * sb_h).to(tl.float32)
 
         h = h * tl.exp(gt)
-        delta = bt * (vt - _rsum(h * kt[:, None], axis=0))
+        delta = bt * (vt - rsum(h * kt[:, None], axis=0))
         h = h + kt[:, None] * delta[None, :]
-        ot = _rsum(h * qt[:, None], axis=0) * scale
+        ot = rsum(h * qt[:, None], axis=0) * scale
         tl.store(o + ((i_b64 * T + t) * HV + i_hv) * V + o_v, ot.to(o.dtype.element_ty), mask=m_v)
         tl.store(inter_base + t * st, h, mask=m_h)
         tl.debug_barrier()  # a later node may reload this state
@@ -111,7 +97,7 @@ def recurrent_tree_verify(
         intermediate = torch.empty((B, T, HV, K, V), dtype=torch.float32, device=v.device)
     s0 = initial_state.contiguous()
     BV = min(BV, max(16, next_pow2(V)))
-    with launch_ctx(_INTERPRET):
+    with launch_ctx(INTERPRET):
         _recurrent_tree_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, g, beta, s0, parents.to(v.device), o, intermediate, T, scale,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -18,36 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import is_interpret, launch_ctx, next_pow2, zeroed_scratch
-
-_INTERPRET = is_interpret()
-
-
-# Module-local jit helpers only (see conv_tree/conv.py): utils.load_interpreted can run this module interpreted.
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _rsum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _add)
-
-
-# (the same helper as chunk.py's: a module calls only its own jit helpers, so each keeps a copy)
-@triton.jit
-def _decay(a, a_log, dt_bias, i_hv):
-    """Qwen3.5's g of value head ``i_hv`` from the raw projection a: −exp(A_log) · softplus(a + dt_bias).
-
-    softplus(x) = max(x, 0) + log1p(exp(−|x|)), log1p by Kahan's correction (no log1p builtin): a plain
-    log(1 + e) loses e's digits for x ≪ 0, where long-memory heads sit (4e-4 relative at x = −10, 6 % at −16,
-    all of it from −17 down; this form: ≤ 1.2e-7 there, fp32 on CPU).
-    Past x ≈ 17 it is x in fp32, as F.softplus's linear branch."""
-    x = a + tl.load(dt_bias + i_hv).to(tl.float32)
-    e = tl.exp(-tl.abs(x))
-    u = 1.0 + e
-    log1p = tl.where(u == 1.0, e, tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0)))
-    return -tl.exp(tl.load(a_log + i_hv).to(tl.float32)) * (tl.maximum(x, 0.0) + log1p)
+from ..triton_utils import INTERPRET, rsum
+from ..utils import launch_ctx, next_pow2, zeroed_scratch
+from .common import gate_beta, gate_decay
 
 
 @triton.jit
@@ -76,26 +49,26 @@ def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_
     qv = tl.load(q + i_b * sq_b + i_h * sq_h + o_k, mask=m_k, other=0.0).to(tl.float32)
     kv = tl.load(k + i_b * sk_b + i_h * sk_h + o_k, mask=m_k, other=0.0).to(tl.float32)
     if L2:
-        qv = qv * (1.0 / tl.sqrt(_rsum(qv * qv, 0) + 1e-6))
-        kv = kv * (1.0 / tl.sqrt(_rsum(kv * kv, 0) + 1e-6))
+        qv = qv * (1.0 / tl.sqrt(rsum(qv * qv, 0) + 1e-6))
+        kv = kv * (1.0 / tl.sqrt(rsum(kv * kv, 0) + 1e-6))
     gv = tl.load(g + i_b * sg_b + i_hv).to(tl.float32)
     bv = tl.load(beta + i_b * sb_b + i_hv).to(tl.float32)
     if RAW_GATES:  # g, beta hold the raw projections a, b: Qwen3.5's gates (transformers' formula)
-        gv = _decay(gv, a_log, dt_bias, i_hv)
-        bv = (1.0 / (1.0 + tl.exp(-bv))).to(beta.dtype.element_ty).to(tl.float32)  # sigmoid in b's dtype
+        gv = gate_decay(gv, a_log, dt_bias, i_hv)
+        bv = gate_beta(bv, beta.dtype.element_ty)
     vv = tl.load(v + i_b * sv_b + i_hv * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
     s_ptr = state + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
     S = tl.load(s_ptr, mask=m_s, other=0.0) * tl.exp(gv)
-    u = bv * (vv - _rsum(kv[:, None] * S, 0))
+    u = bv * (vv - rsum(kv[:, None] * S, 0))
     S = S + kv[:, None] * u[None, :]
     tl.store(s_ptr, S, mask=m_s)
-    out = scale * _rsum(qv[:, None] * S, 0)
+    out = scale * rsum(qv[:, None] * S, 0)
     o_head = o + i_b * so_b + i_hv * so_h
     z_head = gate + i_b * sz_b + i_hv * sz_h
     if NORM and NV == 1:  # the whole head is here: o rounded to its dtype, then the gated RMSNorm
         h = out.to(o.dtype.element_ty).to(tl.float32)
-        out = _gated_norm(h, o_v, m_v, _rsum(tl.where(m_v, h * h, 0.0), 0), norm_weight, z_head, eps, V,
+        out = _gated_norm(h, o_v, m_v, rsum(tl.where(m_v, h * h, 0.0), 0), norm_weight, z_head, eps, V,
                           o.dtype.element_ty)
         tl.store(o_head + o_v, out.to(o.dtype.element_ty), mask=m_v)
     elif NORM:
@@ -105,7 +78,7 @@ def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_
         h = out.to(o.dtype.element_ty)
         tl.store(o_head + o_v, h, mask=m_v)
         hf = h.to(tl.float32)
-        tl.atomic_add(scratch + 2 * i_bh, _rsum(tl.where(m_v, hf * hf, 0.0), 0))
+        tl.atomic_add(scratch + 2 * i_bh, rsum(tl.where(m_v, hf * hf, 0.0), 0))
         ticket = tl.atomic_add(scratch + 2 * i_bh + 1, 1.0)
         if ticket == NV - 1:
             ssq = tl.atomic_add(scratch + 2 * i_bh, 0.0)  # every slice's sum is in: plain stores reset it
@@ -174,7 +147,7 @@ def gdn_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     o = torch.empty(B, 1, HV, V, device=v.device, dtype=v.dtype) if out is None else out
     z = gate if norm else v
     scratch = zeroed_scratch(v.device, (B * HV, 2)) if norm and NV > 1 else state
-    with launch_ctx(_INTERPRET):
+    with launch_ctx(INTERPRET):
         _gdn_decode_kernel[(NV, B * HV)](
             q, k, v, g, beta, state, o, z, norm_weight if norm else state,
             A_log.contiguous() if raw else state, dt_bias.contiguous() if raw else state,

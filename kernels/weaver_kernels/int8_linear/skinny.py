@@ -16,9 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import is_interpret, launch_ctx, next_pow2
-
-_INTERPRET = is_interpret()
+from ..triton_utils import INTERPRET
+from ..utils import launch_ctx, next_pow2
 
 
 @triton.jit
@@ -55,7 +54,7 @@ def _int8_linear_kernel(x, w, scale, out, M, N, K, SPLIT, sxm, swn, som, sos,
 _CONFIGS = [triton.Config({"BN": bn, "BK": bk}, num_warps=w, num_stages=s)
             for bn, bk, w, s in ((64, 256, 4, 4), (128, 128, 4, 4), (128, 256, 4, 3), (128, 256, 8, 4),
                                  (256, 128, 8, 4), (64, 512, 4, 3))]
-_int8_linear_autotuned = triton.autotune(configs=_CONFIGS[:1] if _INTERPRET else _CONFIGS,
+_int8_linear_autotuned = triton.autotune(configs=_CONFIGS[:1] if INTERPRET else _CONFIGS,
                                          key=["N", "K", "SPLIT", "BM"])(_int8_linear_kernel)
 
 _SMS: dict = {}
@@ -89,10 +88,10 @@ def int8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, sp
     if M:
         bm = min(64, max(16, next_pow2(M)))  # tl.dot takes ≥ 16 rows
         partial = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-        with launch_ctx(_INTERPRET):
+        with launch_ctx(INTERPRET):
             _int8_linear_autotuned[lambda meta: (triton.cdiv(N, meta["BN"]), triton.cdiv(M, bm), split)](
                 x2, q, scale, partial, M, N, K, split, x2.stride(0), q.stride(0), partial.stride(-2),
-                partial.stride(0) if split > 1 else 0, BM=bm, F32_DOT=_INTERPRET)
+                partial.stride(0) if split > 1 else 0, BM=bm, F32_DOT=INTERPRET)
         if split > 1:
             out.copy_(partial.sum(0))
     return out.view(*x.shape[:-1], N)

@@ -11,20 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import is_interpret, launch_ctx, next_pow2
-
-_INTERPRET = is_interpret()
-
-
-# Module-local jit helpers only (see conv_tree/conv.py): utils.load_interpreted can run this module interpreted.
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _rsum(x, axis: tl.constexpr):
-    return tl.reduce(x, axis, _add)
+from ..triton_utils import INTERPRET, rsum
+from ..utils import launch_ctx, next_pow2
 
 
 @triton.jit
@@ -34,7 +22,7 @@ def _rms_norm_kernel(x, weight, gate, out, D, sx, sg, so, eps, KIND: tl.constexp
     m = cols < D
     xv = tl.load(x + row * sx + cols, mask=m, other=0.0)
     h = xv.to(tl.float32)
-    h = h * (1.0 / tl.sqrt(_rsum(h * h, 0) / D + eps))
+    h = h * (1.0 / tl.sqrt(rsum(h * h, 0) / D + eps))
     w = tl.load(weight + cols, mask=m, other=0.0).to(tl.float32)
     if KIND == 1:
         y = h * (1.0 + w)
@@ -60,7 +48,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | 
             g2 = g2.contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if out is None else out.view(-1, D)
     if x2.shape[0]:
-        with launch_ctx(_INTERPRET):
+        with launch_ctx(INTERPRET):
             _rms_norm_kernel[(x2.shape[0],)](
                 x2, weight, g2, out, D, x2.stride(0), g2.stride(0), out.stride(0), float(eps),
                 KIND=kind, BD=next_pow2(D), num_warps=4 if D <= 2048 else 8,

@@ -30,21 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import is_interpret, launch_ctx, next_pow2
+from ..triton_utils import INTERPRET, add, maximum
+from ..utils import launch_ctx, next_pow2
 
-_INTERPRET = is_interpret()
 _TARGET_PROGRAMS = 264  # two waves' worth of programs on a 132-SM H200, counted over the whole bound
-
-
-# Module-local jit helpers only (see conv_tree/conv.py): utils.load_interpreted can run this module interpreted.
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
 
 
 @triton.jit
@@ -89,11 +78,11 @@ def _split_kernel(q, k, v, tree_mask, length_ptr, o_part, lse_part, N, bound, G,
             if window > 0:
                 visible = visible & (cols[None, :] > (length + node - window)[:, None])
             s = tl.where(visible, s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, maximum))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.reduce(p, 1, _add)
+            l_i = l_i * alpha + tl.reduce(p, 1, add)
             if DOT_F32:  # (p rounded to the value dtype all the same)
                 pv = tl.dot(p.to(vv.dtype).to(tl.float32), vv.to(tl.float32), input_precision="ieee")
             else:
@@ -115,13 +104,13 @@ def _combine_kernel(o_part, lse_part, out, N, S, so_s, so_h, so_n, sl_s, sl_h, s
     head, node = pid // N, pid % N
     s = tl.arange(0, BS)
     lse = tl.load(lse_part + s * sl_s + head * sl_h + node, mask=s < S, other=float("-inf"))
-    m = tl.reduce(lse, 0, _max)  # finite: every node sees itself
+    m = tl.reduce(lse, 0, maximum)  # finite: every node sees itself
     w = tl.exp(lse - m)
     dcols = tl.arange(0, BD)
     live = lse > float("-inf")
     part = tl.load(o_part + s[:, None] * so_s + head * so_h + node * so_n + dcols[None, :],
                    mask=live[:, None] & (dcols < D)[None, :], other=0.0)
-    res = tl.reduce(part * w[:, None], 0, _add) / tl.reduce(w, 0, _add)
+    res = tl.reduce(part * w[:, None], 0, add) / tl.reduce(w, 0, add)
     tl.store(out + node * sout_n + head * D + dcols, res.to(out.dtype.element_ty), mask=dcols < D)
 
 
@@ -146,7 +135,7 @@ def tree_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     o_part, lse_part = split_partials(q, keys, values, tree_mask, length, bound, scale, plan, window)
     S, BD = o_part.shape[0], max(16, next_pow2(D))
     out = torch.empty(1, N, H * D, device=q.device, dtype=q.dtype) if out is None else out
-    with launch_ctx(_INTERPRET):
+    with launch_ctx(INTERPRET):
         _combine_kernel[(H * N,)](
             o_part, lse_part, out, N, S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
             lse_part.stride(1), out.stride(1), D=D, BD=BD, BS=max(2, next_pow2(S)), num_warps=4 if BD <= 128 else 8,
@@ -177,9 +166,9 @@ def split_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tr
         mask = mask.contiguous()
     # fp32 inputs get IEEE fp32 dots; so do 16-bit ones under the interpreter, whose tl.dot multiplies 16-bit
     # operands as raw bits (the upcast is exact)
-    dot_f32 = _INTERPRET or q.dtype == torch.float32
+    dot_f32 = INTERPRET or q.dtype == torch.float32
     warps = 8 if BM * BD >= 64 * 256 else 4
-    with launch_ctx(_INTERPRET):
+    with launch_ctx(INTERPRET):
         _split_kernel[(triton.cdiv((H // HKV) * N, BM), HKV, S)](
             q[0], keys[0], values[0], mask, length.reshape(1), o_part, lse_part, N, bound, H // HKV, float(scale),
             int(window),

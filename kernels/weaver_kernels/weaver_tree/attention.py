@@ -20,20 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import NODE_ATTENTION_MAX_ROWS, is_interpret, launch_ctx, next_pow2
-
-_INTERPRET = is_interpret()
-
-
-# Module-local jit helpers only (see conv_tree/conv.py): utils.load_interpreted can run this module interpreted.
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
+from ..triton_utils import INTERPRET, add, maximum
+from ..utils import NODE_ATTENTION_MAX_ROWS, launch_ctx, next_pow2
 
 
 @triton.jit
@@ -97,10 +85,10 @@ def _node_attention_kernel(qkv, positions, prompt_k, prompt_v, node_k, node_v, m
         seen = tl.load(mask + o_m[:, None] * s_mask + jn[None, :], mask=m_m[:, None] & in_n[None, :], other=0)
         visible = in_p[None, :] | (seen != 0)
         s = tl.where(visible, s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max))  # the prompt's first block is always visible: finite
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, maximum))  # the prompt's first block is always visible: finite
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _add)
+        l_i = l_i * alpha + tl.reduce(p, 1, add)
         vb1 = tl.load(prompt_v + p_row, mask=m_pk, other=0.0).to(dtype) + tl.load(node_v + n_row, mask=m_nk, other=0.0)
         vb2 = (tl.load(prompt_v + p_row + HALF, mask=m_pk, other=0.0).to(dtype)
                + tl.load(node_v + n_row + HALF, mask=m_nk, other=0.0))
@@ -137,8 +125,8 @@ def node_attention_triton(qkv: torch.Tensor, positions: torch.Tensor, prompt_k: 
     mask_u8 = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     # fp32 slots get IEEE fp32 dots; so do 16-bit ones under the interpreter, whose tl.dot multiplies 16-bit
     # operands as raw bits
-    dot_f32 = _INTERPRET or node_k.dtype == torch.float32
-    with launch_ctx(_INTERPRET):
+    dot_f32 = INTERPRET or node_k.dtype == torch.float32
+    with launch_ctx(INTERPRET):
         _node_attention_kernel[(H,)](
             qkv, positions, prompt_k, prompt_v, node_k, node_v, mask_u8, out, int(lo), M, P, N,
             float(math.log2(rope_base)), float(scale), qkv.stride(0), mask_u8.stride(0), out.stride(0),

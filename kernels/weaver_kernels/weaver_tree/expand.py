@@ -22,25 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..utils import is_interpret, launch_ctx, next_pow2, zeroed_scratch
-
-_INTERPRET = is_interpret()
-
-
-# Module-local jit helpers only (see conv_tree/conv.py): utils.load_interpreted can run this module interpreted.
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _max(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _min(a, b):
-    return tl.minimum(a, b)
+from ..triton_utils import INTERPRET, add, maximum, minimum
+from ..utils import launch_ctx, next_pow2, zeroed_scratch
 
 
 @triton.jit
@@ -57,7 +40,7 @@ def _pool_scores_kernel(query, rows, pool_ids, pool_logits, weight, out, P, Dm, 
         k_ok = ks < Dm
         q = tl.load(query + m * s_q + ks, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(weight + tok[:, None] * s_w + ks[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.reduce(w.to(tl.float32) * q[None, :], 1, _add)
+        acc += tl.reduce(w.to(tl.float32) * q[None, :], 1, add)
     base = tl.load(pool_logits + row * s_pl + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + m * P + cols, acc + base, mask=ok)
 
@@ -78,17 +61,17 @@ def _expand_kernel(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_
     publish = publish & (d < max_depth)
     row = tl.minimum(d, max_depth - 1)
     x = tl.load(cand + i * s_cand + cols, mask=c_ok, other=neg_inf)
-    top = tl.reduce(x, 0, _max)
-    lp = (x - top) - tl.log(tl.reduce(tl.exp(x - top), 0, _add))  # log-softmax in torch's order of operations
+    top = tl.reduce(x, 0, maximum)
+    lp = (x - top) - tl.log(tl.reduce(tl.exp(x - top), 0, add))  # log-softmax in torch's order of operations
     # A spine node's path score is not known yet (its parent is published by another program): its entries are
     # published relative to it and completed in step 2. A spine parent's first candidate is its spine child.
     s = tl.where((node >= 1) & (node <= spine), 0.0, tl.load(score + node))
-    tl.store(logq + node + 1, tl.reduce(tl.where(cols == 0, lp, neg_inf), 0, _max), mask=node < spine)
+    tl.store(logq + node + 1, tl.reduce(tl.where(cols == 0, lp, neg_inf), 0, maximum), mask=node < spine)
     free = c_ok & ((cols != 0) | (node >= spine))  # not yet taken: among equal values (even -inf ones) the lowest
     # free index goes first
     for j in tl.static_range(FAN):
-        v = tl.reduce(tl.where(free, lp, neg_inf), 0, _max)
-        idx = tl.reduce(tl.where(free & (lp == v), cols, BP), 0, _min)
+        v = tl.reduce(tl.where(free, lp, neg_inf), 0, maximum)
+        idx = tl.reduce(tl.where(free & (lp == v), cols, BP), 0, minimum)
         slot = node * FAN + j
         tl.store(f_score + slot, tl.where(publish, s + v, neg_inf))
         tl.store(f_token + slot, tl.load(pool_ids + row * s_ids + idx, mask=idx < P, other=0))
@@ -114,8 +97,8 @@ def _expand_kernel(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_
         nodes = tl.arange(0, BN)
         n_ok = nodes < n
         for t in range(0, take):
-            v = tl.reduce(tl.where(taken, neg_inf, F), 0, _max)
-            idx = tl.reduce(tl.where(~taken & (F == v), fcols, BF), 0, _min)
+            v = tl.reduce(tl.where(taken, neg_inf, F), 0, maximum)
+            idx = tl.reduce(tl.where(~taken & (F == v), fcols, BF), 0, minimum)
             valid = v > neg_inf
             parent = idx // FAN
             new = hi + t
@@ -141,7 +124,7 @@ def pool_scores_triton(query: torch.Tensor, rows: torch.Tensor, pool_ids: torch.
     if weight.stride(-1) != 1 or query.stride(-1) != 1 or pool_ids.stride(-1) != 1 or pool_logits.stride(-1) != 1:
         raise ValueError("pool_scores: last dimensions must be contiguous")
     out = torch.empty(M, P, device=query.device, dtype=torch.float32)
-    with launch_ctx(_INTERPRET):
+    with launch_ctx(INTERPRET):
         _pool_scores_kernel[(M, triton.cdiv(P, BP))](
             query, rows, pool_ids, pool_logits, weight, out, P, Dm, query.stride(0), pool_ids.stride(0),
             pool_logits.stride(0), weight.stride(0), BP=BP, BK=BK, num_warps=num_warps, num_stages=num_stages,
@@ -160,7 +143,7 @@ def weaver_expand_triton(cand, pool_ids, tokens, parents, logq, depth, score, ma
             raise ValueError("weaver_expand: buffers must be contiguous")
     m = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     arrivals = zeroed_scratch(cand.device, (1,), torch.int32)
-    with launch_ctx(_INTERPRET):
+    with launch_ctx(INTERPRET):
         _expand_kernel[(hi - lo,)](
             cand, pool_ids, tokens, parents, logq, depth, score, m, f_score, f_token, f_logq, arrivals,
             lo, hi, take, max_depth, spine, P, n, cand.stride(0), pool_ids.stride(0),
