@@ -55,12 +55,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .cli import torch_device
-from .configuration_dflash import DFlashConfig
-from .configuration_weaver import WeaverConfig
+from ..cli import torch_device
+from ..configuration_dflash import DFlashConfig
+from ..configuration_weaver import WeaverConfig
 from .data import TokenDataset, cli_entry, require_dir
-from .modeling_dflash import DFlashDraftModel
-from .modeling_weaver import WeaverModel
+from ..modeling_dflash import DFlashDraftModel
+from ..modeling_weaver import WeaverModel
 from .smollm2 import load_target, resolve_device, resolve_dtype
 
 STATE_FILE = "training_state.pt"
