@@ -7,7 +7,7 @@ its lab subcommands).
 The rule for cycles: an import at module level (class bodies and top-level ``try``/``if`` included) runs when the
 module is imported, so those edges must form a DAG. An import inside a function runs when the function is called and
 is kept apart: such an edge may close a cycle only if it is listed in :data:`LAZY_BACK_EDGES` with its reason, so a
-new one fails here until someone decides it is worth keeping.
+new one fails here until someone decides it is worth keeping. The lab's module-level imports form a DAG as well.
 """
 
 from __future__ import annotations
@@ -30,46 +30,66 @@ LAZY_BACK_EDGES = {
 }
 
 
+def modules() -> dict[str, Path]:
+    """Dotted name relative to the package (``""`` is the package itself, ``lab.data`` a lab module) → file."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
 def core_modules() -> list[str]:
-    return sorted(p.stem for p in PACKAGE.glob("*.py"))
+    return sorted(name for name in modules() if name and "." not in name and name != LAB)
 
 
-def _targets(node, modules: set[str]) -> list[str]:
-    """Core module names (``__init__`` for the package itself) or ``lab`` that an import statement names."""
+def _imported(node, package: list[str], known: set[str]) -> list[str]:
+    """Names in ``known`` (relative to the package) that an import statement loads."""
     if isinstance(node, ast.Import):
-        parts = [a.name.split(".") for a in node.names]
-        return [p[1] if len(p) > 1 else "__init__" for p in parts if p[0] == "modeling_weaver"]
-    if node.level > 1:
-        return []
-    if node.level == 1:
-        path = node.module.split(".") if node.module else []
-    elif node.module and node.module.split(".")[0] == "modeling_weaver":
-        path = node.module.split(".")[1:]
+        full = [a.name for a in node.names]
     else:
-        return []
-    if path:
-        return [path[0]]
-    return [a.name if a.name in modules | {LAB} else "__init__" for a in node.names]
+        base = node.module or ""
+        if node.level:
+            base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+        full = [f"{base}.{a.name}" if f"{base}.{a.name}".partition(".")[2] in known else base for a in node.names]
+    names = []
+    for name in full:
+        head, _, rest = name.partition(".")
+        if head != "modeling_weaver":
+            continue
+        while rest not in known:  # an attribute of a module, not a module: the module
+            rest = rest.rpartition(".")[0]
+        names.append(rest)
+    return names
 
 
 def import_edges() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
-    """Per core module: the core modules (or ``lab``) it imports at module level, and those it imports in functions."""
-    modules = set(core_modules())
-    top, lazy = {m: set() for m in modules}, {m: set() for m in modules}
+    """Per module (``lab`` stands for the whole lab in the core's edges): what it imports at module level, and what
+    it imports inside functions."""
+    files = modules()
+    known = set(files)
+    top, lazy = {m: set() for m in known}, {m: set() for m in known}
 
-    def visit(node, module, in_function):
+    def visit(node, module, package, in_function):
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
                 continue  # never runs
             deferred = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             if isinstance(child, (ast.Import, ast.ImportFrom)):
-                for name in _targets(child, modules):
+                for name in _imported(child, package, known):
+                    if module.partition(".")[0] != LAB and name.partition(".")[0] == LAB:
+                        name = LAB
                     if name != module:
                         (lazy if deferred else top)[module].add(name)
-            visit(child, module, deferred)
+            visit(child, module, package, deferred)
 
-    for module in modules:
-        visit(ast.parse((PACKAGE / f"{module}.py").read_text()), module, False)
+    for module, path in files.items():
+        package = ["modeling_weaver", *(module.split(".") if module else ())]
+        if path.name != "__init__.py":
+            package.pop()
+        visit(ast.parse(path.read_text()), module, package, False)
     return top, lazy
 
 
@@ -111,8 +131,7 @@ def test_core_imports_without_the_lab():
         "import importlib, json, sys\n"
         "import modeling_weaver\n"
         f"for name in {core_modules()!r}:\n"
-        "    if name != '__init__':\n"
-        "        importlib.import_module(f'modeling_weaver.{name}')\n"
+        "    importlib.import_module(f'modeling_weaver.{name}')\n"
         "from modeling_weaver.cli import build_parser\n"
         "build_parser(None).format_help(); build_parser('convert')\n"
         "print(json.dumps(sorted(m for m in sys.modules if m.startswith('modeling_weaver'))))\n"
@@ -127,16 +146,25 @@ def test_core_imports_without_the_lab():
 
 def test_core_never_imports_the_lab_but_cli_in_handlers():
     top, lazy = import_edges()
-    assert not [m for m, names in top.items() if LAB in names]
-    assert [m for m, names in lazy.items() if LAB in names] == ["cli"]
+    core = ["", *core_modules()]
+    assert not [m for m in core if LAB in top[m]]
+    assert [m for m in core if LAB in lazy[m]] == ["cli"]
 
 
 def test_core_import_graph_has_no_cycles():
     top, lazy = import_edges()
-    graph = {m: names - {LAB} for m, names in top.items()}
+    core = ["", *core_modules()]
+    graph = {m: top[m] - {LAB} for m in core}
+    lazy = {m: lazy[m] - {LAB} for m in core}
     assert _cycle(graph) is None, f"module-level import cycle: {' -> '.join(_cycle(graph))}"
-    full = {m: graph[m] | (lazy[m] - {LAB}) for m in graph}
-    closing = {(a, b) for a in lazy for b in lazy[a] - {LAB} if _reaches(full, b, a)}
+    full = {m: graph[m] | lazy[m] for m in graph}
+    closing = {(a, b) for a in lazy for b in lazy[a] if _reaches(full, b, a)}
     known = set(LAZY_BACK_EDGES)
     assert closing <= known, f"function-level imports closing a cycle: {sorted(closing - known)}"
     assert known <= closing, f"no longer cycles, drop from LAZY_BACK_EDGES: {sorted(known - closing)}"
+
+
+def test_lab_module_level_imports_have_no_cycles():
+    top, _ = import_edges()
+    graph = {m: {n for n in top[m] if n.startswith(f"{LAB}.")} for m in top if m.startswith(f"{LAB}.")}
+    assert _cycle(graph) is None, f"module-level import cycle in the lab: {' -> '.join(_cycle(graph))}"
