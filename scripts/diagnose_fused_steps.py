@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from modeling_weaver.benchmark import autoregressive_generate
+from modeling_weaver.lab.benchmark import autoregressive_generate
 from modeling_weaver.cli import nonnegative_int, positive_int
 from modeling_weaver.captured import (_STATIC_TARGETS, FusedGreedyStep, PipelinedSteps, StaticDraft, StaticProposer,
                                       StaticTarget)
-from modeling_weaver.replay import (ReplayedAcceptance, ab_setting, ab_switches, graph_replay_ms, memory_check,
+from modeling_weaver.lab.replay import (ReplayedAcceptance, ab_setting, ab_switches, graph_replay_ms, memory_check,
                                     random_models, random_prompt, replay_generate, replay_table, run_replay_suite,
                                     synthetic_trace)
 

@@ -37,10 +37,10 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from modeling_weaver.benchmark import autoregressive_generate
+from modeling_weaver.lab.benchmark import autoregressive_generate
 from modeling_weaver.cli import nonnegative_int, positive_int
 from modeling_weaver.captured import cache_bucket, static_draft, static_target
-from modeling_weaver.replay import (FirstTokenClock, ab_setting, graph_replay_ms, random_models, random_prompt,
+from modeling_weaver.lab.replay import (FirstTokenClock, ab_setting, graph_replay_ms, random_models, random_prompt,
                                     switched)
 import modeling_weaver.tree as tree_module
 from modeling_weaver.tree import Tree

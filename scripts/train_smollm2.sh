@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The recipe behind the SmolLM2-135M-Instruct drafters, one stage per argument, each bounded in minutes so that it
-# fits the lent GPU machine's 10-minute calls (modeling_weaver/smollm2.py says how the GGUF gets there; keep $WORK
-# outside the repo, e.g. /tmp/smol/work: the repo copy is replaced on every call). `pack` tars what should come back
-# into $OUT in ≤ 15 MiB pieces (join here with `cat pack.tgz.* | tar xzf -`).
+# fits the lent GPU machine's 10-minute calls (zoo/smollm2-135m-instruct/README.md says how the GGUF gets there;
+# keep $WORK outside the repo, e.g. /tmp/smol/work: the repo copy is replaced on every call). `pack` tars what
+# should come back into $OUT in ≤ 15 MiB pieces (join here with `cat pack.tgz.* | tar xzf -`).
 #
 #   scripts/train_smollm2.sh data dflash           # call 2 (after the GGUF is in place)
 #   scripts/train_smollm2.sh dflash                # call 3: the same run resumed (--resume), schedule unchanged
@@ -35,7 +35,7 @@ for stage in "$@"; do
   case $stage in
     gguf)    # the three GGUF parts carried into /tmp/smol by earlier calls; .whl carries gguf
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf*.whl
-      python3 -m modeling_weaver.smollm2 --gguf /tmp/smol/*.part0 /tmp/smol/*.part1 /tmp/smol/*.part2 ;;
+      python3 -m modeling_weaver.cli fetch-smollm2 --gguf /tmp/smol/*.part0 /tmp/smol/*.part1 /tmp/smol/*.part2 ;;
     data)    # user turns (the target's own, or MIX) + the target's answers (half greedy, half T=0.7), leak-checked
       python3 -m modeling_weaver.cli make-data --out "$WORK/data" --num-samples 1000000 --batch-size 2048 \
         --max-response-tokens 384 --max-minutes "$DATA_MIN" --sampler "${SAMPLER:-auto}" --seed "${SEED:-0}" \

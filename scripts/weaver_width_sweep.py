@@ -28,9 +28,9 @@ import modeling_weaver.captured as captured
 import modeling_weaver.tree as tree_module
 from modeling_weaver.cli import nonnegative_int, positive_int
 from modeling_weaver import speculative_generate
-from modeling_weaver.data import chat_prompt_ids, load_eval_prompts
-from modeling_weaver.replay import switched
-from modeling_weaver.smollm2 import load_smollm2
+from modeling_weaver.lab.data import chat_prompt_ids, load_eval_prompts
+from modeling_weaver.lab.replay import switched
+from modeling_weaver.lab.smollm2 import load_smollm2
 
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct"
 

@@ -203,12 +203,13 @@ def fake_graphs(monkeypatch):
     """Run every 'captured' path on CPU through FakeGraph."""
     import sys
 
-    import modeling_weaver.benchmark  # noqa: F401
+    import modeling_weaver.lab.benchmark  # noqa: F401
     import modeling_weaver.captured as captured
-    import modeling_weaver.replay  # noqa: F401
+    import modeling_weaver.lab.replay  # noqa: F401
 
     # sys.modules: the package's `generate` attribute is the function, not the module
-    generate, benchmark, replay = (sys.modules[f"modeling_weaver.{m}"] for m in ("generate", "benchmark", "replay"))
+    generate, benchmark, replay = (sys.modules[f"modeling_weaver.{m}"] for m in ("generate", "lab.benchmark",
+                                                                                  "lab.replay"))
 
     monkeypatch.setattr(captured, "capture_graph", fake_capture_graph)
     real_target, real_draft = captured.static_target, captured.static_draft
@@ -237,7 +238,7 @@ def test_graph_semantics_keep_the_loop_exact(fake_graphs, name):
     from test_generate import make_drafters, prompts, reference
 
     from modeling_weaver import speculative_generate
-    from modeling_weaver.benchmark import autoregressive_generate
+    from modeling_weaver.lab.benchmark import autoregressive_generate
     from modeling_weaver.captured import _STATIC_TARGETS
 
     target = TINY_TARGETS[name]()
@@ -267,7 +268,7 @@ def test_compiled_tree_steps_are_exact_and_compile_once_per_tree_size():
     from torch._dynamo.utils import counters
 
     from modeling_weaver import speculative_generate
-    from modeling_weaver.benchmark import autoregressive_generate
+    from modeling_weaver.lab.benchmark import autoregressive_generate
 
     torch._dynamo.reset()
     target = TINY_TARGETS["qwen3_5"]()
@@ -353,7 +354,7 @@ def test_graph_semantics_pipelined_fused_steps(fake_graphs):
     assert max(leads) == 2 and set(leads) <= {1, 2}, leads  # the step being read, and one more in flight
 
     # our AR path runs its own fused step, pipelined as well: it stops at an end token as transformers does
-    from modeling_weaver.benchmark import autoregressive_generate
+    from modeling_weaver.lab.benchmark import autoregressive_generate
 
     ref = reference(target, ids, 40)[0, ids.shape[1]:].tolist()
     eos = ref[4]
@@ -378,7 +379,7 @@ def _prefilled(fused):
 def test_graph_semantics_sampler(fake_graphs):
     from test_sampler import EOS, hf_greedy
 
-    from modeling_weaver.sampler import BatchedSampler
+    from modeling_weaver.lab.sampler import BatchedSampler
 
     model = TINY_TARGETS["qwen3"]()
     sampler = BatchedSampler(model, batch_size=4, max_length=64, capture=True)
@@ -393,7 +394,7 @@ def test_graph_semantics_sampler(fake_graphs):
 
 def test_graph_semantics_replay(fake_graphs):
     """The acceptance replay with captured fused steps follows its trace as the host rule does."""
-    from modeling_weaver.replay import ReplayedAcceptance, random_models, replay_generate
+    from modeling_weaver.lab.replay import ReplayedAcceptance, random_models, replay_generate
 
     target, drafter, weaver = random_models("tiny", torch.device("cpu"), torch.float32)
     ids = torch.zeros(1, 5, dtype=torch.long)

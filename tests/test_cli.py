@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -178,15 +179,15 @@ def _tiny_target_dir(tmp_path):
 
 
 def _offline_leak_checker(monkeypatch):
-    from modeling_weaver.data import LeakChecker
+    from modeling_weaver.lab.data import LeakChecker
 
     eval_prompts = {"mtbench/81": "Compose an engaging travel blog post about a recent trip to Hawaii."}
-    monkeypatch.setattr("modeling_weaver.data.LeakChecker", lambda **kw: LeakChecker(eval_prompts, **kw))
+    monkeypatch.setattr("modeling_weaver.lab.data.LeakChecker", lambda **kw: LeakChecker(eval_prompts, **kw))
 
 
 def test_bench_tiny(tmp_path, capsys):
     if not module_available("bench"):
-        pytest.skip("modeling_weaver.benchmark is not in this tree; `weaver bench` then fails in one line "
+        pytest.skip("modeling_weaver.lab.benchmark is not in this tree; `weaver bench` then fails in one line "
                     "(test_unavailable_module_fails_in_one_line)")
     from transformers import AutoConfig
 
@@ -259,7 +260,7 @@ def test_make_data_then_train_dflash_then_train_weaver_tiny(tmp_path, capsys, mo
 
 def test_train_failure_is_one_line(tmp_path, capsys):
     if not module_available("train-dflash"):
-        pytest.skip("modeling_weaver.training is not in this tree yet")
+        pytest.skip("modeling_weaver.lab.training is not in this tree yet")
     code, _, err = run(capsys, "train-dflash", "--target", str(tmp_path / "missing"), "--data", str(tmp_path),
                        "--output-dir", str(tmp_path / "o"), "--device", "cpu")
     assert code == 1
@@ -268,8 +269,8 @@ def test_train_failure_is_one_line(tmp_path, capsys):
 
 def test_fetch_smollm2_from_cache(capsys):
     if not module_available("fetch-smollm2"):
-        pytest.skip("modeling_weaver.smollm2 is not in this tree yet")
-    smollm2 = importlib.import_module("modeling_weaver.smollm2")
+        pytest.skip("modeling_weaver.lab.smollm2 is not in this tree yet")
+    smollm2 = importlib.import_module("modeling_weaver.lab.smollm2")
     if not smollm2.is_cached():
         pytest.skip("SmolLM2-135M-Instruct is not cached here (fetching it downloads 93 MB); run `weaver fetch`")
     code, out, err = run(capsys, "fetch", "--cache-dir", str(smollm2.default_cache_dir()))
@@ -282,22 +283,17 @@ def test_build_parser_only_imports_the_selected_module():
     assert "convert" in parser.format_help()
 
 
-@pytest.mark.parametrize("script, args", [("convert_weaver.py", ["--help"]), ("export.py", ["--help"])])
-def test_scripts_are_the_cli(script, args, capsys, monkeypatch):
-    import runpy
+@pytest.mark.parametrize("args", [["convert", "--help"], ["export", "--help"]])
+def test_module_entry_is_the_cli(args):
+    # `python -m modeling_weaver.cli` is how torchrun and scripts/train_smollm2.sh start a command
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels")])}
+    proc = subprocess.run([sys.executable, "-m", "modeling_weaver.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage: weaver" in proc.stdout
 
-    monkeypatch.setattr(sys, "argv", [script, *args])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_path(str(ROOT / "scripts" / script), run_name="__main__")
-    assert exit_info.value.code == 0
-    assert "usage: weaver" in capsys.readouterr().out
 
-
-def test_convert_weaver_script_converts(tmp_path, monkeypatch, capsys):
-    import runpy
-
+def test_convert_kind_weaver_converts(tmp_path, capsys):
     save_pth(tmp_path / "w.pth", WCFG, released_state_dict())
-    monkeypatch.setattr(sys, "argv", ["convert_weaver.py", str(tmp_path / "w.pth"), str(tmp_path / "out")])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_path(str(ROOT / "scripts" / "convert_weaver.py"), run_name="__main__")
-    assert exit_info.value.code == 0 and (tmp_path / "out" / "model.safetensors").exists()
+    code, _, err = run(capsys, "convert", "--kind", "weaver", str(tmp_path / "w.pth"), str(tmp_path / "out"))
+    assert code == 0 and (tmp_path / "out" / "model.safetensors").exists(), err

@@ -14,7 +14,7 @@ import pytest
 import torch
 from tiny_targets import VOCAB, tiny_llama
 
-from modeling_weaver.data import (
+from modeling_weaver.lab.data import (
     DataSettings,
     Deduplicator,
     FetchError,
@@ -204,7 +204,7 @@ def test_make_training_data_tiny(tmp_path, sampler):
 def test_make_training_data_mix_and_manifest(tmp_path):
     """With a mix, user turns come from every source in it; the manifest lets each shard be checked and regenerated
     (same seed → same shards)."""
-    from modeling_weaver.prompts import SOURCES
+    from modeling_weaver.lab.prompts import SOURCES
 
     model, tok = tiny_llama(), tiny_chat_tokenizer()
     settings = DataSettings(num_samples=16, batch_size=8, max_prompt_tokens=12, min_prompt_words=0,
@@ -235,7 +235,7 @@ def test_make_training_data_mix_and_manifest(tmp_path):
 
 
 def test_prompt_mix_validation():
-    from modeling_weaver.prompts import PromptMixer, parse_mix
+    from modeling_weaver.lab.prompts import PromptMixer, parse_mix
 
     assert parse_mix("self=1,code=1") == {"self": 1.0, "code": 1.0}
     with pytest.raises(ValueError, match="unknown prompt sources"):
@@ -254,7 +254,7 @@ def test_make_data_cli(tiny_target_dir, tmp_path, monkeypatch):
     parser = add_make_data_arguments(argparse.ArgumentParser())
     assert "leak" in parser.format_help()
     # The CLI builds the default checker from MT-Bench/HumanEval; keep the test offline-safe with a planted one.
-    monkeypatch.setattr("modeling_weaver.data.LeakChecker", lambda **kw: LeakChecker(EVAL, **kw))
+    monkeypatch.setattr("modeling_weaver.lab.data.LeakChecker", lambda **kw: LeakChecker(EVAL, **kw))
     args = parser.parse_args(["--target", str(tiny_target_dir), "--out", str(tmp_path / "d"), "--num-samples", "3",
                               "--batch-size", "3", "--max-prompt-tokens", "8", "--max-response-tokens", "8",
                               "--min-prompt-words", "0", "--keep-unfinished-prompts", "--no-progress",

@@ -449,7 +449,7 @@ def test_target_step_is_checked_and_graph_runs_eagerly_off_cuda():
 
 @pytest.mark.parametrize("name", list(TINY_TARGETS))
 def test_static_autoregressive_baseline_equals_generate(name):
-    from modeling_weaver.benchmark import autoregressive_generate
+    from modeling_weaver.lab.benchmark import autoregressive_generate
 
     target = TINY_TARGETS[name]()
     for ids in prompts():

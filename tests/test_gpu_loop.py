@@ -131,7 +131,7 @@ def test_compiled_steps_identity_on_gpu(mode):
     """target_step="compiled" (torch.compile'd tree pass and tree build inside CUDA graphs) on the hybrid target:
     AR and the loop token-identical to transformers; one drafter pair, so five compiles in all per mode (tree pass and
     commit of 1 and 13 nodes, the draft + tree build)."""
-    from modeling_weaver.benchmark import autoregressive_generate
+    from modeling_weaver.lab.benchmark import autoregressive_generate
 
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
@@ -219,8 +219,8 @@ def test_smollm2_size_identity_on_gpu(target_step):
     drafters of its hub spec, fp32: our AR and the loop token-identical to transformers with captured steps (every
     mode) and compiled ones (AR, Weaver: each compile costs tens of seconds at this size), at two prompt lengths;
     with an oracle drafter (long accepted paths), captured steps."""
-    from modeling_weaver.benchmark import autoregressive_generate
-    from modeling_weaver.replay import random_models
+    from modeling_weaver.lab.benchmark import autoregressive_generate
+    from modeling_weaver.lab.replay import random_models
 
     target, drafter, weaver = random_models("smollm2-135m-instruct", torch.device("cuda"), torch.float32)
     gen = torch.Generator().manual_seed(3)

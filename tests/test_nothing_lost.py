@@ -325,7 +325,7 @@ def fake_gguf_conversion(tmp_path, monkeypatch):
                                       convert_tokens_to_ids=lambda token: 2)
     model = types.SimpleNamespace(config=types.SimpleNamespace(), generation_config=types.SimpleNamespace(),
                                   save_pretrained=saver("model.safetensors"))
-    monkeypatch.setattr("modeling_weaver.smollm2.require", lambda *a, **k: None)
+    monkeypatch.setattr("modeling_weaver.lab.smollm2.require", lambda *a, **k: None)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
     gguf = tmp_path / "model.gguf"

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from modeling_weaver.benchmark import autoregressive_generate
-from modeling_weaver.replay import (
+from modeling_weaver.lab.benchmark import autoregressive_generate
+from modeling_weaver.lab.replay import (
     FirstTokenClock,
     ReplayedAcceptance,
     load_traces,
@@ -143,7 +143,7 @@ def test_switched_flips_a_setting_on_fresh_steps_and_restores_it():
     from types import SimpleNamespace
 
     from modeling_weaver.captured import _STATIC_TARGETS
-    from modeling_weaver.replay import switched
+    from modeling_weaver.lab.replay import switched
 
     owner, target = SimpleNamespace(flag=False), torch.nn.Linear(2, 2)
     _STATIC_TARGETS[target] = {"stale": object()}
@@ -162,7 +162,7 @@ def test_int8_drafter_routes_the_drafters_linears_inside_the_block_only(tmp_path
     from modeling_weaver.captured import _STATIC_TARGETS
     from modeling_weaver.cli import main
     from modeling_weaver.packed import _INT8
-    from modeling_weaver.replay import int8_drafter
+    from modeling_weaver.lab.replay import int8_drafter
 
     drafter, target = torch.nn.Sequential(torch.nn.Linear(16, 16)), torch.nn.Linear(2, 2)
     _STATIC_TARGETS[drafter], _STATIC_TARGETS[target] = {"stale": object()}, {"stale": object()}
@@ -180,7 +180,7 @@ def test_ab_setting_flips_or_sets_each_switch_and_restores_it():
     it applies", counts as on), int8_drafter applied only when on; each restored after the block."""
     import modeling_weaver.tree as tree_module
     from modeling_weaver.packed import _INT8
-    from modeling_weaver.replay import ab_setting, ab_switches
+    from modeling_weaver.lab.replay import ab_setting, ab_switches
 
     drafter, target = torch.nn.Sequential(torch.nn.Linear(16, 16)), torch.nn.Linear(2, 2)
     assert {"spine", "node_attention", "int8_head", "int8_drafter", "gates_in_kernel"} <= set(ab_switches())

@@ -4,7 +4,7 @@ import pytest
 import torch
 from tiny_targets import TINY_TARGETS, VOCAB
 
-from modeling_weaver.sampler import BatchedSampler
+from modeling_weaver.lab.sampler import BatchedSampler
 
 EOS = [VOCAB - 1, VOCAB - 2]
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModel
 
-from modeling_weaver.benchmark import autoregressive_generate
-from modeling_weaver.data import FetchError, MissingExtraError, require
+from modeling_weaver.lab.benchmark import autoregressive_generate
+from modeling_weaver.lab.data import FetchError, MissingExtraError, require
 from modeling_weaver.generate import speculative_generate
-from modeling_weaver.smollm2 import (
+from modeling_weaver.lab.smollm2 import (
     add_fetch_arguments,
     default_cache_dir,
     ensure_cached,

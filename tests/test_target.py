@@ -379,7 +379,7 @@ def test_static_target_follows_reallocated_weights():
     with ``assign=True`` afterwards (new tensors) must be the ones verified, not the old ones."""
     from test_generate import reference
 
-    from modeling_weaver.benchmark import autoregressive_generate
+    from modeling_weaver.lab.benchmark import autoregressive_generate
 
     model = TINY_TARGETS["qwen3_5"]()
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))

@@ -16,11 +16,11 @@ from test_data import EVAL, save_tiny_target
 from transformers import AutoModel
 
 from modeling_weaver import speculative_generate
-from modeling_weaver.benchmark import add_benchmark_arguments, autoregressive_generate, run_benchmark
-from modeling_weaver.data import DataSettings, LeakChecker, TokenDataset, make_training_data
+from modeling_weaver.lab.benchmark import add_benchmark_arguments, autoregressive_generate, run_benchmark
+from modeling_weaver.lab.data import DataSettings, LeakChecker, TokenDataset, make_training_data
 from modeling_weaver.modeling_weaver import WeaverModel
-from modeling_weaver.smollm2 import load_target
-from modeling_weaver.training import (
+from modeling_weaver.lab.smollm2 import load_target
+from modeling_weaver.lab.training import (
     Batch,
     add_train_dflash_arguments,
     add_train_weaver_arguments,
@@ -140,7 +140,7 @@ def test_ddp_two_gloo_processes(tiny):
     out = tiny / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "scripts" / "train_dflash.py"), "--target", str(tiny / "target"), "--data", str(tiny / "data"),
+           "-m", "modeling_weaver.cli", "train-dflash", "--target", str(tiny / "target"), "--data", str(tiny / "data"),
            "--output-dir", str(out), *TINY_DFLASH, "--batch-size", "2", "--max-steps", "3", "--log-every", "1",
            "--no-progress", "--device", "cpu"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -237,7 +237,7 @@ def test_drafter_starts_from_the_targets_last_layers():
     from tiny_targets import TINY_TARGETS
 
     from modeling_weaver import DFlashConfig, DFlashDraftModel
-    from modeling_weaver.training import init_from_target_layers
+    from modeling_weaver.lab.training import init_from_target_layers
 
     target = TINY_TARGETS["llama"]()
     drafter = DFlashDraftModel(DFlashConfig.from_target_config(target.config, num_hidden_layers=2, block_size=8,
@@ -260,7 +260,7 @@ def test_acceptance_profile_counts_what_the_decoding_loop_drafts(tiny, trained_d
     the decoding loop's own drafts: DFlashRunner per anchor, and Weaver's teacher-forced chain from its prompt."""
     from modeling_weaver.generate import DFlashRunner
     from modeling_weaver.modeling_dflash import DFlashDraftModel
-    from modeling_weaver.training import acceptance_profile, target_states
+    from modeling_weaver.lab.training import acceptance_profile, target_states
 
     target, _ = load_target(str(tiny / "target"))
     drafter = DFlashDraftModel.from_pretrained(trained_dflash, dtype=torch.float32).eval()
@@ -304,7 +304,7 @@ def test_kd_teacher_is_the_targets_next_token_distribution(tiny, trained_dflash)
     """The KD teacher of block position k is the target's own logits at ``anchor + k - 1`` (what predicts
     ``x[anchor + k]``), from the final hidden states of the same frozen pass that feeds the drafter."""
     from modeling_weaver.modeling_dflash import DFlashDraftModel
-    from modeling_weaver.training import collate
+    from modeling_weaver.lab.training import collate
 
     target, _ = load_target(str(tiny / "target"))
     drafter = DFlashDraftModel.from_pretrained(trained_dflash, dtype=torch.float32)

@@ -25,14 +25,14 @@ from pathlib import Path
 import torch
 from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
-from .cli import existing_file, nonnegative_int, positive_int, torch_device
-from .accept import Acceptance, path_to_leaf
+from ..cli import existing_file, nonnegative_int, positive_int, torch_device
+from ..accept import Acceptance, path_to_leaf
 from .benchmark import autoregressive_generate
-from .captured import release_static_targets, static_draft, step_options
+from ..captured import release_static_targets, static_draft, step_options
 from .data import cli_entry
-from .generate import MODES, PHASES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
-from .output_dir import check_output, written_output
-from .tree import Tree
+from ..generate import MODES, PHASES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
+from ..output_dir import check_output, written_output
+from ..tree import Tree
 
 
 def synthetic_trace(mal: float, max_length: int, num_steps: int = 4096, seed: int = 0) -> list[int]:
@@ -173,18 +173,18 @@ def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str,
 
 def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """Random-weight target, DFlash and Weaver of a ``hub_configs`` shape (or ``tiny``), built on ``device``."""
-    from .modeling_dflash import DFlashDraftModel
-    from .modeling_weaver import WeaverModel
+    from ..modeling_dflash import DFlashDraftModel
+    from ..modeling_weaver import WeaverModel
 
     torch.manual_seed(seed)
     if shape == "tiny":
-        from .cli import _tiny_setup
+        from ..cli import _tiny_setup
 
         target, drafter, weaver, _, _ = _tiny_setup(seed)
         return tuple(m.to(device=device, dtype=dtype).eval() for m in (target, drafter, weaver))
     from transformers import AutoModelForCausalLM
 
-    from .export import HUB_SPECS
+    from ..export import HUB_SPECS
 
     if shape not in HUB_SPECS:
         raise ValueError(f"unknown shape {shape!r}: choose tiny or one of {sorted(HUB_SPECS)}")
@@ -222,7 +222,7 @@ def switched(owner, attr: str, value, target):
 def int8_drafter(drafter, target):
     """The drafter's linears on int8 weights (:func:`~modeling_weaver.packed.int8_linears`) inside the block, on steps
     built anew (the drafter's and ``target``'s cached steps are dropped on entry and on exit)."""
-    from .packed import int8_linears, remove_int8_linears
+    from ..packed import int8_linears, remove_int8_linears
 
     int8_linears(drafter)  # (which drops the drafter's steps)
     release_static_targets(target)
@@ -237,8 +237,8 @@ def ab_switches() -> dict:
     """The settings the A/B scripts flip, by name: ``(owner, attribute, off, on)`` for a class or module switch read
     when a step is built (None, "on where it applies", counts as on), or None for ``int8_drafter``
     (:func:`int8_drafter`). Built on first use: it imports the kernel modules."""
-    from . import captured, tree
-    from .target import GatedDeltaNetLayerCache
+    from .. import captured, tree
+    from ..target import GatedDeltaNetLayerCache
 
     return {"node_table": (captured.StaticProposer, "use_node_table", False, True),
             "peel_root": (GatedDeltaNetLayerCache, "peel_root", False, True),
@@ -503,7 +503,7 @@ def run_replay(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target, drafter, weaver = random_models(args.shape, device, getattr(torch, args.dtype), args.seed)
     if args.int8_drafter:
-        from .packed import int8_linears
+        from ..packed import int8_linears
 
         int8_linears(drafter)
     if args.trace:

@@ -17,7 +17,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .target import ATTENTION_ONLY, text_config
+from ..target import ATTENTION_ONLY, text_config
 
 
 class BatchedSampler:
@@ -103,7 +103,7 @@ class BatchedSampler:
     def _capture(self):
         """Capture the decode step. Warm-up and capture run it, so the step counter and tokens are put back (the K/V
         rows they wrote lie ahead and are rewritten before anything attends to them)."""
-        from .captured import capture_graph
+        from ..captured import capture_graph
 
         try:
             self._graph, _ = capture_graph(self._decode_step, restore=(self.step_t, self.tokens))
@@ -115,7 +115,7 @@ class BatchedSampler:
     def generate(self, prompts, max_new_tokens: int, eos_token_id, temperature: float = 0.0, top_p: float = 1.0,
                  check_every: int = 16) -> list[tuple[list[int], bool]]:
         """Continue each prompt (token id lists, at most ``batch_size``); returns per prompt ``(new tokens up to and
-        including the first eos, finished)``, like :func:`modeling_weaver.data.batched_generate`."""
+        including the first eos, finished)``, like :func:`modeling_weaver.lab.data.batched_generate`."""
         if not 0 < len(prompts) <= self.batch_size:
             raise ValueError(f"give 1..{self.batch_size} prompts, got {len(prompts)}")
         width = max(len(p) for p in prompts)

@@ -55,13 +55,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .cli import existing_dir, int_at_least, nonnegative_int, positive_int, torch_device
-from .configuration_dflash import DFlashConfig
-from .configuration_weaver import WeaverConfig
+from ..cli import existing_dir, int_at_least, nonnegative_int, positive_int, torch_device
+from ..configuration_dflash import DFlashConfig
+from ..configuration_weaver import WeaverConfig
 from .data import TokenDataset, cli_entry, require_dir
-from .modeling_dflash import DFlashDraftModel
-from .modeling_weaver import WeaverModel
-from .output_dir import check_output
+from ..modeling_dflash import DFlashDraftModel
+from ..modeling_weaver import WeaverModel
+from ..output_dir import check_output
 from .smollm2 import load_target, resolve_device, resolve_dtype
 
 STATE_FILE = "training_state.pt"

@@ -46,8 +46,8 @@ from pathlib import Path
 
 import torch
 
-from .cli import existing_file, nonnegative_int, positive_int, torch_device
-from .output_dir import check_new_files
+from ..cli import existing_file, nonnegative_int, positive_int, torch_device
+from ..output_dir import check_new_files
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Shared plumbing: cache folder, wheel members fetched from PyPI, CLI error handling.
@@ -362,7 +362,7 @@ def write_shard(path: str | Path, samples: Sequence[dict]) -> None:
     """Save samples ``{"input_ids": list[int], "prompt_len": int, "greedy": bool, "prompt_hash": int[, "source": int]}``
     as one ``.pt``: ``input_ids`` int32 ``[total]`` (sequences back to back), ``offsets`` int64 ``[n + 1]``,
     ``prompt_lens`` int32 ``[n]`` (chat-templated prompt length: the response starts there), ``greedy`` bool ``[n]``,
-    ``prompt_hash`` int64 ``[n]``, ``source`` int8 ``[n]`` (index into :data:`modeling_weaver.prompts.SOURCES`;
+    ``prompt_hash`` int64 ``[n]``, ``source`` int8 ``[n]`` (index into :data:`modeling_weaver.lab.prompts.SOURCES`;
     0 = written by the target)."""
     lengths = [len(s["input_ids"]) for s in samples]
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
@@ -465,7 +465,7 @@ def _eos_ids(model, tokenizer) -> list[int]:
 def batched_generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                      temperature: float = 0.0, top_p: float = 1.0, sampler=None) -> list[tuple[list[int], bool]]:
     """Continue each prompt (token ids); left-padded batch through ``model.generate``, or through ``sampler`` (a
-    :class:`~modeling_weaver.sampler.BatchedSampler`: static caches, CUDA-graph decode steps).
+    :class:`~modeling_weaver.lab.sampler.BatchedSampler`: static caches, CUDA-graph decode steps).
 
     Returns per prompt ``(new tokens up to and including the first eos, finished)``; ``temperature = 0`` is greedy.
     """
@@ -545,7 +545,7 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
     """Regenerate training data with the target (module docstring); writes shards into ``out_dir``.
 
     Works in rounds of ``batch_size`` user turns: turns the target writes itself (sampled from the chat template up
-    to the user header) and, with ``settings.mix``, turns from :class:`~modeling_weaver.prompts.PromptMixer` in
+    to the user header) and, with ``settings.mix``, turns from :class:`~modeling_weaver.lab.prompts.PromptMixer` in
     that mix; duplicates and eval leaks are dropped; the target answers a round's turns in one decoding mode (greedy
     with probability ``greedy_fraction``, else ``response_temperature``); answers that leak are dropped. Stops at
     ``num_samples`` or after ``max_minutes``. ``manifest-{tag}.json`` records the settings (seed included), the
@@ -605,7 +605,7 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
         return True
 
     from .sampler import BatchedSampler
-    from .target import ATTENTION_ONLY
+    from ..target import ATTENTION_ONLY
 
     sampler = None
     on_cuda = next(model.parameters()).is_cuda
@@ -741,7 +741,7 @@ def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                              "GPU); hf: model.generate; auto: ours on CUDA for attention-only targets")
     parser.add_argument("--mix", default=d.mix, metavar="SOURCE=W,...",
                         help="user turns from several sources in these proportions: self (written by the target), "
-                             "template, math, code, passage (modeling_weaver/prompts.py); e.g. "
+                             "template, math, code, passage (modeling_weaver/lab/prompts.py); e.g. "
                              "'self=0.3,template=0.25,math=0.1,code=0.25,passage=0.1'. Default: self only")
     parser.add_argument("--code-packages", nargs="*", default=[], metavar="PACKAGE",
                         help="installed packages whose documented functions the code/passage sources draw from "

