@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .cli import existing_file, positive_int
+from ..cli import existing_file, positive_int
 from .data import FetchError, cache_root, cli_entry, pip_download_member, require, sha256_file
 from ..output_dir import check_output, written_output
 
