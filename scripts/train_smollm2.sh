@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The recipe behind the SmolLM2-135M-Instruct drafters, one stage per argument, each bounded in minutes so that it
 # fits the lent GPU machine's 10-minute calls (zoo/smollm2-135m-instruct/README.md says how the GGUF gets there;
-# keep $WORK outside the repo, e.g. /tmp/smol/work: the repo copy is replaced on every call). `pack` tars what
-# should come back into $OUT in ≤ 15 MiB pieces (join here with `cat pack.tgz.* | tar xzf -`).
+# keep $WORK outside the repo, e.g. /tmp/smol/work: the repo copy is replaced on every call). Stages: gguf, data,
+# dflash, weaver, profile, back; bound every background job of a call with `timeout` so that the call's last
+# lines (`back`) always run inside the 10 minutes.
 #
-#   scripts/train_smollm2.sh data dflash           # call 2 (after the GGUF is in place)
-#   scripts/train_smollm2.sh dflash                # call 3: the same run resumed (--resume), schedule unchanged
-#   scripts/train_smollm2.sh weaver bench pack     # call 4
-#   scripts/train_smollm2.sh gputests replay       # GPU tests and the Qwen3.6-27B-shape acceptance replay
+#   scripts/train_smollm2.sh gguf                  # after the three GGUF parts are in /tmp/smol
+#   scripts/train_smollm2.sh data dflash back      # generate, train, bring weights and manifests back
+#   scripts/train_smollm2.sh dflash back           # the same run resumed (--resume) while the machine is warm
+#   scripts/train_smollm2.sh weaver profile back   # the Weaver on the new drafter, its acceptance, back
 #
 # Zoo v2 (zoo/smollm2-135m-instruct/README.md): `gguf` joins /tmp/smol/*.part* and converts; `data` with MIX=... draws user turns from
 # several sources (TAG names the shards, SEED must differ per run, HELDOUT turns are excluded); DFLASH_FLAGS /
@@ -17,7 +18,7 @@
 #
 # DFlash runs DFLASH_TOTAL minutes of schedule in chunks of at most DFLASH_MIN per call (--session-minutes), the
 # Weaver WEAVER_TOTAL in chunks of WEAVER_MIN. A machine can go cold between calls: end every training call by
-# bringing the weights back into $OUT (`pack`, or a cp of the model folder).
+# bringing the weights back into $OUT (`back`, or a cp of the model folder).
 set -euo pipefail
 WORK=${WORK:-/tmp/smol/work}
 DATA_MIN=${DATA_MIN:-2.5} DFLASH_MIN=${DFLASH_MIN:-8} DFLASH_TOTAL=${DFLASH_TOTAL:-16} WEAVER_MIN=${WEAVER_MIN:-4}
