@@ -1,4 +1,4 @@
-"""Acceptance rules: which root→node path of a verified tree is committed, and the next bonus token. DESIGN.md §6.
+"""Acceptance rules (docs/DESIGN.md §6): which root→node path of a verified tree is committed, and the next bonus token.
 
 Every rule returns an :class:`Acceptance`: the accepted node indices ``path`` (root first) and a new ``bonus`` token.
 The step commits ``len(path)`` tokens (the root, i.e. the previous bonus, plus the accepted drafts); the new bonus is
@@ -186,7 +186,7 @@ def path_to_leaf(ancestor_mask: torch.Tensor, leaf: torch.Tensor, depth: torch.T
 def accept_target_only(
     tree: Tree, probs: torch.Tensor, generator: torch.Generator | None = None
 ) -> Acceptance:
-    """Target-only sampling (the "naive verification" of Traversal Verification, DESIGN.md §6).
+    """Target-only sampling (the "naive verification" of Traversal Verification, docs/DESIGN.md §6).
 
     At the current node draw ``x ~ p(node)``; if ``x`` is the token of one of the node's children move to that child,
     otherwise ``x`` is the bonus. Lossless for *any* tree: each emitted token is literally a draw from the target's
@@ -288,7 +288,7 @@ def _reject(states: dict[int, _NodeState | None], alpha: list[float], parent: in
 def accept_traversal(
     tree: Tree, probs: torch.Tensor, generator: torch.Generator | None = None
 ) -> Acceptance:
-    """Traversal verification (Weng et al., arXiv 2505.12398; DESIGN.md §6): bottom-up, sequence-level acceptance.
+    """Traversal verification (Weng et al., arXiv 2505.12398; docs/DESIGN.md §6): bottom-up, sequence-level acceptance.
 
     ``q(c | parent) = exp(tree.logq[c])`` renormalised over the parent's children (children with ``logq = -inf`` are
     outside q's support and are never visited). Siblings are visited in the order of Gumbel keys

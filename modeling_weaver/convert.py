@@ -5,7 +5,7 @@
   *unchanged* into :class:`~modeling_weaver.DFlashDraftModel`: :func:`load_dflash` validates every tensor name and
   shape against the config first (clear errors naming the key), :func:`convert_dflash` re-saves one in our Hub layout
   (``model_type "dflash"``, our ``auto_map`` and code files).
-* **The paper's Weaver release** (a ``.pth`` dict ``{"config", "state_dict"}``, DESIGN.md §3, "Variant B"):
+* **The paper's Weaver release** (a ``.pth`` dict ``{"config", "state_dict"}``, docs/DESIGN.md §3, "Variant B"):
   :func:`read_released_weaver` maps the config field by field and checks every key and shape;
   :func:`convert_weaver` writes a :class:`~modeling_weaver.WeaverModel` Hub folder (config, code, safetensors). The
   older research variant (separate ``q_proj/k_proj/v_proj``, GELU ``fc1/fc2`` MLP, learned ``pos_emb``) computes

@@ -243,7 +243,7 @@ def export_pair(out, drafter: DFlashDraftModel, weaver: WeaverModel | None = Non
 
 
 def qwen3_6_27b_config():
-    """Text part of Qwen3.6-27B (DESIGN.md §7): 64 layers = 16 × (3 GDN + 1 gated attention), hidden 5120."""
+    """Text part of Qwen3.6-27B (docs/DESIGN.md §7): 64 layers = 16 × (3 GDN + 1 gated attention), hidden 5120."""
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
@@ -256,7 +256,7 @@ def qwen3_6_27b_config():
 
 
 def smollm2_135m_config():
-    """HuggingFaceTB/SmolLM2-135M-Instruct (Llama; DESIGN.md §7 plus its published config.json)."""
+    """HuggingFaceTB/SmolLM2-135M-Instruct (Llama; docs/DESIGN.md §7 plus its published config.json)."""
     from transformers import LlamaConfig
 
     return LlamaConfig(

@@ -1,4 +1,4 @@
-"""The speculative decoding loop: draft → tree → verify → accept → commit (DESIGN.md §1), batch 1.
+"""The speculative decoding loop: draft → tree → verify → accept → commit (docs/DESIGN.md §1), batch 1.
 
 ``speculative_generate`` is the plain-function API; ``generate`` is the same loop behind
 ``target.generate(input_ids, custom_generate=generate, drafter=..., weaver=...)``.

@@ -1,4 +1,4 @@
-"""Proposal trees: one structure, three builders (chain, DDTree, Weaver). DESIGN.md §4.
+"""Proposal trees: one structure, three builders (chain, DDTree, Weaver). docs/DESIGN.md §4.
 
 A tree's node 0 is the root, the bonus token the target chose last; draft nodes follow in topological order
 (every parent before its children). The budget counts draft nodes, so a tree has at most ``budget + 1`` nodes.
@@ -326,7 +326,7 @@ def weaver_tree_tensors(
     spine: bool | None = None,
     rounds: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A Weaver tree from batched expansion rounds over the frontier (DESIGN.md §4), on the device.
+    """A Weaver tree from batched expansion rounds over the frontier (docs/DESIGN.md §4), on the device.
 
     Best-first rounds (``spine=False``, the paper's): the root is expanded first; then each round turns the ``width``
     best frontier entries (cumulative log-prob) into tree nodes and runs one batched Weaver node step on them, which

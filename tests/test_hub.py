@@ -180,7 +180,7 @@ WCFG = {"d_model": 48, "d_embed": 40, "d_rank": 32, "num_layers": 2, "num_heads"
 
 
 def released_state_dict(cfg=WCFG, seed=0, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The release's key names and shapes (DESIGN.md §3), written out by hand."""
+    """The release's key names and shapes (docs/DESIGN.md §3), written out by hand."""
     dm, de, dr, mlp = cfg["d_model"], cfg["d_embed"], cfg["d_rank"], cfg["mlp_dim"]
     shapes = {"output_norm.weight": (dm,), "output_norm.bias": (dm,), "embed_norm.weight": (de,),
               "embed_norm.bias": (de,), "token_in.weight": (dr, de), "token_in.bias": (dr,),
@@ -338,7 +338,7 @@ def test_older_weaver_variant_is_refused_by_name(tmp_path):
 
 
 def qwen3_6_27b_text():
-    """Qwen3.6-27B's text config at DESIGN.md §7 numbers (built here, independently of the package)."""
+    """Qwen3.6-27B's text config at docs/DESIGN.md §7 numbers (built here, independently of the package)."""
     return Qwen3_5TextConfig(
         vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
         num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,

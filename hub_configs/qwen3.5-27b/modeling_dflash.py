@@ -1,4 +1,4 @@
-"""DFlash block drafter (z-lab layout, DESIGN.md §2).
+"""DFlash block drafter (z-lab layout, docs/DESIGN.md §2).
 
 One forward drafts a block ``[b, MASK × (B-1)]``: Qwen3-style layers, bidirectional among the block tokens, whose
 keys/values are the concatenation of projected target context features and the block. The drafter owns no embedding

@@ -1,4 +1,4 @@
-"""Weaver tree adapter configuration (paper's released layout, DESIGN.md §3)."""
+"""Weaver tree adapter configuration (paper's released layout, docs/DESIGN.md §3)."""
 
 from __future__ import annotations
 

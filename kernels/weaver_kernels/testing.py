@@ -53,7 +53,7 @@ def best_first_parents(T: int, rng: random.Random, max_depth: int = 15, temperat
     """A DDTree-style best-first tree of T nodes (root + T-1 drafts) from random per-depth marginals.
 
     Per depth, ranked log-probs come from a random logit vector (softmax with ``temperature``); a heap over
-    cumulative log-prob pops the best path, pushing its next sibling and its first child (DESIGN.md §4).
+    cumulative log-prob pops the best path, pushing its next sibling and its first child (docs/DESIGN.md §4).
     Node order is pop order: topological, not depth-sorted. Depth ≤ ``max_depth``.
     """
     V = 64

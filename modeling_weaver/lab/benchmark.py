@@ -1,4 +1,4 @@
-"""Benchmark: AR vs chain DFlash / DDTree / Weaver trees on MT-Bench and HumanEval (issue 4; DESIGN.md §9).
+"""Benchmark: AR vs chain DFlash / DDTree / Weaver trees on MT-Bench and HumanEval (issue 4; docs/DESIGN.md §9).
 
 For every dataset (prompts through the target's chat template) and every method — AR, then ``chain``, ``ddtree`` and
 ``weaver`` at each ``--budgets`` value — at each ``--temperatures`` value (0 = greedy; sampling uses target-only

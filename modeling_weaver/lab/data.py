@@ -1,4 +1,4 @@
-"""Data for drafter training and evaluation (DESIGN.md §2, §8).
+"""Data for drafter training and evaluation (docs/DESIGN.md §2, §8).
 
 Evaluation prompts (evaluation only — never trained on):
 
@@ -151,7 +151,7 @@ def cli_entry(fn):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Evaluation prompts (DESIGN.md §8).
+# Evaluation prompts (docs/DESIGN.md §8).
 # ----------------------------------------------------------------------------------------------------------------------
 
 

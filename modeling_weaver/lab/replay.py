@@ -1,4 +1,4 @@
-"""Acceptance replay: the real cost of every speculative step at a large target's shape (DESIGN.md §9, issue 5).
+"""Acceptance replay: the real cost of every speculative step at a large target's shape (docs/DESIGN.md §9, issue 5).
 
 Trained drafters for a 27B target are not at hand, and random ones accept nothing. The replay runs the whole loop —
 DFlash draft, tree build (chain / DDTree / Weaver), target verify, commit — on random-weight models of the real

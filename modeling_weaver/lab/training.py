@@ -1,4 +1,4 @@
-"""Drafter training for a frozen target: DFlash (DESIGN.md §2) and Weaver with DFlash frozen (§3).
+"""Drafter training for a frozen target: DFlash (docs/DESIGN.md §2) and Weaver with DFlash frozen (§3).
 
 **DFlash** (:func:`run_train_dflash`). Per sequence (chat-templated prompt + the target's own response):
 
@@ -924,7 +924,7 @@ def _add_common(parser: argparse.ArgumentParser, lr: float, warmup: float, batch
 def add_train_dflash_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of ``train-dflash``."""
     parser.description = (
-        "Train a DFlash block drafter for a frozen target (DESIGN.md §2): random anchors in each response, all "
+        "Train a DFlash block drafter for a frozen target (docs/DESIGN.md §2): random anchors in each response, all "
         "blocks of a sequence in one block-sparse pass over target features computed on the fly, position-decayed "
         "cross entropy through the target's frozen lm_head; AdamW + cosine. Single process, or DDP under torchrun."
     )
@@ -950,7 +950,7 @@ def add_train_dflash_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
 def add_train_weaver_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of ``train-weaver``."""
     parser.description = (
-        "Train a Weaver tree adapter (DESIGN.md §3) with a frozen target and a frozen DFlash drafter: teacher forcing "
+        "Train a Weaver tree adapter (docs/DESIGN.md §3) with a frozen target and a frozen DFlash drafter: teacher forcing "
         "along the target's own continuation, loss (1-λ)·KL + λ·TV to the target distribution restricted to the "
         "candidate pool; AdamW (or Muon for matrices) + WSD schedule. Single process, or DDP under torchrun."
     )

@@ -1,4 +1,4 @@
-"""DFlash block drafter configuration (z-lab layout, DESIGN.md §2).
+"""DFlash block drafter configuration (z-lab layout, docs/DESIGN.md §2).
 
 A DFlash drafter is a small stack of Qwen3-style decoder layers that drafts a whole block ``[b, MASK × (B-1)]`` in one
 non-causal forward, conditioned on hidden states of the target model. Published z-lab checkpoints are plain Qwen3

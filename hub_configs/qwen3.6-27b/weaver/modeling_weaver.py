@@ -1,4 +1,4 @@
-"""Weaver tree adapter (paper's released layout, DESIGN.md §3).
+"""Weaver tree adapter (paper's released layout, docs/DESIGN.md §3).
 
 Weaver turns DFlash's per-depth marginals into path-conditioned proposals. Per speculative step:
 
@@ -131,7 +131,7 @@ class WeaverPreTrainedModel(PreTrainedModel):
 
 class WeaverModel(WeaverPreTrainedModel):
     """Weaver adapter. Keys: ``output_norm``, ``embed_norm``, ``token_in``, ``proposal_in``, ``blocks.{i}.*``,
-    ``out_norm``, ``lm_head_query_in`` (see DESIGN.md §3 for shapes). Owns no embedding and no lm_head: node inputs
+    ``out_norm``, ``lm_head_query_in`` (shapes: docs/DESIGN.md §3). Owns no embedding and no lm_head: node inputs
     are target embeddings and candidate scores read rows of the target lm_head."""
 
     def __init__(self, config: WeaverConfig):

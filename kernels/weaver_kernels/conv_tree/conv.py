@@ -1,4 +1,4 @@
-"""Triton kernels for the depthwise causal conv1d over a tree (DESIGN.md §5) and its commit.
+"""Triton kernels for the depthwise causal conv1d over a tree (docs/DESIGN.md §5) and its commit.
 
 Verify: node i convolves ``[x_anc(W-1)(i), …, x_parent(i), x_i]`` — its nearest ancestors, continued above the root
 by the committed window (oldest first). Each program walks W-1 parent hops for a block of nodes (indices only, all

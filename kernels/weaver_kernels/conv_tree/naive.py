@@ -1,4 +1,4 @@
-"""Plain torch reference for the depthwise causal conv1d over a tree (DESIGN.md §5).
+"""Plain torch reference for the depthwise causal conv1d over a tree (docs/DESIGN.md §5).
 
 Node i convolves ``[x_anc(W-1)(i), …, x_parent(i), x_i]``: its nearest ancestors, continued above the root by the
 committed window. ``x [B, T, C]``, window ``[B, C, W-1]`` (oldest first), weight ``[C, W]``, parents ``[T]`` (-1 root).

@@ -1,4 +1,4 @@
-"""Triton tree gated delta rule (DESIGN.md §5): rollback-free verify, and the accepted-path commit (:mod:`.commit`).
+"""Triton tree gated delta rule (docs/DESIGN.md §5): rollback-free verify and accepted-path commit (:mod:`.commit`).
 
 Verify (writes no state). For a tree of T nodes in topological order with committed state S0, per value head::
 

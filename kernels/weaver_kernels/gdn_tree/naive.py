@@ -1,4 +1,4 @@
-"""Plain torch references for the tree gated delta rule (DESIGN.md §5).
+"""Plain torch references for the tree gated delta rule (docs/DESIGN.md §5).
 
 Shapes follow fla (batch first, time second): q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g and beta ``[B, T, HV]``,
 state ``[B, HV, K, V]`` (fp32). ``HV`` is a multiple of ``H``: value head ``h`` reads q/k head ``h // (HV // H)``.

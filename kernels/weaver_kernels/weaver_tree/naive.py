@@ -1,4 +1,4 @@
-"""Plain torch reference for the bookkeeping of one Weaver expansion round (``modeling_weaver.tree``, DESIGN.md §4).
+"""Plain torch reference for one Weaver expansion round's bookkeeping (``modeling_weaver.tree``, docs/DESIGN.md §4).
 
 A round runs the Weaver on the nodes ``lo..hi-1`` made by the previous round; then
 
