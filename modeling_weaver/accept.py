@@ -1,4 +1,4 @@
-"""Acceptance rules (docs/DESIGN.md §6): which root→node path of a verified tree is committed, and the next bonus token.
+"""Acceptance rules (docs/DESIGN.md §6): which root→node path of a tree is committed, and the next bonus token.
 
 Every rule returns an :class:`Acceptance`: the accepted node indices ``path`` (root first) and a new ``bonus`` token.
 The step commits ``len(path)`` tokens (the root, i.e. the previous bonus, plus the accepted drafts); the new bonus is

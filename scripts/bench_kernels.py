@@ -1,6 +1,6 @@
 """Benchmark the tree kernels at Qwen3.6-27B's GDN shape (H=16, HV=48, K=V=128, batch 1) on one GPU.
 
-For T ∈ {16, 32, 64, 128} nodes, on random best-first trees (depth ≤ 15, docs/DESIGN.md §4) and on chains, in one run:
+For T ∈ {16, 32, 64, 128} nodes, on random best-first trees (depth ≤ 15, docs/DESIGN.md §4) and chains, in one run:
 
 - ours: ``gdn_tree_verify`` (Triton, rollback-free) and ``gdn_tree_commit`` (accepted path = deepest leaf; for chains
   the whole chain), separately and as one verify+commit step;
@@ -11,7 +11,7 @@ For T ∈ {16, 32, 64, 128} nodes, on random best-first trees (depth ≤ 15, doc
 - (c) the torch reference (verify + commit, fp32, eager);
 - the tree conv1d + window commit at C = 10240.
 
-Timing (docs/DESIGN.md §9): inputs for ``--layers`` distinct layers (rotated so states do not sit in L2), one CUDA graph
+Timing (docs/DESIGN.md §9): inputs for ``--layers`` distinct layers (rotated, so states are not in L2), one CUDA graph
 per measurement replaying all layers; per-layer µs = replay time / layers; median of ``--reps`` replays after
 warm-up (autotuning happens before capture). Eager per-call medians (host launch included) are reported beside
 them. Bytes are the minimum traffic (each input read once, each output written once) over the measured time,

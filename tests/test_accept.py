@@ -1,4 +1,4 @@
-"""Acceptance rules (docs/DESIGN.md §6): greedy exactness, losslessness in distribution (χ²), power of the χ² test, and
+"""Acceptance rules (docs/DESIGN.md §6): greedy exactness, lossless in distribution (χ²), power of the χ² test, and
 structural properties on random trees. CPU only."""
 
 from __future__ import annotations
