@@ -952,7 +952,8 @@ def add_train_weaver_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
     parser.description = (
         "Train a Weaver tree adapter (docs/DESIGN.md §3) with a frozen target and a frozen DFlash drafter: teacher "
         "forcing along the target's own continuation, loss (1-λ)·KL + λ·TV to the target distribution "
-        "restricted to the candidate pool; AdamW (or Muon for matrices) + WSD schedule. Single process, or DDP under torchrun."
+        "restricted to the candidate pool; AdamW (or Muon for matrices) + WSD schedule. Single process, or DDP under "
+        "torchrun."
     )
     _add_common(parser, lr=2e-4, warmup=0.02, batch_size=8, anchors=64)
     m = parser.add_argument_group("weaver")
