@@ -34,7 +34,7 @@ _BANNER_START, _BANNER_END = BANNER.split("{source}")
 def with_banner(text: str, source: str) -> str:
     """``text`` with the banner naming ``source`` as its first line; a banner already there is replaced, so a copy of a
     copy carries one. A comment may precede ``from __future__`` imports and the module docstring."""
-    first, newline, rest = text.partition("\n")
+    first, _, rest = text.partition("\n")
     if first.startswith(_BANNER_START) and first.endswith(_BANNER_END.rstrip("\n")):
         text = rest
     return BANNER.format(source=source) + text
