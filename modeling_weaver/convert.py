@@ -29,7 +29,7 @@ from .configuration_dflash import DFlashConfig
 from .configuration_weaver import WeaverConfig
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
-from .output_dir import check_output, written_output
+from .output_dir import check_output, stamp_code_copies, written_output
 
 __all__ = [
     "CheckpointError",
@@ -93,6 +93,7 @@ def _save(model, dst, overwrite: bool, inputs=()) -> Path:
     see :mod:`modeling_weaver.output_dir` for what may be replaced."""
     with written_output(dst, inputs, overwrite) as tmp:
         model.save_pretrained(tmp)
+        stamp_code_copies(tmp)
     return Path(dst)
 
 

@@ -38,7 +38,7 @@ from .configuration_weaver import WeaverConfig
 from .convert import CheckpointError
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
-from .output_dir import written_output
+from .output_dir import stamp_code_copies, with_banner, written_output
 from .pairing import PairingError, _config, _text, check_pair
 
 __all__ = [
@@ -83,6 +83,7 @@ def _write_code_and_config(config, folder: Path, model_class) -> None:
     custom_object_save(model, folder, config=config)  # modeling file (+ relative imports), AutoModel auto_map entry
     config.save_pretrained(folder)  # config.json (+ AutoConfig entry, configuration file)
     _normalise_config_json(folder / "config.json")
+    stamp_code_copies(folder)
 
 
 def _normalise_config_json(path: Path) -> None:
@@ -129,12 +130,14 @@ def _template(path: str) -> Path:
 
 
 def write_custom_generate(repo: Path) -> None:
-    """Copy the ``custom_generate/`` recipe (generate.py + requirements.txt) into a repo folder."""
+    """Copy the ``custom_generate/`` recipe (generate.py + requirements.txt, both read past a ``#`` line) into a repo
+    folder, each under the generated-file banner."""
     src = _template("custom_generate")
     dst = Path(repo) / "custom_generate"
     dst.mkdir(parents=True, exist_ok=True)
     for name in ("generate.py", "requirements.txt"):
-        shutil.copyfile(src / name, dst / name)
+        text = (src / name).read_text(encoding="utf-8")
+        (dst / name).write_text(with_banner(text, f"custom_generate/{name}"), encoding="utf-8")
 
 
 _FIELD = re.compile(r"\{\{\s*(\w+)\s*\}\}")
@@ -229,6 +232,7 @@ def export_pair(out, drafter: DFlashDraftModel, weaver: WeaverModel | None = Non
         def save(folder: Path):
             (model.to(dtype) if dtype is not None else model).save_pretrained(folder)
             _normalise_config_json(folder / "config.json")
+            stamp_code_copies(folder)
         return save
 
     with written_output(out, inputs, overwrite) as tmp:

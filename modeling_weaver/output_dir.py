@@ -5,7 +5,8 @@ beside the destination and renamed into place once complete, carrying a marker f
 non-empty destination is replaced only with ``overwrite=True`` and only when it carries that marker; a destination
 that overlaps an input (equal, inside it, or holding it, symlinks resolved) is refused. Folders get the permissions of
 a plain ``mkdir`` (the umask decides). Commands that add files to a folder they share with other runs (make-data's
-tagged files, a script's single output file) refuse a name that already exists (:func:`check_new_files`).
+tagged files, a script's single output file) refuse a name that already exists (:func:`check_new_files`). Code
+files copied into a Hub folder start with a "generated — do not edit" line naming their source (:func:`with_banner`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,36 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
-__all__ = ["MARKER", "OutputOverlapError", "check_new_files", "check_output", "is_our_output", "written_output"]
+__all__ = ["MARKER", "OutputOverlapError", "check_new_files", "check_output", "is_our_output", "stamp_code_copies",
+           "with_banner", "written_output"]
 
 #: Present in every folder this package writes; only such a folder may be replaced.
 MARKER = ".modeling_weaver_output"
 _MARKER_TEXT = "Written by modeling-weaver. `weaver ... --overwrite` may replace this folder; it replaces no other.\n"
+
+
+#: First line of every code file copied into a Hub folder (``{source}``: the file it is a copy of).
+BANNER = "# Generated from {source} — do not edit; edit the source and run `weaver export`.\n"
+_BANNER_START, _BANNER_END = BANNER.split("{source}")
+
+
+def with_banner(text: str, source: str) -> str:
+    """``text`` with the banner naming ``source`` as its first line; a banner already there is replaced, so a copy of a
+    copy carries one. A comment may precede ``from __future__`` imports and the module docstring."""
+    first, _, rest = text.partition("\n")
+    if first.startswith(_BANNER_START) and first.endswith(_BANNER_END.rstrip("\n")):
+        text = rest
+    return BANNER.format(source=source) + text
+
+
+def stamp_code_copies(folder) -> None:
+    """Put the banner on the package's code files that ``save_pretrained`` copied into ``folder`` (its ``*.py`` named
+    like a module of this package)."""
+    package = Path(__file__).resolve().parent
+    for path in sorted(Path(folder).glob("*.py")):
+        if (package / path.name).is_file():
+            path.write_text(with_banner(path.read_text(encoding="utf-8"), f"modeling_weaver/{path.name}"),
+                            encoding="utf-8")
 
 
 class OutputOverlapError(ValueError):

@@ -6,8 +6,7 @@ drafter on a GPU.
 PyTorch's CPU ``F.linear`` hands each call to MKL, which re-packs the weight every time; at the row counts of decoding
 (1 token, or a tree of 9-65 nodes) that packing is most of the work. :func:`pack_cpu_linears` packs every
 ``nn.Linear`` weight of the given models once into oneDNN's blocked layout and routes the module's calls through it
-(measured on a 2-core AMD EPYC with avx512_bf16, fp32, SmolLM2's lm_head 49152 × 576: 24.5 → 5.8 ms at 17 rows,
-11.9 → 6.0 ms at 1 row; BENCHMARKS.md). It is an inference switch of the models themselves, so every caller sees
+(timings: BENCHMARKS.md, the CPU demo). It is an inference switch of the models themselves, so every caller sees
 the same linears — transformers' ``generate``, our AR path and the speculative loop alike — and their greedy outputs
 stay comparable token for token. The cost is one packed copy of each weight (+ the model's linear weights in memory).
 

@@ -2,8 +2,8 @@
 
     PYTHONPATH=$PWD:$PWD/kernels python scripts/bench_gemv.py
 
-The AR step is 13.1 of its 14.3 GPU ms in cuBLAS GEMMs of one row, most at 3.9-4.1 TB/s but the 63 MB output
-projections at 3.4-3.5 (BENCHMARKS.md, replay O). This times, per weight shape, ``F.linear`` (cuBLAS), ``torch.mv``
+Most of the AR step's GPU time is cuBLAS GEMMs of one row, the 63 MB output projections below the others' bandwidth
+(BENCHMARKS.md, the Qwen3.6-27B replay). This times, per weight shape, ``F.linear`` (cuBLAS), ``torch.mv``
 (cuBLAS's GEMV path) and a Triton GEMV (each program ``BN`` output columns over all of K, fp32 sums) over a few
 tile shapes, each variant one CUDA graph over enough weight copies to be well past the L2 (median µs per product
 and TB/s of weight read).

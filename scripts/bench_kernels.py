@@ -23,7 +23,7 @@ against the ≈4.3 TB/s copy bandwidth measured on these H200s.
         [--out bench.json]
 
 (``PYTHONPATH=kernels`` where the package is not installed, e.g. on the lent GPU machine; fla is optional.)
-Results and the exact commands of the recorded runs: BENCHMARKS.md, "Kernels".
+Results with their commands: BENCHMARKS.md, "Kernels" (current); every recorded run: docs/history/benchmarks-log.md.
 """
 
 from __future__ import annotations

@@ -2,14 +2,14 @@
 
     PYTHONPATH=$PWD:$PWD/kernels python scripts/bench_l2_prefetch.py
 
-In a Gated DeltaNet layer's AR step the in_proj GEMM is followed by the conv and delta-rule decode launches (≈ 9 µs
-together on an H200, latency-bound: HBM nearly idle), then the out_proj GEMM (63 MB at Qwen3.6-27B shape, 18.4 µs,
-3.4 TB/s). A side stream that pulls the first P MB of out_proj's weight into L2 while conv and decode run would let
-the GEMM read those bytes from L2. This script times 48 such layers (random bf16 weights at the real shape, one
-CUDA graph, weights well past the L2) without and with that prefetch, for several P and two ways of prefetching:
-``load`` (loads kept in L2 with evict_last) and ``hint`` (PTX ``prefetch.global.L2::evict_last``, no registers).
-It also times each piece alone, and the out_proj GEMM right after a serial prefetch (what an L2 hit is worth).
-Prints µs per layer; the difference from ``none`` is what a prefetch would take off each GDN layer's step.
+In a Gated DeltaNet layer's AR step the in_proj GEMM is followed by the conv and delta-rule decode launches
+(latency-bound: HBM nearly idle), then the out_proj GEMM (63 MB at Qwen3.6-27B shape). A side stream that pulls the
+first P MB of out_proj's weight into L2 while conv and decode run would let the GEMM read those bytes from L2. This
+script times 48 such layers (random bf16 weights at the real shape, one CUDA graph, weights well past the L2) without
+and with that prefetch, for several P and two ways of prefetching: ``load`` (loads kept in L2 with evict_last) and
+``hint`` (PTX ``prefetch.global.L2::evict_last``, no registers). It also times each piece alone, and the out_proj GEMM
+right after a serial prefetch (what an L2 hit is worth). Prints µs per layer; the difference from ``none`` is what a
+prefetch would take off each GDN layer's step.
 """
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ from modeling_weaver.export import (
     render_card,
     sync_hub_configs,
 )
+from modeling_weaver.output_dir import with_banner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,6 +96,8 @@ def test_zlab_checkpoint_loads_unchanged_and_is_lossless(zlab_dir, tmp_path):
 
     ours = convert_dflash(zlab_dir, tmp_path / "ours")
     assert json.loads((ours / "config.json").read_text())["auto_map"]["AutoModel"] == "modeling_dflash.DFlashDraftModel"
+    copied = (ours / "modeling_dflash.py").read_text(encoding="utf-8")
+    assert copied == generated_copy("modeling_weaver/modeling_dflash.py")
     remote = AutoModel.from_pretrained(ours, trust_remote_code=True).float().eval()
     assert type(remote).__module__ != type(drafter).__module__  # the copied code, not this package
 
@@ -356,12 +359,27 @@ def test_hub_configs_are_in_sync_with_the_package():
     stale = sync_hub_configs(check=True)
     assert not stale, f"hub_configs/ out of sync ({stale[:3]}...): run `weaver export --hub-configs`"
     for name in HUB_SPECS:
-        for sub, module in (("dflash", "modeling_dflash.py"), ("weaver", "modeling_weaver.py")):
-            copied = ROOT / "hub_configs" / name / sub / module
-            assert copied.read_bytes() == (ROOT / "modeling_weaver" / module).read_bytes()
+        folder = ROOT / "hub_configs" / name
+        for copied in (*folder.glob("*.py"), *folder.glob("dflash/*.py"), *folder.glob("weaver/*.py")):
+            source = f"modeling_weaver/{copied.name}"
+            assert copied.read_text(encoding="utf-8") == generated_copy(source), copied
         for file in ("generate.py", "requirements.txt"):
-            assert (ROOT / "hub_configs" / name / "custom_generate" / file).read_bytes() == \
-                (ROOT / "custom_generate" / file).read_bytes()
+            source = f"custom_generate/{file}"
+            assert (folder / source).read_text(encoding="utf-8") == generated_copy(source)
+
+
+def generated_copy(source: str) -> str:
+    """What a Hub copy of ``source`` (relative to the checkout) must hold: the do-not-edit line, then the source."""
+    banner = f"# Generated from {source} — do not edit; edit the source and run `weaver export`.\n"
+    return banner + (ROOT / source).read_text(encoding="utf-8")
+
+
+def test_banner_is_added_once():
+    text = (ROOT / "modeling_weaver" / "configuration_weaver.py").read_text(encoding="utf-8")
+    once = with_banner(text, "modeling_weaver/configuration_weaver.py")
+    assert once == generated_copy("modeling_weaver/configuration_weaver.py")
+    assert with_banner(once, "modeling_weaver/configuration_weaver.py") == once  # a copy of a copy: one banner
+    compile(once, "configuration_weaver.py", "exec")  # a comment may precede `from __future__`
 
 
 def _load(folder: Path, meta: bool):
@@ -479,6 +497,11 @@ def test_export_writes_a_complete_repo(exported):
                  "dflash/modeling_dflash.py", "dflash/configuration_dflash.py", "weaver/config.json",
                  "weaver/model.safetensors", "weaver/modeling_weaver.py", "weaver/configuration_weaver.py"):
         assert name in files, name
+    for name in files:  # every code copy carries one do-not-edit line naming its source
+        if name.endswith((".py", ".txt")):
+            source = f"custom_generate/{name.rpartition('/')[2]}" if name.startswith("custom_generate/") \
+                else f"modeling_weaver/{name.rpartition('/')[2]}"
+            assert (out / name).read_text(encoding="utf-8") == generated_copy(source), name
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlicense: apache-2.0") and "base_model: tiny/llama" in card
     assert "weaver bench --tiny" in card and "**[TO FILL: results_table]**" in card and "{{" not in card

@@ -1,3 +1,4 @@
+# Generated from modeling_weaver/configuration_dflash.py — do not edit; edit the source and run `weaver export`.
 """DFlash block drafter configuration (z-lab layout, docs/DESIGN.md §2).
 
 A DFlash drafter is a small stack of Qwen3-style decoder layers that drafts a whole block ``[b, MASK × (B-1)]`` in one

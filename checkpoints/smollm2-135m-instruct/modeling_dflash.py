@@ -1,3 +1,4 @@
+# Generated from modeling_weaver/modeling_dflash.py — do not edit; edit the source and run `weaver export`.
 """DFlash block drafter (z-lab layout, docs/DESIGN.md §2).
 
 One forward drafts a block ``[b, MASK × (B-1)]``: Qwen3-style layers, bidirectional among the block tokens, whose

@@ -1,3 +1,4 @@
+# Generated from modeling_weaver/modeling_weaver.py — do not edit; edit the source and run `weaver export`.
 """Weaver tree adapter (paper's released layout, docs/DESIGN.md §3).
 
 Weaver turns DFlash's per-depth marginals into path-conditioned proposals. Per speculative step:

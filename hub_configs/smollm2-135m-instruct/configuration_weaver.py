@@ -1,3 +1,4 @@
+# Generated from modeling_weaver/configuration_weaver.py — do not edit; edit the source and run `weaver export`.
 """Weaver tree adapter configuration (paper's released layout, docs/DESIGN.md §3)."""
 
 from __future__ import annotations

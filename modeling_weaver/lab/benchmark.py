@@ -10,7 +10,7 @@ verification for chain/DDTree and traversal for Weaver, or both with ``--samplin
 
 Our AR path (:func:`autoregressive_generate`) decodes one token per step through the same
 :class:`~modeling_weaver.target.TargetAdapter` (static pre-allocated KV cache, no HF generation overhead): the honest
-baseline the speculative loop must beat. It is eager PyTorch today (issue 5 adds CUDA graphs to both);
+baseline the speculative loop must beat, run with the same ``--target-step`` as the speculative path;
 ``--hf-baseline`` also times ``target.generate`` (HF eager) for reference. Every greedy run is checked token for token
 against AR's output. Averages are the mean over datasets of the per-dataset figures.
 

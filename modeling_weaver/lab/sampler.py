@@ -1,9 +1,9 @@
 """Batched sampling with static caches and a CUDA-graph decode step, for training-data generation (issue 4).
 
-``model.generate`` on a 135M target is launch-bound: at batch 2048 on the H200 it produced ≈ 10k tokens/s (5340
-samples in 2.9 min), far below what the GPU can do. :class:`BatchedSampler` runs the same target modules (embedding,
-norms, projections, rotary embedding, MLPs, lm_head) over a left-padded batch with a preallocated K/V cache, and on
-CUDA replays one captured graph per decode step (sampling included), checking for eos every ``check_every`` steps.
+``model.generate`` on a 135M target is launch-bound on a GPU, far below what the GPU can do. :class:`BatchedSampler`
+runs the same target modules (embedding, norms, projections, rotary embedding, MLPs, lm_head) over a left-padded batch
+with a preallocated K/V cache, and on CUDA replays one captured graph per decode step (sampling included), checking for
+eos every ``check_every`` steps.
 
 Attention-only targets (Llama, Qwen2, Qwen3). Greedy output equals ``model.generate(do_sample=False)``; sampling draws
 from ``softmax(logits / T)`` restricted to the top-p nucleus (a different random stream from transformers').

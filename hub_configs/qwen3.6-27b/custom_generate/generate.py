@@ -1,3 +1,4 @@
+# Generated from custom_generate/generate.py — do not edit; edit the source and run `weaver export`.
 """Lossless tree speculative decoding (DFlash drafter + Weaver trees) as a Hub ``custom_generate`` recipe.
 
     out = target.generate(

@@ -14,7 +14,7 @@ MAX_NODES = 256  # a budget of 128 drafts plus the root fits; the fused form's s
 RESIDENT_MAX_NODES = 128  # K and Q of every row stay in registers
 NEUMANN_MAX_NODES = 128  # the [T_pad, T_pad] coefficients stay L2-resident
 RESIDENT_NODES = range(49, 65)  # four row blocks, T_pad = 64: the measured case
-# deeper trees cost more Horner steps than the row blocks save (break-even measured near depth 38)
+# deeper trees cost more Horner steps than the row blocks save (the measured break-even: BENCHMARKS.md, Kernels)
 NEUMANN_MAX_DEPTH = 31
 # node counts after the root step: not 65-96 (T_pad 128 for five or six row blocks) nor ≤ 48 (its fixed cost
 # against two or three row blocks)

@@ -1,12 +1,12 @@
 """Triton kernel for one committed decoding step of the gated delta rule (the AR step), state advanced in place.
 
-A tree of one node that is committed at once needs neither the verify's intermediates nor a separate commit: per
-value head, ``S ← exp(g) S``, ``u = β (v − kᵀS)``, ``S ← S + k uᵀ``, ``o = scale · qᵀS`` read and write the state
-once, in one launch instead of verify + commit (≈ 11 µs per layer at Qwen3.6-27B shape on the H200, 48 layers per AR
-step). With ``norm_weight`` it also applies the layer's gated RMSNorm (Qwen3.5 ``RMSNormGated``, rounding points of
-``rms_norm.naive``), which saves the norm's launch as well — in the head's program when BV ≥ V, else in the last of
-the head's programs to finish (they meet in a small scratch through atomics); with
-``A_log`` / ``dt_bias`` it forms the gates g and β from the raw projections, which saves their launch.
+A tree of one node that is committed at once needs neither the verify's intermediates nor a separate commit: per value
+head, ``S ← exp(g) S``, ``u = β (v − kᵀS)``, ``S ← S + k uᵀ``, ``o = scale · qᵀS`` read and write the state once, in one
+launch instead of verify + commit (48 such layers per AR step at Qwen3.6-27B shape). With ``norm_weight`` it also
+applies the layer's gated RMSNorm (Qwen3.5 ``RMSNormGated``, rounding points of ``rms_norm.naive``), which saves the
+norm's launch as well — in the head's program when BV ≥ V, else in the last of the head's programs to finish (they meet
+in a small scratch through atomics); with ``A_log`` / ``dt_bias`` it forms the gates g and β from the raw projections,
+which saves their launch.
 
 Grid: (V / BV, B·HV). q/k/v/gate are read through strides (views of the in_proj / conv outputs; last dim
 contiguous); the state is fp32 ``[B, HV, K, V]`` contiguous. Accumulation in fp32.
@@ -94,9 +94,8 @@ def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_
 
 
 # Value columns per program. With the gated norm, a head split over several programs meets in a per-head scratch
-# (sum of squares, arrival count) that the last program resets. H200, Qwen3.6-27B shape, 48 layers in a graph
-# (scripts/bench_gdn_decode.py, session 12): with the norm BV 128 7.45 µs per layer, 64 7.78, 32 7.56, 16 6.96–7.00;
-# without it 5.1–5.2 — the launch is latency-bound (a chain of loads and reductions), not by the state's 6.3 MB.
+# (sum of squares, arrival count) that the last program resets. The launch is latency-bound (a chain of loads and
+# reductions), so the split gains little; with the norm 16 was the fastest measured (BENCHMARKS.md, Kernels).
 DECODE_BV = 32
 DECODE_NORM_BV = 16
 

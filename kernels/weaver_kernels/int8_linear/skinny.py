@@ -4,10 +4,8 @@ Memory-bound: the weight is read once, as int8 (half of bf16's bytes), converted
 (exact: |q| ≤ 127) and multiplied on the tensor cores with fp32 sums; the row scale is applied once per output. Each
 program owns ``BN`` output columns (weight rows) and a block of ``BM`` input rows (all of them for M ≤ 64) and walks
 its share of K in ``BK`` steps: all of K where the column tiles fill the SMs (an lm_head), else one of a few shares
-whose fp32 partials are summed after (:func:`split_k`; the drafter's own layers). H200 (BENCHMARKS.md, 2026-12-02):
-15 rows × 248320 × 5120 0.323 ms, 3.94 TB/s (cuBLAS bf16 0.621 ms; cuBLAS's fp8 ``_scaled_mm`` on the same number of
-bytes 0.434 ms, 2.9 TB/s); the 27B drafter's layers through it take 0.19 ms off a Weaver draft + tree graph of 2.10
-ms with split K (0.13 ms with one share).
+whose fp32 partials are summed after (:func:`split_k`; the drafter's own layers). It reads the weight near the copy
+bandwidth, where cuBLAS's fp8 path does not at so few rows (timings: BENCHMARKS.md, Kernels).
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 A captured verify step attends over a fixed ``bound`` of cache rows (the whole cache bucket) while only the first
 ``length + N`` are in use. A fused attention kernel with one program per (query block, head) reads all of them
-serially on a few dozen SMs: masked SDPA (cuDNN) took 70 / 124 µs per layer for 65 queries over 1024 / 2048 rows at
-Qwen3.6-27B shape (24 query / 4 kv heads, head_dim 256) on the H200, where the rows in use are 4–6 MB; this kernel
-31 / 42 µs (``scripts/bench_tree_attention.py``, BENCHMARKS.md). Here:
+serially on a few dozen SMs, so its cost follows the bound, not the rows in use (against masked SDPA:
+``scripts/bench_tree_attention.py``, BENCHMARKS.md, Kernels). Here:
 
 1. ``_split_kernel``, grid (query blocks, kv heads, splits): each program takes ``SPLIT`` cache rows of one kv head
    and the queries of all its ``G = H / HKV`` query heads (rows ``(head, node)`` flattened: the kv rows are read

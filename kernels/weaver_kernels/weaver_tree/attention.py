@@ -2,8 +2,7 @@
 
 The unfused form is a chain of small kernels per round and layer: RoPE on q and k, two slot writes, two
 concatenations of prompt and node K/V, the mask's concatenation, masked SDPA and the layout copies around it (≈ 10
-launches; cuDNN's SDPA alone took 9.1 µs per round at Qwen3.6-27B shape on an H200, BENCHMARKS.md). Here it is one
-launch (not yet timed on a GPU).
+launches). Here it is one launch.
 
 Grid: one program per head. It rotates the round's ``M ≤ 16`` q and k rows, writes k and v into the node slots
 ``lo .. lo + M - 1``, then (after a barrier, so the program reads back its own writes) runs an online softmax over

@@ -1,8 +1,8 @@
 """Triton kernels for one Weaver expansion round's bookkeeping (references in :mod:`.naive`).
 
 The torch form of a round's bookkeeping is ~25 small kernels (a gather of ``M × P`` lm_head rows materialised, a
-batched matmul, log-softmax, two top-k's with their sorts, a dozen index reads and writes); at Qwen3.6-27B shape on
-the H200 a round cost ≈ 148 µs in a CUDA graph, most of it launches and dependent small kernels. Here it is two:
+batched matmul, log-softmax, two top-k's with their sorts, a dozen index reads and writes), whose time is mostly
+launches and dependent small kernels. Here it is two:
 
 1. ``_pool_scores_kernel``, grid (M, P / BP): each program gathers BP lm_head rows of one node's pool and dots them
    with the node's query (fp32 accumulation; the reference rounds the dot to the weight dtype first, as the
@@ -12,8 +12,8 @@ the H200 a round cost ≈ 148 µs in a CUDA graph, most of it launches and depen
    to the reference's to fp32 rounding: exp/log are the GPU's), published to the frontier; the program that arrives
    last (an atomic count) then completes a spine's path scores and makes the ``take`` best frontier entries the next
    nodes (token, parent, logq, depth, score, mask row), which leave the frontier — the selection is over the whole
-   frontier, a few dozen block reductions in one program. (With one program for the whole round, a spine tree's
-   three rounds of 16, 8 and 8 nodes took 108 µs at Qwen3.6-27B shape on an H200: ≈ 3.4 µs per node, in series.)
+   frontier, a few dozen block reductions in one program. (One program per node, not one for the whole round:
+   that one ran the round's nodes in series; BENCHMARKS.md, Kernels.)
 """
 
 from __future__ import annotations
