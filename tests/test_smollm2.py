@@ -88,9 +88,8 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.", "G
 
 def test_shipped_drafters_on_real_smollm2(smollm2):
     """The shipped pair on the real target: greedy output identical to ``model.generate`` and mean accepted lengths
-    above floors set from the measured values (these 3 prompts, 48 tokens, budget 16, fp32 target on CPU, the pair
-    shipped 2026-12-01: Weaver 2.92 with best-first rounds, 3.02 with spine + 4 rounds (2026-12-02), DDTree 2.475,
-    chain 1.80; floors ~12 % lower than the first measurements; the Weaver retrained 2026-12-02 gives 3.244)."""
+    above floors ~12 % below the values measured for the shipped pair on these 3 prompts (48 tokens, budget 16, fp32
+    target on CPU; the card's CI-check line in checkpoints/smollm2-135m-instruct/README.md)."""
     model, tokenizer = smollm2
     drafter = AutoModel.from_pretrained(SHIPPED / "dflash", trust_remote_code=True)
     weaver = AutoModel.from_pretrained(SHIPPED / "weaver", trust_remote_code=True)
@@ -105,4 +104,4 @@ def test_shipped_drafters_on_real_smollm2(smollm2):
             assert torch.equal(out, ref), (mode, prompt)
             lengths += stats.accepted_lengths
     mal = {mode: sum(v) / len(v) for mode, v in accepted.items()}
-    assert mal["weaver"] >= 2.57 and mal["ddtree"] >= 2.18 and mal["weaver"] > mal["ddtree"], mal
+    assert mal["weaver"] >= 2.77 and mal["ddtree"] >= 2.31 and mal["weaver"] > mal["ddtree"], mal
