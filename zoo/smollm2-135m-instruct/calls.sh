@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One Zoo v2 session on the lent GPU machine, call by call (README.md here: carrying the GGUF; runs.md: what each
+# call did). Every job runs under `timeout` so that each call's packing into $OUT always runs; the calls must follow
+# each other within the machine's 30 s idle release.
+#
+#   run carry=[".smol/a"]                  bash zoo/smollm2-135m-instruct/calls.sh carry a
+#   run carry=[".smol/b"]                  bash zoo/smollm2-135m-instruct/calls.sh carry b
+#   run carry=[".smol/c", ".whl"]          bash zoo/smollm2-135m-instruct/calls.sh data      # GGUF, data, DFlash starts
+#   run                                    bash zoo/smollm2-135m-instruct/calls.sh dflash    # DFlash resumed, back
+#   run                                    bash zoo/smollm2-135m-instruct/calls.sh weaver    # Weaver, profile, bench, back
+#
+# Each session continues from the shipped pair (checkpoints/smollm2-135m-instruct) on fresh data: TAG_BASE names the
+# session's shards and SEED_BASE their seeds (two generators: SEED_BASE+1, +2); both must be new (data_manifest.jsonl).
+set -u
+export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels MODELING_WEAVER_CACHE=/tmp/smol/cache
+S=checkpoints/smollm2-135m-instruct W=/tmp/smol/work
+E=$W/eval L=$W/logs OUT=${OUT:-/tmp/smol/out}
+MIX=${MIX:-self=0.3,template=0.25,math=0.1,code=0.25,passage=0.1}
+DFLASH_FLAGS=${DFLASH_FLAGS:-"--schedule constant --lr 3e-4 --ema 0.999"}
+DFLASH_TOTAL=${DFLASH_TOTAL:-10}  # minutes of schedule across the data and dflash calls
+mkdir -p $E $L $OUT /tmp/smol/cache
+train() {  # DFlash from the shipped drafter (or resumed), for $1 minutes of this call
+  WORK=$W DFLASH_INIT=$S/dflash DFLASH_TOTAL=$DFLASH_TOTAL DFLASH_MIN=$1 DFLASH_FLAGS="$DFLASH_FLAGS" \
+    timeout $(( ${1%.*} * 60 + 90 )) bash scripts/train_smollm2.sh dflash >> $L/dflash.log 2>&1
+  echo "dflash rc=$?"; tail -2 $L/dflash.log
+}
+case ${1:?carry|data|dflash|weaver} in
+  carry)   mkdir -p /tmp/smol && cp .smol/$2/* /tmp/smol/ && ls -la /tmp/smol ;;
+  data)    # ≈ 9 min: GGUF (30 s), two batch-2048 generators (four do not fit in the GPU's memory), DFlash for the rest
+    cp .smol/c/*.part2 /tmp/smol/ && cp -r .smol/c/eval /tmp/smol/cache/
+    WORK=$W timeout 120 bash scripts/train_smollm2.sh gguf > $L/gguf.log 2>&1 || { tail -20 $L/gguf.log; exit 1; }
+    nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader; date -u
+    for i in 1 2; do
+      WORK=$W MIX=$MIX TAG=${TAG_BASE:?}$i SEED=$(( ${SEED_BASE:?} + i )) DATA_MIN=${DATA_MIN:-4.5} \
+        CODE_PACKAGES="numpy sympy networkx" timeout 360 bash scripts/train_smollm2.sh data > $L/data-$i.log 2>&1 &
+    done
+    wait; for i in 1 2; do tail -1 $L/data-$i.log; done
+    train ${DATA_CALL_DFLASH_MIN:-2.5}
+    (cd $W && tar cf - data/manifest-*.json logs) | xz -T0 -6 > $OUT/data-call.tar.xz; ls -la $OUT ;;
+  dflash)  # ≈ 9 min: the DFlash resumed to the end of its schedule, weights back
+    train ${DFLASH_CALL_MIN:-7.5}
+    WORK=$W bash scripts/train_smollm2.sh back ;;
+  weaver)  # ≈ 9 min: Weaver from the shipped one on the new DFlash, then profile beside the greedy bench
+    WORK=$W DFLASH_DIR=$W/dflash WEAVER_INIT=$S/weaver WEAVER_MIN=${WEAVER_MIN:-2.0} WEAVER_TOTAL=${WEAVER_MIN:-2.0} \
+      timeout 190 bash scripts/train_smollm2.sh weaver > $L/weaver.log 2>&1; echo "weaver rc=$?"; tail -1 $L/weaver.log
+    ( WORK=$W DFLASH_DIR=$W/dflash PROFILE_NAME=${POINT:?} HELDOUT_N=32 timeout 280 bash scripts/train_smollm2.sh profile
+    ) > $L/profile.log 2>&1 &
+    timeout 330 python3 -m modeling_weaver.cli bench --drafter $W/dflash --weaver $W/weaver --subset 8 \
+      --max-new-tokens 128 --budgets 64 --temperatures 0 --dtype float32 --target-step eager --no-plot --strict \
+      --max-minutes 5 --no-progress --out $E/bench-$POINT > $L/bench.log 2>&1
+    wait; tail -2 $L/profile.log; grep "^| 0 " $L/bench.log
+    WORK=$W bash scripts/train_smollm2.sh back
+    (cd $W && tar cf - eval logs profile-*) | xz -T0 -6 > $OUT/weaver-call.tar.xz; ls -la $OUT ;;
+  *) echo "unknown call $1" >&2; exit 2 ;;
+esac
