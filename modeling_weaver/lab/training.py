@@ -645,10 +645,20 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
     params = [p for p in model.parameters() if p.requires_grad]
     step, elapsed = 0, 0.0
     if args.resume:
-        state = torch.load(out_dir / STATE_FILE, map_location=runtime.device, weights_only=False)
-        model.load_state_dict(state["model"])
+        state = load_training_state(out_dir / STATE_FILE, map_location=runtime.device)
+        file = out_dir / STATE_FILE
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as err:
+            raise ValueError(f"{file}: field 'model' does not fit the model being trained: {err}") from err
+        if len(state["optimizers"]) != len(opts):
+            raise ValueError(f"{file}: field 'optimizers' holds {len(state['optimizers'])} optimiser state(s), this "
+                             f"run has {len(opts)} (another --optimizer?)")
         for opt, sd in zip(opts, state["optimizers"]):
-            opt.load_state_dict(sd)
+            try:
+                opt.load_state_dict(sd)
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{file}: field 'optimizers' does not fit this run's optimiser: {err}") from err
         step, elapsed = state["step"], state["elapsed"]
     ema = WeightAverage(params, args.ema) if args.ema else None
     if ema is not None and args.resume and state.get("ema") is not None:
@@ -762,8 +772,44 @@ def _common_setup(args):
 
 def _saved_config(args, config_cls):
     """On ``--resume`` the model is rebuilt from the config stored with the training state."""
-    state = torch.load(Path(args.output_dir) / STATE_FILE, map_location="cpu", weights_only=False)
-    return config_cls.from_dict(state["config"])
+    file = Path(args.output_dir) / STATE_FILE
+    state = load_training_state(file, map_location="cpu")
+    try:
+        return config_cls.from_dict(state["config"])
+    except (TypeError, ValueError, KeyError, IndexError) as err:
+        raise ValueError(f"{file}: field 'config' does not describe a {config_cls.__name__}: {err}") from err
+
+
+#: The fields of ``training_state.pt`` and the types they must have.
+STATE_FIELDS = {"step": int, "elapsed": (int, float), "model": dict, "optimizers": list, "config": dict,
+                "ema": (dict, type(None)), "args": dict}
+
+
+def load_training_state(file, map_location="cpu") -> dict:
+    """``training_state.pt`` read without executing code (``torch.load(weights_only=True)``: tensors and plain
+    containers only, a pickle that names any other callable is refused) and checked field by field; errors name the
+    file and the field."""
+    file = Path(file)
+    try:
+        state = torch.load(file, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # noqa: BLE001 - pickles that need code, truncated or foreign files, ...
+        raise ValueError(f"{file}: not a training state written by this package ({type(err).__name__}: "
+                         f"{' '.join(str(err).split())[:300]})") from err
+    if not isinstance(state, dict):
+        raise ValueError(f"{file}: expected a dict of {', '.join(STATE_FIELDS)}, found {type(state).__name__}")
+    for name, kind in STATE_FIELDS.items():
+        if name not in state:
+            raise ValueError(f"{file}: field '{name}' is missing")
+        if not isinstance(state[name], kind) or isinstance(state[name], bool):
+            raise ValueError(f"{file}: field '{name}' has type {type(state[name]).__name__}")
+    if state["step"] < 0 or state["elapsed"] < 0:
+        raise ValueError(f"{file}: field '{'step' if state['step'] < 0 else 'elapsed'}' is negative")
+    bad = next((k for k, v in state["model"].items() if not isinstance(v, torch.Tensor)), None)
+    if bad is not None:
+        raise ValueError(f"{file}: field 'model' entry '{bad}' is not a tensor")
+    return state
 
 
 def _card(kind: str, args, extra: str) -> Callable[[dict], str]:
@@ -980,6 +1026,7 @@ __all__ = [
     "dflash_loss",
     "init_from_target_layers",
     "lk_loss",
+    "load_training_state",
     "run_train_dflash",
     "run_train_weaver",
     "sample_anchors",
