@@ -128,13 +128,22 @@ def _template(path: str) -> Path:
     return file
 
 
+#: The recipe's files, and where in a repo they go: ``custom_generate/`` (what transformers loads for
+#: ``custom_generate="<repo>"``) and the same files once more one level down, so that ``custom_generate=
+#: "<repo>/custom_generate"`` (the folder itself, an easy mistake) loads the same recipe instead of failing.
+RECIPE_FILES = ("generate.py", "requirements.txt")
+RECIPE_FOLDERS = ("custom_generate", "custom_generate/custom_generate")
+
+
 def write_custom_generate(repo: Path) -> None:
-    """Copy the ``custom_generate/`` recipe (generate.py + requirements.txt) into a repo folder."""
+    """Copy the ``custom_generate/`` recipe (generate.py + requirements.txt) into a repo folder (see
+    :data:`RECIPE_FOLDERS`)."""
     src = _template("custom_generate")
-    dst = Path(repo) / "custom_generate"
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in ("generate.py", "requirements.txt"):
-        shutil.copyfile(src / name, dst / name)
+    for folder in RECIPE_FOLDERS:
+        dst = Path(repo) / folder
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in RECIPE_FILES:
+            shutil.copyfile(src / name, dst / name)
 
 
 _FIELD = re.compile(r"\{\{\s*(\w+)\s*\}\}")

@@ -51,5 +51,6 @@ def test_shipped_code_is_the_package_code():
     stale = [str(p.relative_to(ROOT)) for p in copies if p.read_bytes() != (PACKAGE / p.name).read_bytes()]
     assert not stale, stale
     recipe = ROOT / "custom_generate"
-    stale = [p.name for p in (SHIPPED / "custom_generate").iterdir() if p.read_bytes() != (recipe / p.name).read_bytes()]
-    assert not stale, stale
+    shipped = [p for p in (SHIPPED / "custom_generate").rglob("*") if p.is_file()]
+    stale = [str(p.relative_to(SHIPPED)) for p in shipped if p.read_bytes() != (recipe / p.name).read_bytes()]
+    assert shipped and not stale, stale
