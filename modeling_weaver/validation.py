@@ -63,7 +63,7 @@ def _check_eos(target, eos_token_id) -> None:
     ids = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     if isinstance(eos_token_id, torch.Tensor):
         ids = eos_token_id.flatten().tolist() if not eos_token_id.is_floating_point() else [eos_token_id]
-    if not ids or not all(_is_int(i) for i in ids):
+    if not all(_is_int(i) for i in ids):  # ([]: no eos at all, the target's overridden)
         raise TypeError(f"eos_token_id must be a token id (int) or a list of them, got {eos_token_id!r}")
     vocab = _vocab_size(target)
     bad = [i for i in ids if not 0 <= i < vocab]

@@ -80,7 +80,7 @@ def test_drafter_and_weaver_swapped(models):
     raises(TypeError, "target=", speculative_generate, drafter, IDS, drafter=drafter, mode="chain")
 
 
-@pytest.mark.parametrize("eos", ["abc", 1.5, ["abc"], [], True])
+@pytest.mark.parametrize("eos", ["abc", 1.5, ["abc"], [3, None], True])
 def test_eos_token_id_kind(models, eos):
     raises(TypeError, "eos_token_id", spec, models, eos_token_id=eos)
 
@@ -142,5 +142,6 @@ def test_processors_with_an_eos_id_are_applied_exactly(field, value):
 def test_good_inputs_still_pass(models):
     """The checks accept what the API documents: int eos ids (one or several), a bool do_sample, int budgets."""
     assert spec(models, eos_token_id=[1, 2]).shape[1] >= IDS.shape[1] + 1
+    assert spec(models, eos_token_id=torch.tensor([1, 2])).shape[0] == 1
     assert spec(models, do_sample=True, temperature=0.7, generator=torch.Generator().manual_seed(0)).shape[0] == 1
     assert spec(models, ids=IDS.int()).shape[0] == 1  # int32 ids are token ids too
