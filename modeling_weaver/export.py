@@ -389,17 +389,44 @@ def sync_hub_configs(root=None, check: bool = False, names=None) -> list[str]:
 _LOADED: dict = {}
 
 
+#: ``generation_defaults`` a speculative_config.json may give, and the type of each.
+GENERATION_DEFAULTS = {"mode": str, "tree_budget": int, "verification": str, "target_step": str}
+
+
+def _checked_speculative_config(file: Path) -> dict:
+    """``speculative_config.json`` read and checked before use; errors name the file and the field."""
+    try:
+        spec = json.loads(file.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err})") from err
+    if not isinstance(spec, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, found {type(spec).__name__}")
+    for name in ("subfolders", "generation_defaults"):
+        if not isinstance(spec.get(name, {}), dict):
+            raise CheckpointError(f"{file}: field '{name}' must be an object, found {type(spec[name]).__name__}")
+    for key, value in spec.get("generation_defaults", {}).items():
+        kind = GENERATION_DEFAULTS.get(key)
+        if kind is None:
+            raise CheckpointError(f"{file}: field 'generation_defaults.{key}' is not one of "
+                                  f"{', '.join(GENERATION_DEFAULTS)}")
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise CheckpointError(f"{file}: field 'generation_defaults.{key}' must be a {kind.__name__}, got "
+                                  f"{value!r}")
+    return spec
+
+
 def _read_speculative_config(path) -> dict:
     local = Path(path)
     file = local / SPECULATIVE_CONFIG
     if local.exists():
-        return json.loads(file.read_text()) if file.is_file() else {}
+        return _checked_speculative_config(file) if file.is_file() else {}
     try:  # a Hub id: the file is optional
         from huggingface_hub import hf_hub_download
 
-        return json.loads(Path(hf_hub_download(str(path), SPECULATIVE_CONFIG)).read_text())
+        file = Path(hf_hub_download(str(path), SPECULATIVE_CONFIG))
     except Exception:  # noqa: BLE001 - offline, missing file, ...
         return {}
+    return _checked_speculative_config(file)
 
 
 def _subfolder(path, spec: dict, role: str):

@@ -227,3 +227,71 @@ def test_no_weights_only_false_anywhere():
     offenders = [str(p.relative_to(root)) for folder in ("modeling_weaver", "kernels", "scripts", "custom_generate")
                  for p in (root / folder).rglob("*.py") if "weights_only=False" in p.read_text()]
     assert offenders == []
+
+
+def good_shard(file: Path) -> Path:
+    from modeling_weaver.lab.data import write_shard
+
+    write_shard(file, [{"input_ids": [1, 2, 3, 4], "prompt_len": 2, "greedy": True, "prompt_hash": 7},
+                       {"input_ids": [5, 6, 7], "prompt_len": 1, "greedy": False, "prompt_hash": 8}])
+    return file
+
+
+def test_good_shard_loads(tmp_path):
+    from modeling_weaver.lab.data import TokenDataset
+
+    assert len(TokenDataset(good_shard(tmp_path / "shard-a-00000.pt"))) == 2
+
+
+SHARD_CASES = {
+    "garbage": (None, lambda f: f.write_bytes(b"garbage")),
+    "a list": (None, lambda f: torch.save([1], f)),
+    "input_ids missing": ("input_ids", lambda s: s.pop("input_ids")),
+    "offsets float": ("offsets", lambda s: s.__setitem__("offsets", s["offsets"].float())),
+    "prompt_lens 2-D": ("prompt_lens", lambda s: s.__setitem__("prompt_lens", s["prompt_lens"][None])),
+    "offsets past the ids": ("offsets", lambda s: s["offsets"].__setitem__(-1, 99)),
+    "counts disagree": ("offsets", lambda s: s.__setitem__("prompt_hash", s["prompt_hash"][:1])),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARD_CASES))
+def test_broken_shard(tmp_path, case):
+    from modeling_weaver.lab.data import TokenDataset
+
+    field, breaks = SHARD_CASES[case]
+    file = good_shard(tmp_path / "shard-a-00000.pt")
+    if field is None:
+        breaks(file)
+    else:
+        shard = torch.load(file, weights_only=True)
+        breaks(shard)
+        torch.save(shard, file)
+    with pytest.raises(ValueError) as info:
+        TokenDataset(tmp_path)
+    assert str(file) in str(info.value) and (field is None or f"'{field}'" in str(info.value)), str(info.value)
+
+
+def test_planted_shard_never_runs(tmp_path):
+    from modeling_weaver.lab.data import TokenDataset
+
+    for file, marker in planted_pickles(tmp_path, lambda evil: {"input_ids": evil}):
+        with pytest.raises(ValueError, match=str(file)):
+            TokenDataset([file])
+        assert not marker.exists()
+
+
+@pytest.mark.parametrize("content,field", [
+    ("{not json", None), ("[1]", None), ('{"subfolders": 3}', "subfolders"),
+    ('{"generation_defaults": {"tree_budget": "64"}}', "generation_defaults.tree_budget"),
+    ('{"generation_defaults": {"mode": "weaver", "num_beams": 4}}', "generation_defaults.num_beams"),
+])
+def test_broken_speculative_config(saved, tmp_path, content, field):
+    """A pair repo's speculative_config.json (read by the custom_generate recipe when drafter= is a path)."""
+    from modeling_weaver.export import resolve_drafters
+
+    repo = tmp_path / "repo"
+    shutil.copytree(saved / "dflash", repo / "dflash")
+    (repo / "speculative_config.json").write_text(content)
+    with pytest.raises(ValueError) as info:
+        resolve_drafters(tiny_llama(), str(repo), None)
+    assert "speculative_config.json" in str(info.value) and (field is None or field in str(info.value))

@@ -125,6 +125,38 @@ def pip_download_member(requirement: str, member: str, dest: Path, sha256: str |
     return dest
 
 
+#: The tensors of a ``shard-*.pt`` file (all 1-D integer tensors).
+SHARD_FIELDS = ("input_ids", "offsets", "prompt_hash", "prompt_lens")
+
+
+def load_shard(file: str | Path) -> dict:
+    """A ``shard-*.pt`` of ``make-data`` read without executing code (``weights_only=True``) and checked field by
+    field before use; errors name the file and the field."""
+    file = Path(file)
+    try:
+        shard = torch.load(file, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # noqa: BLE001 - pickles that need code, truncated or foreign files, ...
+        raise ValueError(f"{file}: not a training-data shard ({type(err).__name__}: "
+                         f"{' '.join(str(err).split())[:300]})") from err
+    if not isinstance(shard, dict):
+        raise ValueError(f"{file}: expected a dict of {', '.join(SHARD_FIELDS)}, found {type(shard).__name__}")
+    for name in SHARD_FIELDS:
+        value = shard.get(name)
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_floating_point():
+            raise ValueError(f"{file}: field '{name}' must be a 1-D integer tensor"
+                             + ("" if name in shard else " (missing)"))
+    n, offsets = shard["prompt_lens"].shape[0], shard["offsets"]
+    if offsets.shape[0] != n + 1 or shard["prompt_hash"].shape[0] != n:
+        raise ValueError(f"{file}: fields 'offsets' ({offsets.shape[0]}), 'prompt_hash' "
+                         f"({shard['prompt_hash'].shape[0]}) and 'prompt_lens' ({n}) disagree on the sample count")
+    if n and (int(offsets[0]) != 0 or int(offsets[-1]) != shard["input_ids"].shape[0]
+              or bool((offsets[1:] < offsets[:-1]).any())):
+        raise ValueError(f"{file}: field 'offsets' must rise from 0 to the length of 'input_ids'")
+    return shard
+
+
 def require_dir(path: str | Path | None, what: str) -> Path | None:
     """``path`` as a Path if it is an existing folder (``None`` passes through), else a clear FileNotFoundError."""
     if path is None:
@@ -398,7 +430,7 @@ class TokenDataset(torch.utils.data.Dataset):
         self.max_length = max_length
         seqs, prompt_lens, seen = [], [], set()
         for f in files:
-            shard = torch.load(f, weights_only=True)
+            shard = load_shard(f)
             ids, off = shard["input_ids"], shard["offsets"].tolist()
             for i, (h, plen) in enumerate(zip(shard["prompt_hash"].tolist(), shard["prompt_lens"].tolist())):
                 if h in seen:
