@@ -418,7 +418,14 @@ def run_export(args) -> int:
     export.check_pair(target_config, checked_config(args.dflash, "dflash"), weaver_config)
     drafter = load_dflash(args.dflash)
     weaver = load_weaver(args.weaver) if args.weaver else None
-    card = json.loads(Path(args.card).read_text()) if args.card else {}
+    card = {}
+    if args.card:
+        try:
+            card = json.loads(Path(args.card).read_text())
+        except ValueError as err:
+            raise CLIError(f"--card {args.card}: not valid JSON ({err})") from err
+        if not isinstance(card, dict):
+            raise CLIError(f"--card {args.card}: expected a JSON object of model-card fields")
     out = export.export_pair(
         args.out, drafter, weaver, target_config=target_config, target_name=args.target_name or args.target,
         name=args.name, mode=args.mode, tree_budget=args.tree_budget, card=card, dtype=_torch_dtype(args.dtype),

@@ -295,3 +295,15 @@ def test_broken_speculative_config(saved, tmp_path, content, field):
     with pytest.raises(ValueError) as info:
         resolve_drafters(tiny_llama(), str(repo), None)
     assert "speculative_config.json" in str(info.value) and (field is None or field in str(info.value))
+
+
+@pytest.mark.parametrize("line,field", [("{oops", None), ('{"id": 1}', "prompt"), ('["a"]', "prompt"),
+                                        ('{"prompt": "hi", "dataset": 3}', "dataset")])
+def test_broken_prompt_file(tmp_path, line, field):
+    from modeling_weaver.lab.data import load_prompt_file
+
+    file = tmp_path / "prompts.jsonl"
+    file.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(ValueError) as info:
+        load_prompt_file(file)
+    assert f"{file}, line 2" in str(info.value) and (field is None or f"'{field}'" in str(info.value))

@@ -274,8 +274,15 @@ def load_prompt_file(path: str | Path) -> dict[str, list[EvalPrompt]]:
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f):
             if line.strip():
-                q = json.loads(line)
+                try:
+                    q = json.loads(line)
+                except ValueError as err:
+                    raise ValueError(f"{path}, line {i + 1}: not valid JSON ({err})") from err
+                if not isinstance(q, dict) or not isinstance(q.get("prompt"), str):
+                    raise ValueError(f"{path}, line {i + 1}: expected an object with a string field 'prompt'")
                 ds = q.get("dataset", "prompts")
+                if not isinstance(ds, str):
+                    raise ValueError(f"{path}, line {i + 1}: field 'dataset' must be a string, got {ds!r}")
                 out.setdefault(ds, []).append(EvalPrompt(ds, str(q.get("id", i)), q["prompt"]))
     if not out:
         raise ValueError(f"{path} holds no prompts")
