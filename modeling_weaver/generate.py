@@ -606,8 +606,10 @@ def generate(
     honours (length-only processors such as ``min_new_tokens`` per tree node); the settings of :data:`REFUSED` raise.
 
     Streaming: transformers keeps ``streamer=`` for itself when ``custom_generate`` is a callable (it sends the prompt
-    and never passes the streamer on), so pass yours as ``tree_streamer=``: it receives the prompt, every committed
-    token and ``end()``. The Hub ``custom_generate`` folder does this for you.
+    and never passes the streamer on); the loop finds it in transformers' frame
+    (:func:`~modeling_weaver.validation.caller_streamer`) and streams to it. ``tree_streamer=`` is the explicit form:
+    it receives the prompt, every committed token and ``end()``. The Hub ``custom_generate`` folder maps one to the
+    other.
     """
     # (first: transformers has already widened input_ids for num_beams / num_return_sequences)
     _check_settings(generation_config, assistant_model=model_kwargs.get("assistant_model"))
