@@ -5,15 +5,55 @@ One speculative step, top to bottom: :mod:`.generate` (the loop) → :mod:`.mode
 → :mod:`.accept` (greedy, target-only sampling, traversal verification).
 """
 
-from .accept import Acceptance, accept_greedy, accept_target_only, accept_traversal
-from .configuration_dflash import DFlashConfig
-from .configuration_weaver import WeaverConfig
-from .generate import SpeculativeStats, generate, speculative_generate
-from .modeling_dflash import DFlashDraftModel
-from .modeling_weaver import WeaverModel
-from .packed import int8_linears, pack_cpu_linears, remove_int8_linears, unpack_cpu_linears
-from .target import TargetAdapter
-from .tree import Tree, chain_tree, ddtree, weaver_tree
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+# Public names → the module that defines them. Imported on first access (PEP 562), so that ``import modeling_weaver``
+# and ``weaver --help`` stay quick: torch and transformers load only when a model, config or loop is used.
+_EXPORTS = {
+    "Acceptance": ".accept", "accept_greedy": ".accept", "accept_target_only": ".accept",
+    "accept_traversal": ".accept",
+    "DFlashConfig": ".configuration_dflash",
+    "WeaverConfig": ".configuration_weaver",
+    "SpeculativeStats": ".generate", "generate": ".generate", "speculative_generate": ".generate",
+    "DFlashDraftModel": ".modeling_dflash",
+    "WeaverModel": ".modeling_weaver",
+    "int8_linears": ".packed", "pack_cpu_linears": ".packed", "remove_int8_linears": ".packed",
+    "unpack_cpu_linears": ".packed",
+    "TargetAdapter": ".target",
+    "Tree": ".tree", "chain_tree": ".tree", "ddtree": ".tree", "weaver_tree": ".tree",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    """Keeps ``modeling_weaver.generate`` the function: importing the submodule of the same name (which the import
+    system then sets on the package) must not replace it, as it would not have when everything loaded eagerly."""
+
+    def __setattr__(self, name, value):
+        if (name in _EXPORTS and isinstance(value, types.ModuleType)
+                and value.__name__ == f"{__name__}.{name}" and hasattr(value, name)):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __version__ = "0.1.0"
 

@@ -18,7 +18,9 @@ with a one-line reason (``--traceback`` for the rest). Under torchrun: ``torchru
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -73,6 +75,26 @@ def _lazy_module(name: str, module_name: str):
         if module_name == err.name or module_name.startswith(f"{err.name}."):  # the lab itself is missing
             raise CLIError(f"`{PROG} {name}` is not available in this install ({module_name} is missing)") from err
         raise CLIError(f"`{PROG} {name}` needs the Python package '{err.name}', which is not installed") from err
+
+
+def _lazy_arguments(name: str, module_name: str, stem: str):
+    """``add_<stem>_arguments`` from :mod:`modeling_weaver.lab.arguments` without importing ``module_name`` (only
+    checking that it exists); None when that module has no such function."""
+    try:
+        found = importlib.util.find_spec(module_name) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        raise CLIError(f"`{PROG} {name}` is not available in this install ({module_name} is missing)")
+    try:
+        arguments = importlib.import_module("modeling_weaver.lab.arguments")
+    except ModuleNotFoundError:
+        return None
+    return getattr(arguments, f"add_{stem}_arguments", None)
+
+
+def _run_lazy(name: str, module_name: str, stem: str, args) -> int:
+    return getattr(_lazy_module(name, module_name), f"run_{stem}")(args)
 
 
 def int_at_least(minimum: int):
@@ -396,7 +418,14 @@ def run_export(args) -> int:
     export.check_pair(target_config, checked_config(args.dflash, "dflash"), weaver_config)
     drafter = load_dflash(args.dflash)
     weaver = load_weaver(args.weaver) if args.weaver else None
-    card = json.loads(Path(args.card).read_text()) if args.card else {}
+    card = {}
+    if args.card:
+        try:
+            card = json.loads(Path(args.card).read_text())
+        except ValueError as err:
+            raise CLIError(f"--card {args.card}: not valid JSON ({err})") from err
+        if not isinstance(card, dict):
+            raise CLIError(f"--card {args.card}: expected a JSON object of model-card fields")
     out = export.export_pair(
         args.out, drafter, weaver, target_config=target_config, target_name=args.target_name or args.target,
         name=args.name, mode=args.mode, tree_budget=args.tree_budget, card=card, dtype=_torch_dtype(args.dtype),
@@ -461,9 +490,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         if command not in (name, *ALIASES.get(name, ())):
             continue
         try:
-            module = _lazy_module(name, module_name)
-            getattr(module, f"add_{stem}_arguments")(p)
-            p.set_defaults(_run=getattr(module, f"run_{stem}"))
+            # the flags come from the torch-free lab.arguments (`weaver COMMAND --help` in well under a second);
+            # the module itself is imported when the command runs
+            add = _lazy_arguments(name, module_name, stem)
+            if add is None:  # (a command whose flags live in its module only)
+                module = _lazy_module(name, module_name)
+                add, run = getattr(module, f"add_{stem}_arguments"), getattr(module, f"run_{stem}")
+            else:
+                run = functools.partial(_run_lazy, name, module_name, stem)
+            add(p)
+            p.set_defaults(_run=run)
         except Exception as err:  # noqa: BLE001 - a broken optional module must not break `weaver --help`
             reason = _one_line(err) if isinstance(err, (CLIError, AttributeError)) else (
                 f"importing {module_name} failed: {type(err).__name__}: {_one_line(err)}")

@@ -49,6 +49,10 @@ def _text_config(config):
     return text if text is not None else config
 
 
+#: ``config.json`` fields that fix the drafter's tensor shapes: a file must state them (checked on load).
+SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size")
+
+
 class DFlashConfig(Qwen3Config):
     r"""Configuration of a :class:`~modeling_weaver.modeling_dflash.DFlashDraftModel`.
 
@@ -94,6 +98,16 @@ class DFlashConfig(Qwen3Config):
     @classmethod
     def get_config_dict(cls, *args, **kwargs):
         config_dict, kwargs = super().get_config_dict(*args, **kwargs)
+        # a field missing from config.json would load as the Qwen3 default (32 layers, a 151936-token vocabulary...)
+        # and fail later with an unrelated error: name the file and the field instead
+        missing = [name for name in SHAPE_FIELDS if config_dict.get(name) is None]
+        wrong = [name for name in SHAPE_FIELDS if name not in missing and (
+            not isinstance(config_dict[name], int) or isinstance(config_dict[name], bool) or config_dict[name] < 1)]
+        if missing or wrong:
+            where = f"{args[0]}/config.json" if args else "config.json"
+            name = (missing or wrong)[0]
+            raise ValueError(f"{where}: required field '{name}' is missing" if missing else
+                             f"{where}: field '{name}' must be a positive integer, got {config_dict[name]!r}")
         # z-lab files declare `model_type "qwen3"`: recognise them as drafters instead of warning about a type mismatch.
         if "dflash_config" in config_dict or "DFlashDraftModel" in (config_dict.get("architectures") or []):
             config_dict = {**config_dict, "model_type": cls.model_type}

@@ -124,9 +124,13 @@ def _safetensors_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
                               "model.safetensors)")
     shapes = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                shapes[key] = tuple(handle.get_slice(key).get_shape())
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    shapes[key] = tuple(handle.get_slice(key).get_shape())
+        except Exception as err:  # noqa: BLE001 - truncated files, bad headers, ... (SafetensorError is no ValueError)
+            raise CheckpointError(f"{file}: not a readable safetensors file ({' '.join(str(err).split())[:300]})"
+                                  ) from err
     return shapes
 
 
@@ -265,6 +269,9 @@ def read_released_weaver(path_or_payload) -> tuple[WeaverConfig, dict[str, torch
     if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:
         found = sorted(payload)[:8] if isinstance(payload, dict) else type(payload).__name__
         raise CheckpointError(f"{where}: expected a dict with keys 'config' and 'state_dict', found {found}")
+    if not isinstance(payload["config"], dict):
+        raise CheckpointError(f"{where}: 'config' must be a dict of Weaver config fields, found "
+                              f"{type(payload['config']).__name__}")
     raw, state = dict(payload["config"]), payload["state_dict"]
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{where}: 'state_dict' must map names to tensors")

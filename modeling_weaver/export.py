@@ -129,15 +129,23 @@ def _template(path: str) -> Path:
     return file
 
 
+#: The recipe's files, and where in a repo they go: ``custom_generate/`` (what transformers loads for
+#: ``custom_generate="<repo>"``) and the same files once more one level down, so that ``custom_generate=
+#: "<repo>/custom_generate"`` (the folder itself, an easy mistake) loads the same recipe instead of failing.
+RECIPE_FILES = ("generate.py", "requirements.txt")
+RECIPE_FOLDERS = ("custom_generate", "custom_generate/custom_generate")
+
+
 def write_custom_generate(repo: Path) -> None:
     """Copy the ``custom_generate/`` recipe (generate.py + requirements.txt, both read past a ``#`` line) into a repo
-    folder, each under the generated-file banner."""
+    folder (see :data:`RECIPE_FOLDERS`), each file under the generated-file banner."""
     src = _template("custom_generate")
-    dst = Path(repo) / "custom_generate"
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in ("generate.py", "requirements.txt"):
-        text = (src / name).read_text(encoding="utf-8")
-        (dst / name).write_text(with_banner(text, f"custom_generate/{name}"), encoding="utf-8")
+    for folder in RECIPE_FOLDERS:
+        dst = Path(repo) / folder
+        dst.mkdir(parents=True, exist_ok=True)
+        for name in RECIPE_FILES:
+            text = (src / name).read_text(encoding="utf-8")
+            (dst / name).write_text(with_banner(text, f"custom_generate/{name}"), encoding="utf-8")
 
 
 _FIELD = re.compile(r"\{\{\s*(\w+)\s*\}\}")
@@ -384,17 +392,44 @@ def sync_hub_configs(root=None, check: bool = False, names=None) -> list[str]:
 _LOADED: dict = {}
 
 
+#: ``generation_defaults`` a speculative_config.json may give, and the type of each.
+GENERATION_DEFAULTS = {"mode": str, "tree_budget": int, "verification": str, "target_step": str}
+
+
+def _checked_speculative_config(file: Path) -> dict:
+    """``speculative_config.json`` read and checked before use; errors name the file and the field."""
+    try:
+        spec = json.loads(file.read_text())
+    except ValueError as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err})") from err
+    if not isinstance(spec, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, found {type(spec).__name__}")
+    for name in ("subfolders", "generation_defaults"):
+        if not isinstance(spec.get(name, {}), dict):
+            raise CheckpointError(f"{file}: field '{name}' must be an object, found {type(spec[name]).__name__}")
+    for key, value in spec.get("generation_defaults", {}).items():
+        kind = GENERATION_DEFAULTS.get(key)
+        if kind is None:
+            raise CheckpointError(f"{file}: field 'generation_defaults.{key}' is not one of "
+                                  f"{', '.join(GENERATION_DEFAULTS)}")
+        if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+            raise CheckpointError(f"{file}: field 'generation_defaults.{key}' must be a {kind.__name__}, got "
+                                  f"{value!r}")
+    return spec
+
+
 def _read_speculative_config(path) -> dict:
     local = Path(path)
     file = local / SPECULATIVE_CONFIG
     if local.exists():
-        return json.loads(file.read_text()) if file.is_file() else {}
+        return _checked_speculative_config(file) if file.is_file() else {}
     try:  # a Hub id: the file is optional
         from huggingface_hub import hf_hub_download
 
-        return json.loads(Path(hf_hub_download(str(path), SPECULATIVE_CONFIG)).read_text())
+        file = Path(hf_hub_download(str(path), SPECULATIVE_CONFIG))
     except Exception:  # noqa: BLE001 - offline, missing file, ...
         return {}
+    return _checked_speculative_config(file)
 
 
 def _subfolder(path, spec: dict, role: str):

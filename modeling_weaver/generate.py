@@ -36,6 +36,7 @@ from transformers.generation import (
     TypicalLogitsWarper,
 )
 
+from . import validation as _validation
 from .accept import accept_greedy, accept_target_only, accept_traversal
 from .captured import draft_head, static_draft, static_target, step_options
 from .pairing import check_pair
@@ -552,6 +553,9 @@ def speculative_generate(
     Returns:
         ``[1, T + new]`` token ids, and a :class:`SpeculativeStats` when ``return_stats=True``.
     """
+    _validation.check_call(target, input_ids, drafter=drafter, weaver=weaver, tree_budget=tree_budget,
+                           do_sample=do_sample, temperature=temperature, eos_token_id=eos_token_id)
+    _validation.check_attention_mask(input_ids, generation_kwargs.pop("attention_mask", None))
     _check_prompt(input_ids)
     if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -602,11 +606,15 @@ def generate(
     honours (length-only processors such as ``min_new_tokens`` per tree node); the settings of :data:`REFUSED` raise.
 
     Streaming: transformers keeps ``streamer=`` for itself when ``custom_generate`` is a callable (it sends the prompt
-    and never passes the streamer on), so pass yours as ``tree_streamer=``: it receives the prompt, every committed
-    token and ``end()``. The Hub ``custom_generate`` folder does this for you.
+    and never passes the streamer on); the loop finds it in transformers' frame
+    (:func:`~modeling_weaver.validation.caller_streamer`) and streams to it. ``tree_streamer=`` is the explicit form:
+    it receives the prompt, every committed token and ``end()``. The Hub ``custom_generate`` folder maps one to the
+    other.
     """
     # (first: transformers has already widened input_ids for num_beams / num_return_sequences)
     _check_settings(generation_config, assistant_model=model_kwargs.get("assistant_model"))
+    _validation.check_call(model, input_ids, drafter=drafter, weaver=weaver, tree_budget=tree_budget,
+                           do_sample=bool(generation_config.do_sample))
     _check_prompt(input_ids)
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
@@ -618,7 +626,10 @@ def generate(
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     if max_new_tokens < 1:
         raise ValueError(f"max_length {generation_config.max_length} leaves no room after the prompt")
+    streamer = streamer if streamer is not None else _validation.caller_streamer()  # (the prompt: already sent)
     if tree_streamer is not None:
+        if streamer is not None and streamer is not tree_streamer:
+            raise ValueError("give the streamer once: streamer= or tree_streamer=, not both")
         streamer = tree_streamer
         streamer.put(input_ids.cpu())
     ids, _ = _decode(

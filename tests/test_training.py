@@ -120,13 +120,13 @@ def test_resume_is_exact(tiny):
     straight, split = tiny / "straight", tiny / "split"
     assert run_train_dflash(_dflash_args(tiny, straight, "--max-steps", 6)) == 0
     assert run_train_dflash(_dflash_args(tiny, split, "--max-steps", 6, "--stop-at-step", 3)) == 0
-    first = torch.load(split / "training_state.pt", weights_only=False)
+    first = torch.load(split / "training_state.pt", weights_only=True)
     assert first["step"] == 3
     assert run_train_dflash(_dflash_args(tiny, split, "--max-steps", 6)) == 1  # refuses to overwrite a run
     assert run_train_dflash(_dflash_args(tiny, split, "--max-steps", 6, "--resume")) == 0
     assert [r["step"] for r in _log(split)] == list(range(1, 7))
-    a = torch.load(straight / "training_state.pt", weights_only=False)
-    b = torch.load(split / "training_state.pt", weights_only=False)
+    a = torch.load(straight / "training_state.pt", weights_only=True)
+    b = torch.load(split / "training_state.pt", weights_only=True)
     assert a["step"] == b["step"] == 6
     for k in a["model"]:
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7)
@@ -147,7 +147,7 @@ def test_ddp_two_gloo_processes(tiny):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "world size 2" in proc.stdout
     assert [r["step"] for r in _log(out)] == [1, 2, 3]
-    assert torch.load(out / "training_state.pt", weights_only=False)["step"] == 3
+    assert torch.load(out / "training_state.pt", weights_only=True)["step"] == 3
     assert "| world_size | 2 |" in (out / "README.md").read_text()
 
 
@@ -336,7 +336,7 @@ def test_dflash_kd_constant_lr_and_ema(tiny):
     log = _log(straight)
     assert all("kd" in r and r["kd"] > 0 for r in log)
     assert log[-1]["lr"] == pytest.approx(3e-3)  # constant after warm-up
-    state = torch.load(straight / "training_state.pt", weights_only=False)
+    state = torch.load(straight / "training_state.pt", weights_only=True)
     assert state["ema"]["updates"] == 6
     saved = load_file(straight / "model.safetensors")
     names = [n for n, p in run_weights(state["model"]) if n in saved]
@@ -348,7 +348,7 @@ def test_dflash_kd_constant_lr_and_ema(tiny):
     assert differs > 0  # the average is not the last weights
     assert run_train_dflash(_dflash_args(tiny, split, "--max-steps", 6, "--stop-at-step", 3, *extra)) == 0
     assert run_train_dflash(_dflash_args(tiny, split, "--max-steps", 6, "--resume", *extra)) == 0
-    resumed = torch.load(split / "training_state.pt", weights_only=False)["ema"]
+    resumed = torch.load(split / "training_state.pt", weights_only=True)["ema"]
     for a, b in zip(state["ema"]["weights"], resumed["weights"]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 

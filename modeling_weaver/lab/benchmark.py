@@ -20,7 +20,6 @@ and speed-up vs budget; needs matplotlib, extra ``[bench]``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from ..cli import existing_dir, existing_file, positive_int, torch_device
+from .arguments import TREE_MODES, add_benchmark_arguments
 from ..captured import static_target, step_options
 from .data import (
     DATASET_TITLES,
@@ -50,7 +49,6 @@ from .smollm2 import load_target, resolve_device, resolve_drafter_dtype, resolve
 from ..target import TargetAdapter
 from ..tree import Tree
 
-TREE_MODES = ("chain", "ddtree", "weaver")
 
 
 @dataclass(frozen=True)
@@ -358,53 +356,6 @@ def run_benchmark_suite(target, tokenizer, drafter, weaver, prompts: dict[str, l
 # ----------------------------------------------------------------------------------------------------------------------
 # CLI.
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Flags of ``benchmark``."""
-    parser.description = (
-        "Benchmark AR vs chain DFlash / DDTree / Weaver trees on MT-Bench (80 first turns) and HumanEval (164), "
-        "chat template applied: MAL, tokens/s and speed-up over our AR path, per dataset and averaged, greedy and "
-        "sampled. Greedy runs are checked token for token against AR. Writes results.json, table.md (printed) and "
-        "plot.png into --out."
-    )
-    parser.add_argument("--target", default="smollm2", help="'smollm2' (fetched/cached) or a transformers model folder")
-    parser.add_argument("--drafter", default=None, type=existing_dir,
-                        help="DFlash drafter folder (needed for chain/ddtree/weaver)")
-    parser.add_argument("--weaver", default=None, type=existing_dir, help="Weaver folder (needed for the weaver mode)")
-    parser.add_argument("--datasets", nargs="+", default=["mtbench", "humaneval"], choices=sorted(DATASET_TITLES))
-    parser.add_argument("--prompts", default=None, type=existing_file,
-                        help="JSONL of {dataset, id, prompt} to use instead of --datasets")
-    parser.add_argument("--subset", type=positive_int, default=None, help="first N prompts of each dataset")
-    parser.add_argument("--modes", nargs="+", default=list(TREE_MODES), choices=TREE_MODES,
-                        help="tree modes (AR always runs as the baseline)")
-    parser.add_argument("--budgets", type=positive_int, nargs="+", default=[16, 32, 64],
-                        help="tree budgets (draft nodes)")
-    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy")
-    parser.add_argument("--sampling-verifications", choices=("default", "both"), default="default",
-                        help="'both': every sampled tree mode with target-only and traversal verification "
-                             "(the coupling comparison of the paper's Table 3)")
-    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
-    parser.add_argument("--hf-baseline", action="store_true", help="also time target.generate (HF eager), greedy")
-    parser.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
-    parser.add_argument("--drafter-dtype", default="auto",
-                        help="auto (bf16 where bf16 matmuls are native, else the target's), float32, bfloat16; "
-                             "draft logits only shape trees: the output never depends on it")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmark_results",
-                        help="output folder: new, empty, or an earlier bench output with --overwrite (filled when the "
-                             "run ends or stops)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it holds an earlier bench output")
-    parser.add_argument("--no-plot", action="store_true", help="skip plot.png (no matplotlib needed)")
-    parser.add_argument("--strict", action="store_true", help="exit non-zero if a greedy run differs from AR")
-    parser.add_argument("--target-step", choices=TARGET_STEPS, default="eager",
-                        help="target verify/commit steps for AR and trees alike: eager, static shapes, static "
-                             "shapes replayed as CUDA graphs (on CUDA), or those with the tree pass torch.compiled")
-    parser.add_argument("--max-minutes", type=float, default=None,
-                        help="start no new method after this many minutes (results so far are kept)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
 
 
 @cli_entry

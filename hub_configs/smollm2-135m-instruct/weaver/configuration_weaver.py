@@ -21,6 +21,12 @@ def _default_num_heads(d_rank: int, head_dim: int = 128) -> int:
     raise ValueError(f"d_rank {d_rank} cannot be split into heads of even width (RoPE needs even head dims)")
 
 
+#: ``config.json`` fields that fix the Weaver's tensor shapes: a file must state them (checked on load).
+#: ``candidate_pool_size`` of :meth:`WeaverConfig.from_target_config` when the vocabulary is at least this large.
+DEFAULT_CANDIDATE_POOL_SIZE = 512
+SHAPE_FIELDS = ("d_model", "d_embed", "d_rank", "num_layers", "num_heads", "mlp_dim", "K", "candidate_pool_size")
+
+
 class WeaverConfig(PreTrainedConfig):
     r"""Configuration of a :class:`~modeling_weaver.modeling_weaver.WeaverModel`.
 
@@ -63,6 +69,19 @@ class WeaverConfig(PreTrainedConfig):
         if self.rope_base <= 0:
             raise ValueError(f"rope_base must be positive, got {self.rope_base}")
 
+    @classmethod
+    def get_config_dict(cls, *args, **kwargs):
+        config_dict, kwargs = super().get_config_dict(*args, **kwargs)
+        # a missing field would load as the 27B default (d_model 5120, ...): name the file and the field instead
+        where = f"{args[0]}/config.json" if args else "config.json"
+        for name in SHAPE_FIELDS:
+            value = config_dict.get(name)
+            if value is None:
+                raise ValueError(f"{where}: required field '{name}' is missing")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{where}: field '{name}' must be a positive integer, got {value!r}")
+        return config_dict, kwargs
+
     @property
     def head_dim(self) -> int:
         return self.d_rank // self.num_heads
@@ -76,14 +95,15 @@ class WeaverConfig(PreTrainedConfig):
         num_layers: int = 1,
         num_heads: int | None = None,
         mlp_dim: int | None = None,
-        candidate_pool_size: int = 512,
+        candidate_pool_size: int | None = None,
         **overrides,
     ) -> WeaverConfig:
         """A Weaver config for a target and its DFlash drafter.
 
         ``d_model`` and ``d_embed`` come from the target (``d_embed`` = its embedding width, the hidden size for all
         supported families), ``K = dflash.block_size - 1``. Defaults: ``d_rank = min(2048, d_model)``; heads of width
-        ≤ 128 (16 at d_rank 2048); ``mlp_dim ≈ 2/3 · d_rank`` rounded up to a multiple of 8 (1368 at d_rank 2048).
+        ≤ 128 (16 at d_rank 2048); ``mlp_dim ≈ 2/3 · d_rank`` rounded up to a multiple of 8 (1368 at d_rank 2048);
+        ``candidate_pool_size = min(512, vocabulary)`` (a larger one given raises: it must fit the vocabulary).
         The paper does not state heads / mlp_dim; this mlp_dim reproduces its 56.7 M parameters at the 27B shape
         (one layer, d_rank 2048) — the attention head count does not change the parameter count.
         """
@@ -101,6 +121,12 @@ class WeaverConfig(PreTrainedConfig):
             raise ValueError(
                 f"DFlash drafter expects a {num_target}-layer target, this target has {text.num_hidden_layers} layers"
             )
+        vocab = getattr(dflash_config, "vocab_size", None) or text.vocab_size
+        if candidate_pool_size is None:  # the pool is drawn from the vocabulary: never more than it holds
+            candidate_pool_size = min(DEFAULT_CANDIDATE_POOL_SIZE, vocab)
+        elif candidate_pool_size > vocab:
+            raise ValueError(f"candidate_pool_size {candidate_pool_size} exceeds the target vocabulary ({vocab}); "
+                             f"give at most {vocab} (or leave it unset: min({DEFAULT_CANDIDATE_POOL_SIZE}, vocab))")
         d_rank = min(2048, d_model) if d_rank is None else d_rank
         if num_heads is None:
             num_heads = _default_num_heads(d_rank)
