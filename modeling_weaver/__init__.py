@@ -11,6 +11,7 @@ from .configuration_weaver import WeaverConfig
 from .generate import SpeculativeStats, generate, speculative_generate
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
+from .options import StepOptions, TreePolicy
 from .packed import int8_linears, pack_cpu_linears, remove_int8_linears, unpack_cpu_linears
 from .target import TargetAdapter
 from .tree import Tree, chain_tree, ddtree, weaver_tree
@@ -22,8 +23,10 @@ __all__ = [
     "DFlashConfig",
     "DFlashDraftModel",
     "SpeculativeStats",
+    "StepOptions",
     "TargetAdapter",
     "Tree",
+    "TreePolicy",
     "WeaverConfig",
     "WeaverModel",
     "accept_greedy",

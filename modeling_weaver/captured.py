@@ -27,9 +27,9 @@ import torch.nn.functional as F
 import weaver_kernels
 
 from .accept import accept_greedy_tensors
+from .options import StepOptions, TreePolicy
 from .target import TargetAdapter, TreeOutput, compile_static, weights_key
-from . import tree as tree_module
-from .tree import Tree, ancestor_mask_of, rooted, tree_drafts, with_root
+from .tree import DEFAULT_POLICY, Tree, ancestor_mask_of, rooted, tree_drafts, with_root
 
 
 def capture_graph(fn, pool=None, warmup: int = 2, restore=()):
@@ -151,11 +151,6 @@ class StaticTarget:
         self.captures += 1
 
 
-# Drafters project with an int8 copy of the target's lm_head (:class:`DraftHead`); None: on CUDA (the Triton kernel),
-# not elsewhere (the CPU reference dequantises the weight on every call). Read when a drafter's steps are built
-# (static_draft keys on it). H200, Qwen3.6-27B shape (BENCHMARKS.md, 2026-12-02): the 15-row lm_head 0.62 → 0.32 ms;
-# real SmolLM2, greedy, budget 64: Weaver MAL 2.542 with the bf16 head, 2.551 with int8.
-INT8_DRAFT_HEAD: bool | None = None
 _DRAFT_HEADS: dict = {}  # (id(weight), dtype, int8) → (weight version, DraftHead)
 
 
@@ -165,8 +160,8 @@ class DraftHead:
     Draft logits only shape the tree, never what is committed, so the drafter may read a cheaper copy of the weight
     than the target's: in its own ``dtype`` (a bf16 drafter of an fp32 target: on CPUs with bf16 matmuls that halves
     the drafting cost), or with ``int8`` int8 rows with one scale each through ``weaver_kernels.int8_linear``: half of
-    bf16's bytes for the draft's largest read (2.54 GB in bf16 at Qwen3.6-27B shape), ≈ 1 % RMS error on the logits.
-    (An e4m3 copy through ``torch._scaled_mm`` was tried: 4 % error, −1.3 % SmolLM2 MAL, and slower.)
+    bf16's bytes for the draft's largest read, at a small error on the logits (an e4m3 copy was tried: larger error,
+    less acceptance, and slower; BENCHMARKS.md).
     ``weight`` is the target's own weight, held weakly: a cached copy must not keep the target alive.
     """
 
@@ -188,12 +183,12 @@ class DraftHead:
 
 
 def draft_head(target, dtype: torch.dtype, int8: bool | None = None) -> DraftHead:
-    """The :class:`DraftHead` of ``target`` for a drafter in ``dtype`` (``int8`` default :data:`INT8_DRAFT_HEAD`). A
-    copy of the weight (another dtype, or int8) is cached with the weight: made again after in-place updates of it,
+    """The :class:`DraftHead` of ``target`` for a drafter in ``dtype`` (``int8``: see
+    :attr:`~modeling_weaver.options.StepOptions.int8_head`; None: on CUDA). A copy of the weight (another dtype, or int8) is cached with the weight: made again after in-place updates of it,
     dropped with it."""
     head = target.get_output_embeddings()
     weight, bias = head.weight, head.bias
-    int8 = int8_draft_head(weight.device) if int8 is None else int8
+    int8 = StepOptions(int8_head=int8).int8_head_on(weight.device)
     if not int8 and weight.dtype == dtype:  # the weight itself: nothing to cache
         return DraftHead(weight, bias, dtype)
     key = (id(weight), dtype, int8)
@@ -204,11 +199,6 @@ def draft_head(target, dtype: torch.dtype, int8: bool | None = None) -> DraftHea
         with torch.no_grad():
             _DRAFT_HEADS[key] = cached = (weight._version, DraftHead(weight, bias, dtype, int8))
     return cached[1]
-
-
-def int8_draft_head(device) -> bool:
-    """Whether drafters on ``device`` project with the int8 head (:data:`INT8_DRAFT_HEAD`)."""
-    return torch.device(device).type == "cuda" if INT8_DRAFT_HEAD is None else INT8_DRAFT_HEAD
 
 
 class DFlashStaticCache:
@@ -266,10 +256,12 @@ class StaticDraft:
     Args:
         drafter: a :class:`~modeling_weaver.modeling_dflash.DFlashDraftModel`; target: its target (embedding, lm_head).
         max_length: positions the generation may reach.
+        options: :class:`~modeling_weaver.options.StepOptions` (the int8 head, node tables).
     """
 
-    def __init__(self, drafter, target, max_length: int, capture: bool | None = None):
-        self.drafter = drafter
+    def __init__(self, drafter, target, max_length: int, capture: bool | None = None,
+                 options: StepOptions = StepOptions()):
+        self.drafter, self.options = drafter, options
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()  # the target's (Weaver gathers its rows)
         self.block_size = drafter.config.block_size
@@ -277,7 +269,7 @@ class StaticDraft:
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.capture = self.device.type == "cuda" if capture is None else capture
-        self.head = draft_head(target, self.dtype)
+        self.head = draft_head(target, self.dtype, options.int8_head_on(self.device))
         size = self.block_size
         self.rows = max_length + 2 * size  # pads sit after the block
         self.cache = DFlashStaticCache(drafter, self.rows, 2 * size, self.device, self.dtype)
@@ -358,13 +350,13 @@ class StaticDraft:
             self._steps[key] = (weaver, weaver.node_input_table(self.embed_tokens.weight))
         return self._steps[key][1]
 
-    def proposer(self, mode: str, budget: int, weaver=None, shape_logits=None, compile: bool = False
-                 ) -> StaticProposer:
-        """The :class:`StaticProposer` of this drafter for ``mode`` and ``budget`` (kept: its graph reads its
-        buffers); ``compile``: its tree build ``torch.compile``d."""
-        key = StaticProposer.key_of(mode, budget, weaver, shape_logits, compile)
+    def proposer(self, mode: str, budget: int, weaver=None, shape_logits=None, compile: bool = False,
+                 policy: TreePolicy = DEFAULT_POLICY) -> StaticProposer:
+        """The :class:`StaticProposer` of this drafter for ``mode``, ``budget`` and ``policy`` (kept: its graph
+        reads its buffers); ``compile``: its tree build ``torch.compile``d."""
+        key = StaticProposer.key_of(mode, budget, weaver, shape_logits, compile, policy)
         if key not in self._steps:
-            self._steps[key] = StaticProposer(self, mode, budget, weaver, shape_logits, compile)
+            self._steps[key] = StaticProposer(self, mode, budget, weaver, shape_logits, compile, policy)
         return self._steps[key]
 
     def fused_step(self, proposer: StaticProposer, target: StaticTarget, acceptance=None) -> FusedGreedyStep:
@@ -397,43 +389,39 @@ class StaticProposer:
     ``propose`` returns the drafter's hidden states and logits (as :meth:`StaticDraft.draft`) and the tree, built on
     the device by :func:`~modeling_weaver.tree.tree_drafts`.
     ``shape_logits`` (device ops only) may transform the draft logits first — the acceptance replay plants peaks.
+    Weaver trees follow ``policy`` and, with the drafter's ``options.node_table``, gather node inputs from the
+    Weaver's node-input table (one per drafter and Weaver, shared by its proposers) instead of a norm and matmul per
+    round.
     """
 
-    # Weaver node inputs gathered from weaver.node_input_table (1 GB at Qwen3.6-27B shape, one per drafter and
-    # Weaver, shared by its proposers) instead of a norm + d_embed × d_rank matmul per expansion round: −0.18 ms per
-    # Weaver@64 step in a replay on an H200 (BENCHMARKS.md, session 12; predicted −0.2).
-    use_node_table = True
-
     def __init__(self, draft: StaticDraft, mode: str, budget: int, weaver=None, shape_logits=None,
-                 compile: bool = False):
+                 compile: bool = False, policy: TreePolicy = DEFAULT_POLICY):
         if mode == "weaver" and weaver is None:
             raise ValueError("the weaver mode needs a Weaver")
-        self.draft, self.mode, self.budget, self.weaver = draft, mode, budget, weaver
+        self.draft, self.mode, self.budget, self.weaver, self.policy = draft, mode, budget, weaver, policy
         self.shape_logits = shape_logits
         # Drafting and the tree build are hundreds of small ops (the drafter's layers between its matmuls, a Weaver
         # node step per expansion round): compiled, inductor fuses them (whole graph, the rounds unrolled; one
         # compile per proposer).
-        self.node_table = draft.node_table(weaver) if mode == "weaver" and self.use_node_table else None
-        self.key = self.key_of(mode, budget, weaver, shape_logits, compile)  # of this proposer's graph as well
+        self.node_table = draft.node_table(weaver) if mode == "weaver" and draft.options.node_table else None
+        self.key = self.key_of(mode, budget, weaver, shape_logits, compile, policy)  # of this proposer's graph too
         self._forward = compile_static(self._draft_and_tree) if compile else self._draft_and_tree
         self.feature_layer_ids, self.block_size = draft.feature_layer_ids, draft.block_size
         self.last_hidden = torch.zeros(draft.lm_head.weight.shape[1], device=draft.device,
                                        dtype=draft.lm_head.weight.dtype)
 
-    @classmethod
-    def key_of(cls, mode, budget, weaver, shape_logits, compile) -> tuple:
-        weaver_switches = ((cls.use_node_table, tree_module.FUSED_NODE_ATTENTION, tree_module.WEAVER_SPINE,
-                            tree_module.SPINE_ROUNDS, tree_module.SPINE_WIDTH, tree_module.CHILDREN_PER_NODE,
-                            tree_module.ROOT_CHILDREN)
-                           if mode == "weaver" else None)
-        return (mode, budget, id(weaver), id(shape_logits), compile, weaver_switches)
+    @staticmethod
+    def key_of(mode, budget, weaver, shape_logits, compile, policy: TreePolicy) -> tuple:
+        # (the drafter's options are its own cache key; only Weaver trees read a policy)
+        return (mode, budget, id(weaver), id(shape_logits), compile, policy if mode == "weaver" else None)
 
     def _draft_and_tree(self):
         hidden, logits = self.draft._forward()
         if self.shape_logits is not None:
             logits = self.shape_logits(logits)
         drafts = tree_drafts(self.mode, self.draft.bonus[0], hidden, logits, self.budget, self.weaver,
-                             self.last_hidden, self.draft.embed_tokens, self.draft.lm_head.weight, self.node_table)
+                             self.last_hidden, self.draft.embed_tokens, self.draft.lm_head.weight, self.node_table,
+                             self.policy)
         return hidden, logits, drafts
 
     @torch.no_grad()
@@ -616,7 +604,7 @@ def cache_bucket(max_length: int) -> int:
     return max(256, 1 << (max_length - 1).bit_length())
 
 
-def step_options(target_step: str, device) -> dict:
+def capture_flags(target_step: str, device) -> dict:
     """``static_target`` options of a loop ``target_step``: ``"static"`` (fixed shapes, eager), ``"graph"`` (CUDA
     graphs on CUDA), ``"compiled"`` (``torch.compile``d tree pass, in CUDA graphs on CUDA)."""
     cuda = torch.device(device).type == "cuda"
@@ -624,9 +612,10 @@ def step_options(target_step: str, device) -> dict:
 
 
 def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), capture: bool | None = None,
-                  compile: bool = False, max_tree_depth: int | None = None) -> StaticTarget:
-    """The :class:`StaticTarget` of ``model`` for this capacity bucket and tree size, reset for a new generation.
-    ``max_tree_depth``: as :class:`~modeling_weaver.target.TargetAdapter`'s.
+                  compile: bool = False, max_tree_depth: int | None = None,
+                  options: StepOptions = StepOptions()) -> StaticTarget:
+    """The :class:`StaticTarget` of ``model`` for this capacity bucket, tree size and ``options``, reset for a new
+    generation. ``max_tree_depth``, ``options``: as :class:`~modeling_weaver.target.TargetAdapter`'s.
 
     Capacity is ``max_length`` rounded up to a power of two (at least 256), so prompts of any length up to it share
     one set of graphs (and, with ``compile``, one compiled tree pass). The buffers live as long as the model
@@ -634,10 +623,10 @@ def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), 
     """
     capacity = cache_bucket(max_length)
     steps = _STATIC_TARGETS.setdefault(model, {})
-    key = (capacity, num_nodes, tuple(feature_layer_ids), capture, compile, max_tree_depth)
+    key = (capacity, num_nodes, tuple(feature_layer_ids), capture, compile, max_tree_depth, options)
 
     def build() -> StaticTarget:
-        adapter = TargetAdapter(model, capacity, feature_layer_ids, max_tree_depth)
+        adapter = TargetAdapter(model, capacity, feature_layer_ids, max_tree_depth, options)
         if compile:
             adapter.compile_tree_step()
         return StaticTarget(adapter, num_nodes, capture=capture)
@@ -647,16 +636,18 @@ def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), 
     return step
 
 
-def static_draft(drafter, target, max_length: int, capture: bool | None = None) -> StaticDraft:
-    """The :class:`StaticDraft` of ``drafter`` for this capacity bucket (as :func:`static_target`), kept on it."""
+def static_draft(drafter, target, max_length: int, capture: bool | None = None,
+                 options: StepOptions = StepOptions()) -> StaticDraft:
+    """The :class:`StaticDraft` of ``drafter`` for this capacity bucket and ``options`` (as :func:`static_target`),
+    kept on it."""
     capacity = cache_bucket(max_length)
     steps = _STATIC_TARGETS.setdefault(drafter, {})
-    key = ("draft", capacity, id(target), capture, int8_draft_head(target.get_output_embeddings().weight.device))
+    key = ("draft", capacity, id(target), capture, options)
     # what its graphs read: the drafter, the target's embedding and lm_head (the fused steps built on it go with it)
     def weights() -> tuple:
         return weights_key(drafter, target.get_input_embeddings(), target.get_output_embeddings())
 
-    return _kept(steps, key, weights, lambda: StaticDraft(drafter, target, capacity, capture=capture))
+    return _kept(steps, key, weights, lambda: StaticDraft(drafter, target, capacity, capture=capture, options=options))
 
 
 def release_static_targets(model) -> None:
@@ -666,4 +657,4 @@ def release_static_targets(model) -> None:
 
 __all__ = ["DFlashStaticCache", "DraftHead", "FusedARStep", "FusedGreedyStep", "PipelinedSteps", "StaticDraft",
            "StaticProposer", "StaticTarget", "adapter_state", "capture_graph", "draft_head", "release_static_targets",
-           "static_draft", "static_target", "step_options"]
+           "capture_flags", "static_draft", "static_target"]

@@ -37,7 +37,8 @@ from transformers.generation import (
 )
 
 from .accept import accept_greedy, accept_target_only, accept_traversal
-from .captured import draft_head, static_draft, static_target, step_options
+from .captured import capture_flags, draft_head, static_draft, static_target
+from .options import StepOptions, TreePolicy
 from .pairing import check_pair
 from .target import TargetAdapter
 from .tree import node_depths, tree_budget_bound, tree_drafts, with_root
@@ -293,13 +294,13 @@ class DFlashRunner:
     Any object with the same ``draft`` method can stand in for it (tests plant drafts through this seam).
     """
 
-    def __init__(self, drafter, target):
+    def __init__(self, drafter, target, options: StepOptions = StepOptions()):
         self.drafter = drafter
         self.embed_tokens = target.get_input_embeddings()
         self.block_size = drafter.config.block_size
         self.feature_layer_ids = list(drafter.config.target_layer_ids)
         self.dtype = next(drafter.parameters()).dtype
-        self.head = draft_head(target, self.dtype)
+        self.head = draft_head(target, self.dtype, options.int8_head_on(self.embed_tokens.weight.device))
         self.cache = drafter.new_cache()
 
     def draft(self, bonus: int, context: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -372,6 +373,8 @@ def _decode(
     target_step: str = "eager",
     timer: PhaseTimer | None = None,
     accept=None,
+    tree_policy: TreePolicy = TreePolicy(),
+    step_options: StepOptions = StepOptions(),
 ) -> tuple[torch.Tensor, SpeculativeStats]:
     """The loop. ``timer`` times its phases into ``stats.phase_ms``; ``accept(tree, scores)`` → ``Acceptance``
     replaces the acceptance rule (the benchmark's acceptance replay, :mod:`modeling_weaver.lab.replay`; with a device
@@ -390,14 +393,15 @@ def _decode(
     depth = runner.block_size - 1 if getattr(runner, "block_size", None) else None
     if target_step == "eager":
         target_cache = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids,
-                                     max_tree_depth=depth)
+                                     max_tree_depth=depth, options=step_options)
     else:  # kept per target and drafter: later generations replay the same graphs
-        options = step_options(target_step, prompt.device)
-        target_cache = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, **options,
-                                     max_tree_depth=depth)
+        flags = capture_flags(target_step, prompt.device)
+        target_cache = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, **flags,
+                                     max_tree_depth=depth, options=step_options)
         if type(runner) is DFlashRunner:  # draft + tree build as one fixed-shape step
-            runner = static_draft(runner.drafter, target, max_length, capture=options["capture"]).proposer(
-                mode, tree_budget, weaver if mode == "weaver" else None, compile=options["compile"])
+            runner = static_draft(runner.drafter, target, max_length, capture=flags["capture"],
+                                  options=step_options).proposer(
+                mode, tree_budget, weaver if mode == "weaver" else None, compile=flags["compile"], policy=tree_policy)
     if target_cache.max_tree_nodes is not None and tree_budget + 1 > target_cache.max_tree_nodes:
         raise ValueError(f"tree_budget {tree_budget} is too large for this hybrid target on {target_cache.device}: the "
                          f"GDN tree kernel verifies at most {target_cache.max_tree_nodes} nodes (budget + root)")
@@ -464,7 +468,7 @@ def _decode(
         if tree is None:
             with timed("tree"):
                 tree = with_root(bonus, tree_drafts(mode, bonus, draft_hidden, draft_logits, tree_budget, weaver,
-                                                    last_hidden, embed_tokens, lm_head.weight))
+                                                    last_hidden, embed_tokens, lm_head.weight, policy=tree_policy))
 
         with timed("verify"):
             verified = target_cache.verify(tree)
@@ -516,6 +520,8 @@ def speculative_generate(
     target_step: str = "eager",
     timer: PhaseTimer | None = None,
     generation_config=None,
+    tree_policy: TreePolicy | None = None,
+    step_options: StepOptions | None = None,
     **generation_kwargs,
 ):
     """Lossless tree speculative decoding of ``target`` with a DFlash ``drafter`` (and optionally a Weaver).
@@ -544,6 +550,9 @@ def speculative_generate(
             ``"graph"`` (static, and each verify/commit replayed as a CUDA graph on CUDA) or ``"compiled"`` (graph,
             with the target's tree pass and the tree build ``torch.compile``d once per tree size). Same tokens.
         timer: a :class:`PhaseTimer`: the time of each loop phase lands in ``stats.phase_ms``.
+        tree_policy: how Weaver trees are built (:class:`~modeling_weaver.options.TreePolicy`; default: its defaults).
+        step_options: how the step's kernels run (:class:`~modeling_weaver.options.StepOptions`); no option changes
+            the tokens.
         generation_config, generation_kwargs: as ``target.generate`` takes them (default: the target's
             ``generation_config``), prepared as it prepares them; lengths (``min_new_tokens``, ``min_length``, ...)
             and processors that act per distribution or per length are applied, the settings of :data:`REFUSED`
@@ -568,11 +577,13 @@ def speculative_generate(
     _check_processors(processors)
     if streamer is not None:
         streamer.put(input_ids.cpu())
+    options = step_options or StepOptions()
     ids, stats = _decode(
-        target, input_ids[0], runner=DFlashRunner(drafter, target), weaver=weaver, mode=mode, tree_budget=tree_budget,
-        max_new_tokens=config.max_length - input_ids.shape[1], processors=processors, do_sample=do_sample,
-        verification=verification, stopping_criteria=stopping, streamer=streamer, generator=generator,
-        target_step=target_step, timer=timer,
+        target, input_ids[0], runner=DFlashRunner(drafter, target, options), weaver=weaver, mode=mode,
+        tree_budget=tree_budget, max_new_tokens=config.max_length - input_ids.shape[1], processors=processors,
+        do_sample=do_sample, verification=verification, stopping_criteria=stopping, streamer=streamer,
+        generator=generator, target_step=target_step, timer=timer, tree_policy=tree_policy or TreePolicy(),
+        step_options=options,
     )
     return (ids, stats) if return_stats else ids
 
@@ -592,11 +603,14 @@ def generate(
     verification: str | None = None,
     tree_streamer=None,
     target_step: str = "eager",
+    tree_policy: TreePolicy | None = None,
+    step_options: StepOptions | None = None,
     **model_kwargs,
 ):
     """``target.generate(input_ids, custom_generate=generate, drafter=..., weaver=..., mode=..., tree_budget=...)``.
 
-    ``target_step`` as in :func:`speculative_generate` (``"graph"``: CUDA-graph steps on CUDA).
+    ``target_step``, ``tree_policy``, ``step_options`` as in :func:`speculative_generate` (``"graph"``: CUDA-graph
+    steps on CUDA).
 
     transformers has already prepared ``generation_config`` and built the processors and stopping criteria this loop
     honours (length-only processors such as ``min_new_tokens`` per tree node); the settings of :data:`REFUSED` raise.
@@ -621,11 +635,12 @@ def generate(
     if tree_streamer is not None:
         streamer = tree_streamer
         streamer.put(input_ids.cpu())
+    options = step_options or StepOptions()
     ids, _ = _decode(
-        model, input_ids[0], runner=DFlashRunner(drafter, model), weaver=weaver, mode=mode, tree_budget=tree_budget,
-        max_new_tokens=max_new_tokens, processors=logits_processor, do_sample=do_sample,
+        model, input_ids[0], runner=DFlashRunner(drafter, model, options), weaver=weaver, mode=mode,
+        tree_budget=tree_budget, max_new_tokens=max_new_tokens, processors=logits_processor, do_sample=do_sample,
         verification=verification, stopping_criteria=stopping_criteria, streamer=streamer, generator=None,
-        target_step=target_step,
+        target_step=target_step, tree_policy=tree_policy or TreePolicy(), step_options=options,
     )
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=ids)

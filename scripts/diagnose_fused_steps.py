@@ -130,9 +130,9 @@ def run(args, out: Path):
                             on_row=save)
     for name in args.ab:
         setting, label = ab_setting(name, None, drafter, target)
-        with setting:
+        with setting as (policy, options):
             more = run_replay_suite(target, drafter, weaver, traces, args.modes[:1], [args.budget], 512, 512,
-                                    args.target_step)
+                                    args.target_step, tree_policy=policy, step_options=options)
         for row in more:
             row["method"] = f"{row['method']} ({label})"
         save(rows := rows + more)

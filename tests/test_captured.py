@@ -68,13 +68,14 @@ def test_static_proposer_gives_the_eager_draft_and_tree(mode, node_table, monkey
 
     from modeling_weaver.tree import chain_tree, ddtree, weaver_tree
 
-    monkeypatch.setattr(StaticProposer, "use_node_table", node_table)
+    from modeling_weaver.options import StepOptions
+
     target = TINY_TARGETS["qwen3_5"]()
     drafter, weaver = make_drafters(target)
     hidden_size = text_config(target.config).hidden_size
     width = len(drafter.config.target_layer_ids) * hidden_size
     dynamic = DFlashRunner(drafter, target)
-    static = StaticDraft(drafter, target, max_length=96, capture=False)
+    static = StaticDraft(drafter, target, max_length=96, capture=False, options=StepOptions(node_table=node_table))
     proposer = static.proposer(mode, 10, weaver)
     assert (proposer.node_table is not None) == node_table
     if node_table:  # row t = node_inputs(E[t]); one table per Weaver, shared by its proposers
@@ -215,12 +216,12 @@ def fake_graphs(monkeypatch):
     real_target, real_draft = captured.static_target, captured.static_draft
 
     def forced_target(model, max_length, num_nodes, feature_layer_ids=(), capture=None, compile=False,
-                      max_tree_depth=None):
+                      max_tree_depth=None, **options):
         return real_target(model, max_length, num_nodes, feature_layer_ids, capture=True, compile=compile,
-                           max_tree_depth=max_tree_depth)
+                           max_tree_depth=max_tree_depth, **options)
 
-    def forced_draft(drafter, target, max_length, capture=None):
-        return real_draft(drafter, target, max_length, capture=True)
+    def forced_draft(drafter, target, max_length, capture=None, **options):
+        return real_draft(drafter, target, max_length, capture=True, **options)
 
     for module in (generate, benchmark, replay):
         if hasattr(module, "static_target"):

@@ -42,9 +42,8 @@ def test_greedy_identity_on_gpu(name, mode, target_step):
 def test_peeled_root_identity_on_gpu(mode, peel, monkeypatch):
     """GDN verify with the root as a recurrent step (peel_root, the default; budgets 16 and 32: trees of 17 and 33
     nodes) and without it keeps the hybrid target's greedy output token-identical, eager and graph steps."""
-    from modeling_weaver.target import GatedDeltaNetLayerCache
+    from modeling_weaver.options import StepOptions
 
-    monkeypatch.setattr(GatedDeltaNetLayerCache, "peel_root", peel)
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
     for ids in prompts():
@@ -52,7 +51,8 @@ def test_peeled_root_identity_on_gpu(mode, peel, monkeypatch):
         expected = reference(target, ids, 48)
         for budget, target_step in ((16, "eager"), (32, "graph")):
             got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=budget,
-                                       max_new_tokens=48, target_step=target_step)
+                                       max_new_tokens=48, target_step=target_step,
+                                       step_options=StepOptions(peel_root=peel))
             assert torch.equal(got, expected), (mode, budget, target_step)
 
 
@@ -79,12 +79,11 @@ def test_neumann_verify_identity_on_gpu(mode, monkeypatch):
 
 @pytest.mark.parametrize("spine", [True, False])
 def test_spine_trees_identity_on_gpu(spine, monkeypatch):
-    """Weaver spine trees (tree.WEAVER_SPINE: the Triton expand kernel with a spine, best_known on the device) and
+    """Weaver spine trees (TreePolicy.spine: the Triton expand kernel with a spine, best_known on the device) and
     best-first rounds at budgets 12 and 64: greedy output token-identical to transformers in eager, graph and
     compiled steps."""
-    import modeling_weaver.tree as tree_module
+    from modeling_weaver.options import TreePolicy
 
-    monkeypatch.setattr(tree_module, "WEAVER_SPINE", spine)
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
     for ids in prompts():
@@ -92,12 +91,13 @@ def test_spine_trees_identity_on_gpu(spine, monkeypatch):
         expected = reference(target, ids, 48)
         for budget, target_step in ((12, "eager"), (64, "graph"), (12, "compiled")):
             got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="weaver",
-                                       tree_budget=budget, max_new_tokens=48, target_step=target_step)
+                                       tree_budget=budget, max_new_tokens=48, target_step=target_step,
+                                       tree_policy=TreePolicy(spine=spine))
             assert torch.equal(got, expected), (budget, target_step)
 
 
 def test_int8_draft_head_on_gpu():
-    """The drafter's int8 lm_head (captured.INT8_DRAFT_HEAD, on by default on CUDA) at the Qwen3.6-27B hidden size:
+    """The drafter's int8 lm_head (StepOptions.int8_head, on by default on CUDA) at the Qwen3.6-27B hidden size:
     logits equal to its dequantised operands' product; greedy output token-identical to transformers in eager, graph
     and compiled steps for every mode (the tiny targets' drafters are fp32: the kernel multiplies in bf16), then with
     the drafter's linears on int8 weights as well."""
