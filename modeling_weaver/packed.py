@@ -6,8 +6,7 @@ drafter on a GPU.
 PyTorch's CPU ``F.linear`` hands each call to MKL, which re-packs the weight every time; at the row counts of decoding
 (1 token, or a tree of 9-65 nodes) that packing is most of the work. :func:`pack_cpu_linears` packs every
 ``nn.Linear`` weight of the given models once into oneDNN's blocked layout and routes the module's calls through it
-(measured on a 2-core AMD EPYC with avx512_bf16, fp32, SmolLM2's lm_head 49152 × 576: 24.5 → 5.8 ms at 17 rows,
-11.9 → 6.0 ms at 1 row; BENCHMARKS.md). It is an inference switch of the models themselves, so every caller sees
+(several times faster at those row counts: BENCHMARKS.md). It is an inference switch of the models themselves, so every caller sees
 the same linears — transformers' ``generate``, our AR path and the speculative loop alike — and their greedy outputs
 stay comparable token for token. The cost is one packed copy of each weight (+ the model's linear weights in memory).
 
@@ -131,7 +130,7 @@ def remove_int8_linears(*models: torch.nn.Module) -> int:
 
 def _release_steps(models) -> None:
     """Drop the models' captured and compiled steps: they were traced through the linears' previous forward."""
-    from .captured import release_static_targets
+    from .decoding.step_cache import release_static_targets
 
     for model in models:
         release_static_targets(model)

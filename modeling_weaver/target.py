@@ -148,13 +148,13 @@ def _hooked(module: torch.nn.Module) -> bool:
 class SharedInputLinears:
     """Linear modules that read the same input, run as one GEMM over their concatenated weights.
 
-    At batch 1 a decode step is a string of GEMMs that each read their weights once; a Qwen3.5/3.6 layer runs 9 of
-    them on 3 inputs (GDN ``in_proj_qkv/z/b/a``, attention ``q/k/v``, MLP ``gate/up``). One launch per input reads the
-    same bytes closer to the bandwidth limit (``scripts/bench_projections.py`` measures it). The modules' weights become row blocks of one tensor (:func:`merge_rows`: same values, same
-    Parameter objects, saved and loaded as before). Modules that cannot share one GEMM (not plain ``nn.Linear``,
-    hooks or a patched forward, tensor-subclass weights such as quantized or DTensor ones, mixed dtypes, devices or
-    input sizes, biases on some only) run one by one. The choice is made here, once: an adapter built before a hook
-    was added keeps bypassing it.
+    At batch 1 a decode step is a string of GEMMs that each read their weights once; a Qwen3.5/3.6 layer runs 9 of them
+    on 3 inputs (GDN ``in_proj_qkv/z/b/a``, attention ``q/k/v``, MLP ``gate/up``). One launch per input reads the same
+    bytes closer to the bandwidth limit (``scripts/bench_projections.py`` measures it). The modules' weights become row
+    blocks of one tensor (:func:`merge_rows`: same values, same Parameter objects, saved and loaded as before). Modules
+    that cannot share one GEMM (not plain ``nn.Linear``, hooks or a patched forward, tensor-subclass weights such as
+    quantized or DTensor ones, mixed dtypes, devices or input sizes, biases on some only) run one by one. The choice is
+    made here, once: an adapter built before a hook was added keeps bypassing it.
     """
 
     def __init__(self, *linears: torch.nn.Module):
@@ -410,8 +410,8 @@ class TargetAdapter:
                 )
         self.mlps = [mlp_forward(layer.mlp) for layer in decoder.layers]
         if self.device.type == "cuda" and before != weights_key(model):
-            # the weights' old blocks are too small for the allocator to reuse: give them back (else a 27B target
-            # keeps ≈ 31 GB reserved that nothing uses)
+            # the weights' old blocks are too small for the allocator to reuse: give them back (else a large target
+            # keeps a large share of the device reserved that nothing uses)
             torch.cuda.empty_cache()
         self.layer_norms = [(fused_norm(layer.input_layernorm, self.dtype),
                              fused_norm(layer.post_attention_layernorm, self.dtype)) for layer in decoder.layers]

@@ -319,17 +319,17 @@ def weaver_tree_tensors(
     roots. Every shape is fixed by ``budget`` and ``width`` and nothing waits for the host, so a captured step can
     include the whole build.
 
-    With ``spine`` (default ``policy.spine``) the depth comes first and the rounds are few: the first round
-    runs the root together with the chain of DFlash's top-1 tokens (the pool's first candidate at every depth, as a
-    plain DFlash chain), all in one batched node step, since a node's step needs only its ancestors' tokens. Then
-    ``rounds`` rounds (default ``policy.spine_rounds``) of ``width`` (default ``policy.spine_width``) frontier entries
-    each; the tree is the ``budget`` most probable paths among every node stepped and every frontier candidate
-    (:func:`best_known`), so spine nodes the Weaver finds unlikely are left out; the root also offers its next best
-    candidates as leaves, up to ``policy.root_children`` children in all. Depth no longer costs rounds: a budget-64
-    tree takes 1 + 4 node steps instead of 16. The price: off the spine, a path can follow the Weaver's
-    own choices for at most ``rounds + 1`` tokens (best-first rounds: to the maximum depth), which costs some
-    acceptance on text accepted deeply (docs/DESIGN.md §4). A round may also take a frontier entry at the maximum depth, whose step adds nothing (it publishes no candidates); at
-    maximum depth 1 the spine's step is the only one.
+    With ``spine`` (default ``policy.spine``) the depth comes first and the rounds are few: the first round runs the
+    root together with the chain of DFlash's top-1 tokens (the pool's first candidate at every depth, as a plain DFlash
+    chain), all in one batched node step, since a node's step needs only its ancestors' tokens. Then ``rounds`` rounds
+    (default ``policy.spine_rounds``) of ``width`` (default ``policy.spine_width``) frontier entries each; the tree is
+    the ``budget`` most probable paths among every node stepped and every frontier candidate (:func:`best_known`), so
+    spine nodes the Weaver finds unlikely are left out; the root also offers its next best candidates as leaves, up to
+    ``policy.root_children`` children in all. Depth no longer costs rounds: a budget-64 tree takes 1 + 4 node steps
+    instead of 16. The price: off the spine, a path can follow the Weaver's own choices for at most ``rounds + 1``
+    tokens (best-first rounds: to the maximum depth), which costs some acceptance on text accepted deeply
+    (docs/DESIGN.md §4). A round may also take a frontier entry at the maximum depth, whose step adds nothing (it
+    publishes no candidates); at maximum depth 1 the spine's step is the only one.
 
     Args:
         root: the bonus token (an int, or a 0-d or one-element tensor on the device).
@@ -371,6 +371,7 @@ def weaver_tree_tensors(
     fan = min(policy.children_per_node if children_per_node is None else children_per_node, pool)
     n = 1 + spine_nodes + rounds * width if spine else budget + 1
     cache = weaver.new_node_cache(n, device=device)
+    attend = None
     if policy.node_attention_on(device) and max(1 + spine_nodes, width) <= weaver_kernels.NODE_ATTENTION_MAX_ROWS:
         # each layer's RoPE, slot writes and attention in one op (one launch per round on CUDA)
         prompt_kv = [(k[0].contiguous(), v[0].contiguous()) for k, v in zip(prompt.keys, prompt.values)]
@@ -379,7 +380,6 @@ def weaver_tree_tensors(
         def attend(i, qkv, positions, lo, rows):
             return weaver_kernels.node_attention(qkv, positions, *prompt_kv[i], cache.keys[i][0], cache.values[i][0],
                                                  rows, lo, weaver.config.rope_base, scale)
-        cache.attend = attend
     neg_inf = float("-inf")
 
     # No Python-number stores into device tensors below (`x[i] = 0.0` copies from the host, which a CUDA graph
@@ -412,7 +412,7 @@ def weaver_tree_tensors(
     while lo < hi:
         d = depth[lo:hi]
         x = node_table[tokens[lo:hi]] if node_table is not None else weaver.node_inputs(embed_tokens(tokens[lo:hi]))
-        query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), mask[None, lo:hi])[0]
+        query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), mask[None, lo:hi], attend=attend)[0]
         cand = weaver_kernels.pool_scores(query, d.clamp(max=max_depth - 1), pool_ids, pool_logits, lm_head_weight)
         if spine and lo == 0:  # (scores in hand: the root's leaves are picked from the same row)
             root_leaves = _root_leaves(cand[0], pool_ids[0], fan,

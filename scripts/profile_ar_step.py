@@ -2,7 +2,7 @@
 
     python scripts/profile_ar_step.py --shape qwen3.6-27b --tokens 8 --target-step compiled --proposer weaver
 
-1. The AR step as the AR loop captures it (:class:`~modeling_weaver.captured.FusedARStep`: the one-token pass with
+1. The AR step as the AR loop captures it (:class:`~modeling_weaver.decoding.fused.FusedARStep`: the one-token pass with
    its GDN/conv decode kernels, then argmax) run ``--tokens`` times without CUDA graphs (``static``: eager
    fixed-shape ops; ``compiled``: the torch.compile'd pass), so the profiler sees every kernel: GPU busy time per
    step and the kernel table.
@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from modeling_weaver.lab.benchmark import autoregressive_generate
 from modeling_weaver.cli import nonnegative_int, positive_int
-from modeling_weaver.captured import cache_bucket, static_draft, static_target
+from modeling_weaver.decoding.step_cache import cache_bucket, static_draft, static_target
 from modeling_weaver.lab.replay import (FirstTokenClock, ab_setting, fresh_steps, graph_replay_ms, random_models,
                                     random_prompt)
 from modeling_weaver.options import StepOptions, TreePolicy

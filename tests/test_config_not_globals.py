@@ -20,7 +20,7 @@ PACKAGE = ROOT / "modeling_weaver"
 KERNELS = ROOT / "kernels" / "weaver_kernels"
 
 #: The modules one step runs through (the lab, CLI, conversion and export are not read by a step).
-STEP_MODULES = ["accept.py", "captured.py", "generate.py", "modeling_dflash.py", "modeling_weaver.py", "options.py",
+STEP_MODULES = ["accept.py", "generate.py", "modeling_dflash.py", "modeling_weaver.py", "options.py",
                 "target.py", "tree.py", "decoding"]
 
 #: Module-level names that are state by design, each with why: caches keyed by what they cache, and constant tables.

@@ -13,7 +13,7 @@ from modeling_weaver import (
     generate,
     speculative_generate,
 )
-from modeling_weaver.captured import _STATIC_TARGETS
+from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
 from modeling_weaver.generate import MODES, DFlashRunner, _decode
 from modeling_weaver.options import StepOptions, TreePolicy
 from modeling_weaver.target import text_config
@@ -458,7 +458,7 @@ def test_static_autoregressive_baseline_equals_generate(name):
 def test_bf16_drafter_with_fp32_target_stays_exact(target_step):
     """Draft logits only shape trees: a bf16 drafter (projecting with a bf16 copy of the target's head) leaves the
     fp32 target's greedy output unchanged; the cached copy follows in-place weight updates."""
-    from modeling_weaver.captured import draft_head
+    from modeling_weaver.decoding.drafting import draft_head
 
     target = TINY_TARGETS["llama"]()
     drafter, weaver = make_drafters(target, mask_token_id=VOCAB - 1)
@@ -478,7 +478,8 @@ def test_bf16_drafter_with_fp32_target_stays_exact(target_step):
     import gc
     import weakref
 
-    from modeling_weaver.captured import _DRAFT_HEADS, release_static_targets
+    from modeling_weaver.decoding.drafting import _DRAFT_HEADS
+    from modeling_weaver.decoding.step_cache import release_static_targets
 
     weight = weakref.ref(target.get_output_embeddings().weight)
     key = (id(weight()), torch.bfloat16, False)
@@ -493,7 +494,7 @@ def test_bf16_drafter_with_fp32_target_stays_exact(target_step):
 @pytest.mark.parametrize("target_step", ["eager", "static"])
 def test_int8_draft_head_stays_exact(target_step, monkeypatch):
     """Drafts through the int8 copy of the lm_head (StepOptions.int8_head) leave the greedy output unchanged."""
-    import modeling_weaver.captured as captured
+    import modeling_weaver.decoding.drafting as drafting
 
     import weaver_kernels
 
@@ -509,14 +510,14 @@ def test_int8_draft_head_stays_exact(target_step, monkeypatch):
                                        step_options=StepOptions(int8_head=True))
             assert torch.equal(got, reference(target, ids, 32)), mode
         assert calls and all(shape == target.get_output_embeddings().weight.shape for shape in calls), mode
-    assert not captured.draft_head(target, torch.float32).int8  # the default: on CUDA only
+    assert not drafting.draft_head(target, torch.float32).int8  # the default: on CUDA only
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_draft_head_logits(dtype):
     """The int8 head: rows quantised symmetrically (|q| ≤ 127, one scale each), logits the dequantised product (plus
     the bias), within int8's rounding (≈ 1 % RMS) of the exact logits."""
-    from modeling_weaver.captured import DraftHead
+    from modeling_weaver.decoding.drafting import DraftHead
 
     gen = torch.Generator().manual_seed(1)
     weight = (torch.randn(97, 40, generator=gen) * 40 ** -0.5).to(dtype)

@@ -101,18 +101,18 @@ def test_int8_draft_head_on_gpu():
     logits equal to its dequantised operands' product; greedy output token-identical to transformers in eager, graph
     and compiled steps for every mode (the tiny targets' drafters are fp32: the kernel multiplies in bf16), then with
     the drafter's linears on int8 weights as well."""
-    import modeling_weaver.captured as captured
+    import modeling_weaver.decoding.drafting as drafting
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(248320 // 16, 5120, generator=gen).mul_(5120 ** -0.5).bfloat16()
     hidden = torch.randn(15, 5120, generator=gen).bfloat16()
-    head = captured.DraftHead(weight.cuda(), None, torch.bfloat16, int8=True)
+    head = drafting.DraftHead(weight.cuda(), None, torch.bfloat16, int8=True)
     expected = hidden.float() @ (head.quantised.cpu().float() * head.scale.cpu()[:, None]).T
     torch.testing.assert_close(head(hidden.cuda()).float().cpu(), expected, rtol=1e-2, atol=1e-2)
 
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
-    assert captured.draft_head(target, next(drafter.parameters()).dtype).int8  # the default on CUDA
+    assert drafting.draft_head(target, next(drafter.parameters()).dtype).int8  # the default on CUDA
     for int8_layers in (False, True):  # then the drafter's own linears on int8 weights too (packed.int8_linears)
         if int8_layers:
             assert int8_linears(drafter) > 0
@@ -145,7 +145,7 @@ def test_compiled_steps_identity_on_gpu(mode):
 
 
 def test_graphs_are_captured_once_per_tree_size_across_prompt_lengths():
-    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
 
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target))
@@ -165,7 +165,7 @@ def test_graphs_are_captured_once_per_tree_size_across_prompt_lengths():
 def test_graph_steps_allocate_nothing_per_step_and_capture_once():
     """After warm-up, a long graph-mode generation neither grows memory nor captures again (the fused step's graph —
     draft + tree, verify, accept and commit in one — stays the same object)."""
-    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
 
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target))

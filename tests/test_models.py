@@ -507,7 +507,7 @@ def _tree_inputs(seed: int, depth: int = 5, scale: float = 3.0):
 def _counted_steps(weaver):
     """The number of nodes of each ``weaver.step`` call inside the block."""
     steps, step = [], weaver.step
-    weaver.step = lambda *args: steps.append(args[3].shape[1]) or step(*args)
+    weaver.step = lambda *args, **kwargs: steps.append(args[3].shape[1]) or step(*args, **kwargs)
     try:
         yield steps
     finally:

@@ -141,7 +141,7 @@ def test_ab_setting_holds_inside_the_block_on_fresh_steps():
     """The A/B helper of the replay scripts: the setting holds inside the block only (the settings it yields; the
     ones given are left as they were), and the cached steps of the drafter and target (built under the other
     setting) are dropped on the way in and out, also when the block raises."""
-    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
     from modeling_weaver.lab.replay import ab_setting
     from modeling_weaver.options import StepOptions, TreePolicy
 
@@ -163,7 +163,7 @@ def test_ab_setting_holds_inside_the_block_on_fresh_steps():
 def test_int8_drafter_routes_the_drafters_linears_inside_the_block_only(tmp_path):
     """replay.int8_drafter (the scripts' A/B) puts the drafter's linears on int8 weights inside the block, on fresh
     steps, and restores them; `weaver replay --int8-drafter` runs the suite with them and says so."""
-    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
     from modeling_weaver.cli import main
     from modeling_weaver.packed import _INT8
     from modeling_weaver.lab.replay import int8_drafter

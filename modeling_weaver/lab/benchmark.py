@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ..cli import existing_dir, existing_file, positive_int, torch_device
-from ..captured import capture_flags, static_target
+from ..decoding.step_cache import capture_flags, static_target
 from ..options import StepOptions
 from .data import (
     DATASET_TITLES,
@@ -108,7 +108,7 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
         streamer: a transformers streamer (``put``/``end``): the prompt, then each token as it reaches the host.
         target_step: ``"eager"``, ``"static"``, ``"graph"`` or ``"compiled"``, as in
             :func:`~modeling_weaver.generate.speculative_generate`. Greedy fixed-shape decoding runs one
-            :class:`~modeling_weaver.captured.FusedARStep` per token (verify, commit and argmax in one CUDA graph on
+            :class:`~modeling_weaver.decoding.fused.FusedARStep` per token (verify, commit and argmax in one CUDA graph on
             CUDA, launched before the host reads the previous token).
         step_options: how the target's kernels run (:class:`~modeling_weaver.options.StepOptions`).
     Returns:

@@ -27,9 +27,9 @@ import torch
 from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
 from ..cli import existing_file, nonnegative_int, positive_int, torch_device
-from ..accept import Acceptance, path_to_leaf
+from ..accept import Acceptance, DeviceAcceptance, path_to_leaf
 from .benchmark import autoregressive_generate
-from ..captured import capture_flags, release_static_targets, static_draft
+from ..decoding.step_cache import capture_flags, release_static_targets, static_draft
 from .data import cli_entry
 from ..generate import MODES, PHASES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
 from ..options import StepOptions, TreePolicy
@@ -73,7 +73,7 @@ def load_traces(results_json: str | Path) -> dict[tuple[str, int], list[int]]:
     return traces
 
 
-class ReplayedAcceptance:
+class ReplayedAcceptance(DeviceAcceptance):
     """Accept, at step s, the most probable root→node path with ``trace[s]`` nodes (bonus: the target's argmax).
 
     On the device (:meth:`tensors`, which a fused captured step can hold: the trace and the step counter are device
