@@ -23,6 +23,7 @@ _EXPORTS = {
     "WeaverModel": ".modeling_weaver",
     "int8_linears": ".packed", "pack_cpu_linears": ".packed", "remove_int8_linears": ".packed",
     "unpack_cpu_linears": ".packed",
+    "StepOptions": ".options", "TreePolicy": ".options",
     "TargetAdapter": ".target",
     "Tree": ".tree", "chain_tree": ".tree", "ddtree": ".tree", "weaver_tree": ".tree",
 }
@@ -62,8 +63,10 @@ __all__ = [
     "DFlashConfig",
     "DFlashDraftModel",
     "SpeculativeStats",
+    "StepOptions",
     "TargetAdapter",
     "Tree",
+    "TreePolicy",
     "WeaverConfig",
     "WeaverModel",
     "accept_greedy",

@@ -43,6 +43,23 @@ class Acceptance:
     bonus: int
 
 
+class DeviceAcceptance:
+    """An acceptance rule that also runs on the device, so a fused greedy step can hold it (the acceptance replay's
+    traces): ``tensors`` returns what :func:`accept_greedy_tensors` returns, ``__call__(tree, scores)`` the host
+    :class:`Acceptance`, ``state()`` the tensors ``tensors`` advances in place (restored around a capture's
+    warm-up)."""
+
+    def tensors(self, tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor, ancestor_mask: torch.Tensor,
+                logq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def __call__(self, tree: Tree, scores: torch.Tensor) -> Acceptance:
+        raise NotImplementedError
+
+    def state(self) -> list[torch.Tensor]:
+        return []
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # helpers
 

@@ -130,7 +130,7 @@ def remove_int8_linears(*models: torch.nn.Module) -> int:
 
 def _release_steps(models) -> None:
     """Drop the models' captured and compiled steps: they were traced through the linears' previous forward."""
-    from .captured import release_static_targets
+    from .decoding.step_cache import release_static_targets
 
     for model in models:
         release_static_targets(model)

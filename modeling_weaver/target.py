@@ -25,6 +25,7 @@ from torch.nn.modules import module as nn_module
 
 import weaver_kernels
 
+from .options import StepOptions
 from .tree import Tree, ancestor_mask_of
 
 ATTENTION_ONLY = ("llama", "qwen2", "qwen3")
@@ -147,14 +148,13 @@ def _hooked(module: torch.nn.Module) -> bool:
 class SharedInputLinears:
     """Linear modules that read the same input, run as one GEMM over their concatenated weights.
 
-    At batch 1 a decode step is a string of GEMMs that each read their weights once; a Qwen3.5/3.6 layer runs 9 of
-    them on 3 inputs (GDN ``in_proj_qkv/z/b/a``, attention ``q/k/v``, MLP ``gate/up``). One launch per input reads the
-    same bytes closer to the bandwidth limit (measured at Qwen3.6-27B shape, ``scripts/bench_projections.py``: 1.1 ms
-    off a 17 ms AR step). The modules' weights become row blocks of one tensor (:func:`merge_rows`: same values, same
-    Parameter objects, saved and loaded as before). Modules that cannot share one GEMM (not plain ``nn.Linear``,
-    hooks or a patched forward, tensor-subclass weights such as quantized or DTensor ones, mixed dtypes, devices or
-    input sizes, biases on some only) run one by one. The choice is made here, once: an adapter built before a hook
-    was added keeps bypassing it.
+    At batch 1 a decode step is a string of GEMMs that each read their weights once; a Qwen3.5/3.6 layer runs 9 of them
+    on 3 inputs (GDN ``in_proj_qkv/z/b/a``, attention ``q/k/v``, MLP ``gate/up``). One launch per input reads the same
+    bytes closer to the bandwidth limit (``scripts/bench_projections.py`` measures it). The modules' weights become row
+    blocks of one tensor (:func:`merge_rows`: same values, same Parameter objects, saved and loaded as before). Modules
+    that cannot share one GEMM (not plain ``nn.Linear``, hooks or a patched forward, tensor-subclass weights such as
+    quantized or DTensor ones, mixed dtypes, devices or input sizes, biases on some only) run one by one. The choice is
+    made here, once: an adapter built before a hook was added keeps bypassing it.
     """
 
     def __init__(self, *linears: torch.nn.Module):
@@ -279,21 +279,14 @@ class AttentionLayerCache:
 class GatedDeltaNetLayerCache:
     """Committed recurrent state and conv window of one Gated DeltaNet layer, and its tree forward.
 
-    The tree ops are the seams in :mod:`weaver_kernels` (Triton on CUDA, torch reference elsewhere).
+    The tree ops are the seams in :mod:`weaver_kernels` (Triton on CUDA, torch reference elsewhere); ``options``
+    (:class:`~modeling_weaver.options.StepOptions`) picks how they run: ``gates_in_kernel``, ``peel_root``,
+    ``neumann``.
     """
 
-    # the GDN ops get the raw gate projections and form the gates in their kernels (False: the gates as their own
-    # launch; ``scripts/profile_ar_step.py --gates-ab`` times both in the AR step)
-    gates_in_kernel = True
-    # the tree verify runs the root (node 0) as a recurrent step: budget + root trees solve one row block fewer, or,
-    # in the Neumann form, at half the padded size (weaver_kernels' peel_root; H200, 16 layers in a graph: 65 nodes
-    # 35.3 → 30.7 µs per layer fused, 20.1 Neumann; 17 nodes 12.5 → 8.7; BENCHMARKS.md)
-    peel_root = True
-    # the tree verify gets the caller's depth bound, which lets it take the Neumann form (False: row-block forms only)
-    neumann = True
-
-    def __init__(self, gdn: torch.nn.Module, device, dtype):
+    def __init__(self, gdn: torch.nn.Module, device, dtype, options: StepOptions = StepOptions()):
         self.gdn = gdn
+        self.gates_in_kernel, self.peel_root, self.neumann = options.gates_in_kernel, options.peel_root, options.neumann
         self.norm = fused_norm(gdn.norm, dtype)
         # the one-token kernel applies the gated norm itself when it is one the op reproduces (as fused_norm found)
         self.norm_in_kernel = isinstance(self.norm, FusedNorm) and self.norm.kind == weaver_kernels.RMS_GATED
@@ -378,9 +371,11 @@ class TargetAdapter:
         max_tree_depth: a bound on the depth of every tree it will verify, where the caller knows one (a block
             drafter's trees: block size − 1); Gated DeltaNet layers pick their verify kernel by it (a deeper tree is
             still verified exactly).
+        options: how the step's kernels run (:class:`~modeling_weaver.options.StepOptions`; none changes a token).
     """
 
-    def __init__(self, model, max_length: int, feature_layer_ids=(), max_tree_depth: int | None = None):
+    def __init__(self, model, max_length: int, feature_layer_ids=(), max_tree_depth: int | None = None,
+                 options: StepOptions = StepOptions()):
         config = text_config(model.config)
         model_type = getattr(model.config, "model_type", None)
         if model_type not in SUPPORTED:
@@ -396,7 +391,7 @@ class TargetAdapter:
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
         self.max_length = max_length
-        self.max_tree_depth = max_tree_depth
+        self.max_tree_depth, self.options = max_tree_depth, options
         self.feature_layer_ids = list(feature_layer_ids)
         num_layers = len(decoder.layers)
         bad = [i for i in self.feature_layer_ids if not 0 <= i < num_layers]
@@ -408,15 +403,15 @@ class TargetAdapter:
         self.layer_caches = []
         for layer in decoder.layers:
             if hasattr(layer, "linear_attn"):
-                self.layer_caches.append(GatedDeltaNetLayerCache(layer.linear_attn, self.device, self.dtype))
+                self.layer_caches.append(GatedDeltaNetLayerCache(layer.linear_attn, self.device, self.dtype, options))
             else:
                 self.layer_caches.append(
                     AttentionLayerCache(layer.self_attn, config, max_length, self.device, self.dtype)
                 )
         self.mlps = [mlp_forward(layer.mlp) for layer in decoder.layers]
         if self.device.type == "cuda" and before != weights_key(model):
-            # the weights' old blocks are too small for the allocator to reuse: give them back (else a 27B target
-            # keeps ≈ 31 GB reserved that nothing uses)
+            # the weights' old blocks are too small for the allocator to reuse: give them back (else a large target
+            # keeps a large share of the device reserved that nothing uses)
             torch.cuda.empty_cache()
         self.layer_norms = [(fused_norm(layer.input_layernorm, self.dtype),
                              fused_norm(layer.post_attention_layernorm, self.dtype)) for layer in decoder.layers]

@@ -14,6 +14,10 @@ from dataclasses import InitVar, dataclass
 import torch
 import weaver_kernels
 
+from .options import TreePolicy
+
+DEFAULT_POLICY = TreePolicy()  # (frozen: a value, not a switch)
+
 
 @dataclass
 class Tree:
@@ -161,12 +165,13 @@ def with_root(root, drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> 
 
 
 def tree_drafts(mode: str, root, draft_hidden: torch.Tensor, draft_logits: torch.Tensor, budget: int, weaver=None,
-                last_hidden: torch.Tensor | None = None, embed_tokens=None, lm_head_weight=None, node_table=None):
+                last_hidden: torch.Tensor | None = None, embed_tokens=None, lm_head_weight=None, node_table=None,
+                policy: TreePolicy = DEFAULT_POLICY):
     """The draft nodes of one step's tree in ``mode`` (``chain``, ``ddtree`` or ``weaver``), on the device.
 
     Weaver trees also need the Weaver, the target's final hidden state before the block (``last_hidden``, its prompt
-    with the drafter's ``draft_hidden``), the target's embedding and lm_head weight (and may take the Weaver's
-    ``node_table``, see :func:`weaver_tree_tensors`). Returns what the
+    with the drafter's ``draft_hidden``), the target's embedding and lm_head weight, and follow ``policy`` (and may
+    take the Weaver's ``node_table``, see :func:`weaver_tree_tensors`). Returns what the
     ``*_tensors`` builders return; :func:`with_root` makes the :class:`Tree`.
     """
     if mode == "chain":
@@ -176,7 +181,7 @@ def tree_drafts(mode: str, root, draft_hidden: torch.Tensor, draft_logits: torch
     depth = min(draft_hidden.shape[0], weaver.config.K)
     prompt = weaver.encode_prompt(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
     return weaver_tree_tensors(root, weaver, prompt, draft_logits, embed_tokens, lm_head_weight, budget,
-                               node_table=node_table)
+                               node_table=node_table, policy=policy)
 
 
 def chain_tree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
@@ -267,33 +272,6 @@ def ddtree_tensors(draft_logits: torch.Tensor, budget: int) -> tuple[torch.Tenso
             torch.where(valid, logq, neg_inf))
 
 
-# Weaver node steps through weaver_kernels.node_attention (None: on CUDA, where it is one Triton launch instead of ~10
-# small kernels per round and layer; on CPU the op is the same torch ops as WeaverModel.step's own form). Qwen3.6-27B
-# shape on an H200: the Weaver draft + tree graph 2.454 → 2.404 ms (BENCHMARKS.md, 2026-12-02).
-FUSED_NODE_ATTENTION: bool | None = None
-
-# Weaver trees start from DFlash's chain, then SPINE_ROUNDS rounds of SPINE_WIDTH (see weaver_tree_tensors). Real
-# SmolLM2, greedy MAL (BENCHMARKS.md, 2026-12-02): MT-Bench + HumanEval subsets at budget 64, 16 best-first rounds
-# 2.525, spine + 2 / 4 rounds of 8 2.547 / 2.542; the demo's prompts (repetitive text, deep paths) at budget 16,
-# best-first 3.27, spine + 2 / 4 rounds of 2 3.08 / 3.20 — off the spine a path follows the Weaver for at most
-# rounds + 1 tokens, so 4 rounds. Qwen3.6-27B shape on an H200: the Weaver draft + tree graph 3.56 ms best-first,
-# 2.53 with spine + 4 rounds (2.33 with 2).
-WEAVER_SPINE: bool = True
-SPINE_ROUNDS: int = 4
-SPINE_WIDTH: int | None = None  # None: ceil(budget / 8)
-# Children a stepped node publishes to the frontier (its best pool candidates). SmolLM2 at budget 64, spine + 4
-# rounds (BENCHMARKS.md, 2026-12-02): MAL 2.542 / 2.551 / 2.577 / 2.595 with 8 / 16 / 32 / 64; but 64 costs +0.50 ms
-# per Weaver draft + tree at Qwen3.6-27B shape on an H200 (2.13 → 2.63 ms: the expand kernel picks children one by
-# one), as much of a step as it adds in MAL.
-CHILDREN_PER_NODE: int = 8
-# Spine trees: the root offers its best ROOT_CHILDREN candidates (None: half the budget), the CHILDREN_PER_NODE it
-# published and the next ones as leaves, never stepped (depth 1 is where most steps stop: the drafter's top-1 is
-# right for 46 % of SmolLM2's anchors). SmolLM2 greedy MAL, spine + 4 rounds (BENCHMARKS.md, 2026-12-02): budget 64
-# 2.542 / 2.603 / 2.622 with 8 / 32 / 64 root children, budget 32 2.390 / 2.387 / 2.387 with 8 / 16 / 32, budget 16
-# 2.206 / 2.194 with 8 / 16.
-ROOT_CHILDREN: int | None = None
-
-
 def weaver_tree(
     root: int,
     weaver,
@@ -306,10 +284,12 @@ def weaver_tree(
     width: int | None = None,
     spine: bool | None = None,
     rounds: int | None = None,
+    policy: TreePolicy = DEFAULT_POLICY,
 ) -> Tree:
     """A Weaver tree (spine or best-first rounds, see :func:`weaver_tree_tensors`)."""
     return with_root(root, weaver_tree_tensors(root, weaver, prompt, draft_logits, embed_tokens, lm_head_weight,
-                                               budget, children_per_node, width, spine=spine, rounds=rounds))
+                                               budget, children_per_node, width, spine=spine, rounds=rounds,
+                                               policy=policy))
 
 
 def weaver_tree_tensors(
@@ -325,12 +305,13 @@ def weaver_tree_tensors(
     node_table: torch.Tensor | None = None,
     spine: bool | None = None,
     rounds: int | None = None,
+    policy: TreePolicy = DEFAULT_POLICY,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Weaver tree from batched expansion rounds over the frontier (docs/DESIGN.md §4), on the device.
 
     Best-first rounds (``spine=False``, the paper's): the root is expanded first; then each round turns the ``width``
     best frontier entries (cumulative log-prob) into tree nodes and runs one batched Weaver node step on them, which
-    publishes each node's top ``children_per_node`` (default :data:`CHILDREN_PER_NODE`) pool candidates (none for
+    publishes each node's top ``children_per_node`` (default ``policy.children_per_node``) pool candidates (none for
     nodes at the maximum depth) to the frontier — but for the nodes that fill the budget, whose children could not
     join the tree.
     ``ceil(budget / width)`` rounds fill the budget (``width`` default: the widest that still leaves at least as many
@@ -338,18 +319,17 @@ def weaver_tree_tensors(
     roots. Every shape is fixed by ``budget`` and ``width`` and nothing waits for the host, so a captured step can
     include the whole build.
 
-    With ``spine`` (default :data:`WEAVER_SPINE`) the depth comes first and the rounds are few: the first round
-    runs the root together with the chain of DFlash's top-1 tokens (the pool's first candidate at every depth, as a
-    plain DFlash chain), all in one batched node step, since a node's step needs only its ancestors' tokens. Then
-    ``rounds`` rounds (default :data:`SPINE_ROUNDS`) of ``width`` (default :data:`SPINE_WIDTH`) frontier entries
-    each; the tree is the ``budget`` most probable paths among every node stepped and every frontier candidate
-    (:func:`best_known`), so spine nodes the Weaver finds unlikely are left out; the root also offers its next best
-    candidates as leaves, up to :data:`ROOT_CHILDREN` children in all. Depth no longer costs rounds: a budget-64
-    tree takes 1 + 4 node steps instead of 16. The price: off the spine, a path can follow the Weaver's
-    own choices for at most ``rounds + 1`` tokens (best-first rounds: to the maximum depth); on text that SmolLM2
-    accepts deeply (the demo's prompts) 2 rounds lost 6 % of MAL against best-first rounds, 4 rounds 2 %. A round
-    may also take a frontier entry at the maximum depth, whose step adds nothing (it publishes no candidates); at
-    maximum depth 1 the spine's step is the only one.
+    With ``spine`` (default ``policy.spine``) the depth comes first and the rounds are few: the first round runs the
+    root together with the chain of DFlash's top-1 tokens (the pool's first candidate at every depth, as a plain DFlash
+    chain), all in one batched node step, since a node's step needs only its ancestors' tokens. Then ``rounds`` rounds
+    (default ``policy.spine_rounds``) of ``width`` (default ``policy.spine_width``) frontier entries each; the tree is
+    the ``budget`` most probable paths among every node stepped and every frontier candidate (:func:`best_known`), so
+    spine nodes the Weaver finds unlikely are left out; the root also offers its next best candidates as leaves, up to
+    ``policy.root_children`` children in all. Depth no longer costs rounds: a budget-64 tree takes 1 + 4 node steps
+    instead of 16. The price: off the spine, a path can follow the Weaver's own choices for at most ``rounds + 1``
+    tokens (best-first rounds: to the maximum depth), which costs some acceptance on text accepted deeply
+    (docs/DESIGN.md §4). A round may also take a frontier entry at the maximum depth, whose step adds nothing (it
+    publishes no candidates); at maximum depth 1 the spine's step is the only one.
 
     Args:
         root: the bonus token (an int, or a 0-d or one-element tensor on the device).
@@ -360,6 +340,7 @@ def weaver_tree_tensors(
         node_table: optional ``weaver.node_input_table(embed_tokens.weight)``: node inputs gathered from it instead
             of computed each round.
         spine, rounds: see above.
+        policy: the :class:`~modeling_weaver.options.TreePolicy` that the arguments left None default to.
     Returns:
         the draft nodes as :func:`ddtree_tensors` does.
     """
@@ -368,32 +349,30 @@ def weaver_tree_tensors(
     if max_depth == 0:
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return empty, empty, torch.zeros(0, device=device)
-    # A node of depth d exists only after d rounds, so fewer than max_depth rounds would cap the tree's depth
-    # (8 rounds cut a replayed MAL of 7.2 to 5.5 at Qwen3.6-27B shape); as wide as that allows (the largest width
-    # with ceil(budget / width) >= max_depth): each round is a chain of small dependent kernels (≈ 0.12 ms of GPU
-    # time on an H200 at that shape, BENCHMARKS.md).
-    spine = WEAVER_SPINE if spine is None else spine
+    # A node of depth d exists only after d rounds, so fewer than max_depth rounds would cap the tree's depth; as
+    # wide as that allows (the largest width with ceil(budget / width) >= max_depth): each round is a chain of small
+    # dependent kernels.
+    spine = policy.spine if spine is None else spine
     if rounds is not None and (not spine or rounds < 0):
         raise ValueError(f"rounds ({rounds}) is the number of rounds after a spine: >= 0, with spine trees only")
     spine_nodes = max_depth if spine else 0
     if width is None:
         if spine:
-            width = SPINE_WIDTH or -(-budget // 8)
+            width = policy.spine_width or -(-budget // 8)
         else:
             width = budget if max_depth == 1 else max(1, (budget - 1) // (max_depth - 1))
-    rounds = (SPINE_ROUNDS if rounds is None else rounds) if spine else None
+    rounds = (policy.spine_rounds if rounds is None else rounds) if spine else None
     if spine and max_depth == 1:
         rounds = 0  # every candidate is a leaf: stepping one adds nothing
     pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])
-    # [D, pool]: children of depth d+1. topk in the logits' dtype, then fp32 (bf16 rows: 0.087 against 0.121 ms for
-    # a widened copy at Qwen3.6-27B shape on an H200)
+    # [D, pool]: children of depth d+1. topk in the logits' dtype, then fp32 (cheaper than topk over a widened copy)
     pool_logits, pool_ids = draft_logits[:max_depth].topk(pool, dim=-1)
     pool_logits = pool_logits.float()
-    fan = min(CHILDREN_PER_NODE if children_per_node is None else children_per_node, pool)
+    fan = min(policy.children_per_node if children_per_node is None else children_per_node, pool)
     n = 1 + spine_nodes + rounds * width if spine else budget + 1
     cache = weaver.new_node_cache(n, device=device)
-    fused = FUSED_NODE_ATTENTION or (FUSED_NODE_ATTENTION is None and device.type == "cuda")
-    if fused and max(1 + spine_nodes, width) <= weaver_kernels.NODE_ATTENTION_MAX_ROWS:
+    attend = None
+    if policy.node_attention_on(device) and max(1 + spine_nodes, width) <= weaver_kernels.NODE_ATTENTION_MAX_ROWS:
         # each layer's RoPE, slot writes and attention in one op (one launch per round on CUDA)
         prompt_kv = [(k[0].contiguous(), v[0].contiguous()) for k, v in zip(prompt.keys, prompt.values)]
         scale = weaver.config.head_dim ** -0.5
@@ -401,7 +380,6 @@ def weaver_tree_tensors(
         def attend(i, qkv, positions, lo, rows):
             return weaver_kernels.node_attention(qkv, positions, *prompt_kv[i], cache.keys[i][0], cache.values[i][0],
                                                  rows, lo, weaver.config.rope_base, scale)
-        cache.attend = attend
     neg_inf = float("-inf")
 
     # No Python-number stores into device tensors below (`x[i] = 0.0` copies from the host, which a CUDA graph
@@ -434,11 +412,11 @@ def weaver_tree_tensors(
     while lo < hi:
         d = depth[lo:hi]
         x = node_table[tokens[lo:hi]] if node_table is not None else weaver.node_inputs(embed_tokens(tokens[lo:hi]))
-        query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), mask[None, lo:hi])[0]
+        query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), mask[None, lo:hi], attend=attend)[0]
         cand = weaver_kernels.pool_scores(query, d.clamp(max=max_depth - 1), pool_ids, pool_logits, lm_head_weight)
         if spine and lo == 0:  # (scores in hand: the root's leaves are picked from the same row)
             root_leaves = _root_leaves(cand[0], pool_ids[0], fan,
-                                       budget // 2 if ROOT_CHILDREN is None else ROOT_CHILDREN)
+                                       budget // 2 if policy.root_children is None else policy.root_children)
         take = min(width, n - hi)
         weaver_kernels.weaver_expand(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token,
                                      f_logq, lo, hi, take, max_depth, spine_nodes if lo == 0 else 0)
@@ -455,7 +433,7 @@ def _root_leaves(cand: torch.Tensor, ids: torch.Tensor, fan: int, children: int)
     token, logq)`` for :func:`best_known` (leaves: never stepped); None when there are none. ``cand [P]`` the root's
     scores, ``ids [P]`` its pool, whose column 0 is the spine child (a node already). Ordered as the expand op orders
     them (stable: among equal scores the lowest index first), so the first ``fan`` are the ones published. (The op
-    has sorted this row too, inside its kernel: one row of P, cheaper than a wider kernel, BENCHMARKS.md.)"""
+    has sorted this row too, inside its kernel: one row of P here is cheaper than a wider kernel.)"""
     end = min(children, cand.shape[0] - 1)
     if end <= fan:
         return None

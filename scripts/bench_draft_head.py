@@ -4,7 +4,7 @@
 
 A DFlash draft reads the whole target lm_head for its block's rows (2.54 GB at Qwen3.6-27B shape: ≈ 0.59 ms at
 4.3 TB/s, the largest piece of a draft). Timed in one run: ``F.linear`` with the bf16 weight; the int8 copy through
-``weaver_kernels.int8_linear`` (:class:`~modeling_weaver.captured.DraftHead` with ``int8``: half the bytes, the
+``weaver_kernels.int8_linear`` (:class:`~modeling_weaver.decoding.drafting.DraftHead` with ``int8``: half the bytes, the
 activations in bf16); the pool's ``torch.topk`` over the draft logits in fp32 and in bf16. Also printed: how far the
 int8 logits are from the bf16 ones (relative RMS, top-1 agreement, overlap of the top ``--pool``) on random weights,
 whose flat logits make the overlap a pessimistic figure.
@@ -14,7 +14,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from modeling_weaver.captured import DraftHead
+from modeling_weaver.decoding.drafting import DraftHead
 from modeling_weaver.cli import positive_int
 
 

@@ -24,8 +24,11 @@ import torch
 
 from modeling_weaver.lab.benchmark import autoregressive_generate
 from modeling_weaver.cli import nonnegative_int, positive_int
-from modeling_weaver.captured import (_STATIC_TARGETS, FusedGreedyStep, PipelinedSteps, StaticDraft, StaticProposer,
-                                      StaticTarget)
+from modeling_weaver.decoding.drafting import StaticDraft, StaticProposer
+from modeling_weaver.decoding.fused import FusedGreedyStep
+from modeling_weaver.decoding.graphs import PipelinedSteps
+from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
+from modeling_weaver.decoding.verify import StaticTarget
 from modeling_weaver.lab.replay import (ReplayedAcceptance, ab_setting, ab_switches, graph_replay_ms, memory_check,
                                     random_models, random_prompt, replay_generate, replay_table, run_replay_suite,
                                     synthetic_trace)
@@ -130,9 +133,9 @@ def run(args, out: Path):
                             on_row=save)
     for name in args.ab:
         setting, label = ab_setting(name, None, drafter, target)
-        with setting:
+        with setting as (policy, options):
             more = run_replay_suite(target, drafter, weaver, traces, args.modes[:1], [args.budget], 512, 512,
-                                    args.target_step)
+                                    args.target_step, tree_policy=policy, step_options=options)
         for row in more:
             row["method"] = f"{row['method']} ({label})"
         save(rows := rows + more)

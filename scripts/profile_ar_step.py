@@ -2,7 +2,7 @@
 
     python scripts/profile_ar_step.py --shape qwen3.6-27b --tokens 8 --target-step compiled --proposer weaver
 
-1. The AR step as the AR loop captures it (:class:`~modeling_weaver.captured.FusedARStep`: the one-token pass with
+1. The AR step as the AR loop captures it (:class:`~modeling_weaver.decoding.fused.FusedARStep`: the one-token pass with
    its GDN/conv decode kernels, then argmax) run ``--tokens`` times without CUDA graphs (``static``: eager
    fixed-shape ops; ``compiled``: the torch.compile'd pass), so the profiler sees every kernel: GPU busy time per
    step and the kernel table.
@@ -19,18 +19,18 @@
    ``--tree-nodes`` nodes, and each ``--proposer``'s draft + tree; each as a fraction of the AR step (issue 5's
    "verify ≤ 1.25 AR step", "draft + tree ≤ 15 % of an AR step").
 6. With ``--gates-ab``: the AR step's graph timed as in 5 with the GDN gates (g, β) as their own launch and formed
-   inside the GDN kernels (:attr:`~modeling_weaver.target.GatedDeltaNetLayerCache.gates_in_kernel`). Each form
+   inside the GDN kernels (:attr:`~modeling_weaver.options.StepOptions.gates_in_kernel`). Each form
    captures through a whole generation (compile + ~1500 tokens): allow ≥ 300 s.
 7. With ``--peel-ab`` and ``--tree-nodes N``: the verify graph of an N-node chain timed as in 5 with and without the
-   GDN root step (:attr:`~modeling_weaver.target.GatedDeltaNetLayerCache.peel_root`; it applies at N = 16n + 1).
+   GDN root step (:attr:`~modeling_weaver.options.StepOptions.peel_root`; it applies at N = 16n + 1).
 8. With ``--proposer-ab SETTING [...]``: each ``--proposer``'s draft + tree graph timed as in 5 with the switch off
    and on, on steps built anew: ``node_table`` (Weaver node inputs gathered from the precomputed table,
-   :attr:`~modeling_weaver.captured.StaticProposer.use_node_table`), ``node_attention`` (the Weaver's fused node
-   attention, :data:`~modeling_weaver.tree.FUSED_NODE_ATTENTION`), ``int8_head`` (the drafter's int8 lm_head
-   copy, :data:`~modeling_weaver.captured.INT8_DRAFT_HEAD`), ``int8_drafter`` (the drafter's linears on int8
+   :attr:`~modeling_weaver.options.StepOptions.node_table`), ``node_attention`` (the Weaver's fused node
+   attention, :attr:`~modeling_weaver.options.TreePolicy.fused_node_attention`), ``int8_head`` (the drafter's int8 lm_head
+   copy, :attr:`~modeling_weaver.options.StepOptions.int8_head`), ``int8_drafter`` (the drafter's linears on int8
    weights, :func:`~modeling_weaver.packed.int8_linears`).
 9. With ``--spine-ab [ROUNDS[,WIDTH] ...]``: the Weaver draft + tree graph timed as in 5 as best-first rounds and
-   as spine trees (:data:`~modeling_weaver.tree.WEAVER_SPINE`) with each number (and width) of rounds after it.
+   as spine trees (:attr:`~modeling_weaver.options.TreePolicy.spine`) with each number (and width) of rounds after it.
 """
 import argparse
 
@@ -39,10 +39,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from modeling_weaver.lab.benchmark import autoregressive_generate
 from modeling_weaver.cli import nonnegative_int, positive_int
-from modeling_weaver.captured import cache_bucket, static_draft, static_target
-from modeling_weaver.lab.replay import (FirstTokenClock, ab_setting, graph_replay_ms, random_models, random_prompt,
-                                    switched)
-import modeling_weaver.tree as tree_module
+from modeling_weaver.decoding.step_cache import cache_bucket, static_draft, static_target
+from modeling_weaver.lab.replay import (FirstTokenClock, ab_setting, fresh_steps, graph_replay_ms, random_models,
+                                    random_prompt)
+from modeling_weaver.options import StepOptions, TreePolicy
 from modeling_weaver.tree import Tree
 
 
@@ -121,9 +121,9 @@ def main():
     parser.add_argument("--peel-ab", action="store_true",
                         help="the --tree-nodes verify graph with and without the GDN root step (section 7)")
     parser.add_argument("--spine-ab", nargs="*", metavar="ROUNDS[,WIDTH]",
-                        help="Weaver draft + tree graph without and with the spine (tree.WEAVER_SPINE), at these "
-                             "numbers of rounds after it (default tree.SPINE_ROUNDS) and widths (default "
-                             "tree.SPINE_WIDTH)")
+                        help="Weaver draft + tree graph without and with the spine (TreePolicy.spine), at these "
+                             "numbers of rounds after it (default TreePolicy.spine_rounds) and widths (default "
+                             "TreePolicy.spine_width)")
     parser.add_argument("--proposer-ab", nargs="+", choices=PROPOSER_AB, default=[],
                         help="each --proposer's draft + tree graph with the switch off and on (section 8)")
     parser.add_argument("--graph-runs", type=positive_int, default=7)
@@ -167,11 +167,12 @@ def main():
 
     target_step = "compiled" if compile else "graph"
 
-    def captured_ar():
+    def captured_ar(options: StepOptions = StepOptions()):
         """The AR steps' :class:`StaticTarget`, its fused step's CUDA graph (the one-token pass + argmax) captured by
         a generation, after a prefill."""
-        autoregressive_generate(target, ids, new_tokens, eos_token_id=[], target_step=target_step)  # captures
-        ar = static_target(target, max_length, 1, capture=True, compile=compile)
+        autoregressive_generate(target, ids, new_tokens, eos_token_id=[], target_step=target_step,
+                                step_options=options)  # captures
+        ar = static_target(target, max_length, 1, capture=True, compile=compile, options=options)
         ar.prefill(ids[0])
         return ar
 
@@ -192,29 +193,29 @@ def main():
     def timed(graph) -> float:  # median over runs of the mean GPU ms per replay
         return sorted(graph_replay_ms(graph, 4 * args.tokens)[0] for _ in range(args.graph_runs))[args.graph_runs // 2]
 
-    def verify_graph_ms() -> float:
-        tree_graph = static_target(target, max_length, n, capture=True, compile=compile)
+    def verify_graph_ms(options: StepOptions = StepOptions()) -> float:
+        tree_graph = static_target(target, max_length, n, capture=True, compile=compile, options=options)
         tree_graph.prefill(ids[0])
         tree_graph.verify(chain)  # captures
         return timed(tree_graph._graphs[0])
 
     def both_ways(name: str, measure) -> dict:
-        """``measure()`` with the A/B setting ``name`` (``replay.ab_switches``) off and on (``{False: ms, True:
-        ms}``), each on steps built anew."""
+        """``measure(policy, options)`` with the A/B setting ``name`` (``replay.ab_switches``) off and on
+        (``{False: ms, True: ms}``), each on steps built anew."""
         times = {}
         for on in (False, True):
             setting, _ = ab_setting(name, on, drafter, target)
-            with setting:
-                times[on] = measure()
+            with setting as (policy, options):
+                times[on] = measure(policy, options)
         return times
 
     if args.gates_ab:
-        times = both_ways("gates_in_kernel", lambda: timed(captured_ar().ar_step()._graph[0]))
+        times = both_ways("gates_in_kernel", lambda policy, options: timed(captured_ar(options).ar_step()._graph[0]))
         print(f"\n## AR step graph, GPU ms per replay: GDN gates as their own launch {times[False]:.3f}, formed in "
               f"the GDN kernel {times[True]:.3f} ({times[True] - times[False]:+.3f})")
 
     if args.peel_ab:
-        times = both_ways("peel_root", verify_graph_ms)
+        times = both_ways("peel_root", lambda policy, options: verify_graph_ms(options))
         print(f"\n## {n}-node verify graph, GPU ms per replay: whole solve {times[False]:.3f}, root as a recurrent "
               f"step {times[True]:.3f} ({times[True] - times[False]:+.3f})")
 
@@ -230,29 +231,28 @@ def main():
         for name, ms in phases:
             print(f"| {name} | {ms:.3f} | {ms / phases[0][1]:.3f} |")
 
-    def weaver_graph_ms() -> float:
-        proposer = draft.proposer("weaver", args.budget, weaver, compile=compile)
+    def weaver_graph_ms(policy: TreePolicy) -> float:
+        proposer = draft.proposer("weaver", args.budget, weaver, compile=compile, policy=policy)
         proposer.propose(1, context, args.prompt_length, last)  # captures
         return timed(draft._graphs[proposer.key][0])
 
     if args.spine_ab is not None:
-        with switched(tree_module, "WEAVER_SPINE", False, target):
-            line = f"best-first {weaver_graph_ms():.3f}"
-        for item in args.spine_ab or [str(tree_module.SPINE_ROUNDS)]:
+        with fresh_steps(target):
+            line = f"best-first {weaver_graph_ms(TreePolicy(spine=False)):.3f}"
+        for item in args.spine_ab or [str(TreePolicy().spine_rounds)]:
             rounds, _, width = item.partition(",")
-            width = int(width) if width else tree_module.SPINE_WIDTH
-            with switched(tree_module, "SPINE_ROUNDS", int(rounds), target), \
-                    switched(tree_module, "SPINE_WIDTH", width, target), \
-                    switched(tree_module, "WEAVER_SPINE", True, target):
-                line += f", spine + {rounds} rounds of {width or 'ceil(budget / 8)'} {weaver_graph_ms():.3f}"
+            width = int(width) if width else TreePolicy().spine_width
+            with fresh_steps(target):
+                ms = weaver_graph_ms(TreePolicy(spine=True, spine_rounds=int(rounds), spine_width=width))
+                line += f", spine + {rounds} rounds of {width or 'ceil(budget / 8)'} {ms:.3f}"
         print(f"\n## Weaver draft + tree graph at budget {args.budget}, GPU ms per replay: {line} (AR step graph "
               f"{timed(captured_ar().ar_step()._graph[0]):.3f})")
 
     for name in args.proposer_ab:
         for mode in args.proposer:
-            def proposer_graph_ms(mode=mode) -> float:  # a drafter built anew: its switches are read there
-                proposer = static_draft(drafter, target, max_length, capture=True).proposer(
-                    mode, args.budget, weaver if mode == "weaver" else None, compile=compile)
+            def proposer_graph_ms(policy, options, mode=mode) -> float:  # a drafter built anew for its options
+                proposer = static_draft(drafter, target, max_length, capture=True, options=options).proposer(
+                    mode, args.budget, weaver if mode == "weaver" else None, compile=compile, policy=policy)
                 proposer.propose(1, context, args.prompt_length, last)  # captures
                 return timed(proposer.draft._graphs[proposer.key][0])
             times = both_ways(name, proposer_graph_ms)

@@ -12,10 +12,10 @@ show what they cost in MAL. (On a replay at a larger target's depth also check t
 depths: a node of depth d needs d rounds.) ``--calibrations tau,alpha ...`` scores the candidates
 ``(dflash + alpha · residual) / tau`` instead of ``dflash + residual`` (the Weaver as trained: ``1,1``): is the
 best-first allocation calibrated? ``--spines rounds,width ...`` builds the trees from DFlash's chain first
-(``tree.WEAVER_SPINE``) with that many rounds of that width after it. ``--fans f ...``: the default trees with
-``f`` children published per stepped node (``tree.CHILDREN_PER_NODE``); ``--root-children r ...``: with the root
-offering ``r`` (``tree.ROOT_CHILDREN``). ``--int8-draft-head``: every tree from draft logits through the int8 copy
-of the lm_head (``captured.INT8_DRAFT_HEAD``; the CPU reference is slow).
+(``TreePolicy.spine``) with that many rounds of that width after it. ``--fans f ...``: the default trees with
+``f`` children published per stepped node (``TreePolicy.children_per_node``); ``--root-children r ...``: with the
+root offering ``r`` (``TreePolicy.root_children``). ``--int8-draft-head``: every tree from draft logits through the
+int8 copy of the lm_head (``StepOptions.int8_head``; the CPU reference is slow).
 """
 import argparse
 from pathlib import Path
@@ -24,12 +24,11 @@ import torch
 import weaver_kernels
 from transformers import AutoModel
 
-import modeling_weaver.captured as captured
 import modeling_weaver.tree as tree_module
 from modeling_weaver.cli import nonnegative_int, positive_int
 from modeling_weaver import speculative_generate
 from modeling_weaver.lab.data import chat_prompt_ids, load_eval_prompts
-from modeling_weaver.lab.replay import switched
+from modeling_weaver.options import StepOptions, TreePolicy
 from modeling_weaver.lab.smollm2 import load_smollm2
 
 SHIPPED = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-instruct"
@@ -41,19 +40,19 @@ def main():
     parser.add_argument("--widths", type=positive_int, nargs="+", default=[])
     parser.add_argument("--calibrations", nargs="+", default=[], metavar="TAU,ALPHA")
     parser.add_argument("--spines", nargs="+", default=[], metavar="ROUNDS,WIDTH",
-                        help="trees from DFlash's chain first, then ROUNDS rounds of WIDTH (tree.WEAVER_SPINE)")
+                        help="trees from DFlash's chain first, then ROUNDS rounds of WIDTH (TreePolicy.spine)")
     parser.add_argument("--fans", type=positive_int, nargs="+", default=[],
-                        help="default trees with this many children published per stepped node (tree.CHILDREN_PER_NODE)")
+                        help="default trees with this many children published per stepped node (TreePolicy.children_per_node)")
     parser.add_argument("--root-children", type=nonnegative_int, nargs="+", default=[],
-                        help="default trees whose root offers this many children (tree.ROOT_CHILDREN)")
+                        help="default trees whose root offers this many children (TreePolicy.root_children)")
     parser.add_argument("--int8-draft-head", action="store_true",
-                        help="the drafter projects with the int8 copy of the lm_head (captured.INT8_DRAFT_HEAD)")
+                        help="the drafter projects with the int8 copy of the lm_head (StepOptions.int8_head)")
     parser.add_argument("--subset", type=positive_int, default=4)
     parser.add_argument("--max-new-tokens", type=positive_int, default=96)
     args = parser.parse_args()
     if not any((args.widths, args.calibrations, args.spines, args.fans, args.root_children)):
         args.widths = [1, 4, 8, 16]
-    captured.INT8_DRAFT_HEAD = args.int8_draft_head  # (off unless asked, on CUDA too)
+    options = StepOptions(int8_head=args.int8_draft_head)  # (off unless asked, on CUDA too)
     model, tokenizer = load_smollm2()
     drafter = AutoModel.from_pretrained(SHIPPED / "dflash", trust_remote_code=True)
     weaver = AutoModel.from_pretrained(SHIPPED / "weaver", trust_remote_code=True)
@@ -61,12 +60,12 @@ def main():
     ids = [torch.tensor([chat_prompt_ids(tokenizer, p.text)]) for name in ("mtbench", "humaneval")
            for p in prompts[name][: args.subset]]
 
-    def mal(label: str) -> None:
+    def mal(label: str, policy: TreePolicy = TreePolicy()) -> None:
         lengths = []
         for x in ids:
             _, stats = speculative_generate(model, x, drafter=drafter, weaver=weaver, mode="weaver",
                                             tree_budget=args.budget, max_new_tokens=args.max_new_tokens,
-                                            return_stats=True)
+                                            return_stats=True, tree_policy=policy, step_options=options)
             lengths += stats.accepted_lengths
         print(f"budget {args.budget} {label}: MAL {sum(lengths) / len(lengths):.3f} over {len(lengths)} steps",
               flush=True)
@@ -81,13 +80,11 @@ def main():
             tree_module.weaver_tree_tensors = lambda *a, r=rounds, w=width, **k: build(
                 *a, **{**k, "width": w, "spine": True, "rounds": r})
             mal(f"spine + {rounds} rounds of {width}")
-        for fan in args.fans:
-            with switched(tree_module, "CHILDREN_PER_NODE", fan, model):
-                mal(f"{fan} children per node")
-        for root in args.root_children:
-            with switched(tree_module, "ROOT_CHILDREN", root, model):
-                mal(f"{root} children of the root")
         tree_module.weaver_tree_tensors = build
+        for fan in args.fans:
+            mal(f"{fan} children per node", TreePolicy(children_per_node=fan))
+        for root in args.root_children:
+            mal(f"{root} children of the root", TreePolicy(root_children=root))
         for pair in args.calibrations:
             tau, alpha = map(float, pair.split(","))
 

@@ -6,7 +6,7 @@ from tiny_targets import TINY_TARGETS
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from modeling_weaver import DFlashConfig, DFlashDraftModel
-from modeling_weaver.captured import StaticDraft, StaticProposer
+from modeling_weaver.decoding.drafting import StaticDraft, StaticProposer
 from modeling_weaver.generate import DFlashRunner
 from modeling_weaver.target import text_config
 
@@ -68,13 +68,14 @@ def test_static_proposer_gives_the_eager_draft_and_tree(mode, node_table, monkey
 
     from modeling_weaver.tree import chain_tree, ddtree, weaver_tree
 
-    monkeypatch.setattr(StaticProposer, "use_node_table", node_table)
+    from modeling_weaver.options import StepOptions
+
     target = TINY_TARGETS["qwen3_5"]()
     drafter, weaver = make_drafters(target)
     hidden_size = text_config(target.config).hidden_size
     width = len(drafter.config.target_layer_ids) * hidden_size
     dynamic = DFlashRunner(drafter, target)
-    static = StaticDraft(drafter, target, max_length=96, capture=False)
+    static = StaticDraft(drafter, target, max_length=96, capture=False, options=StepOptions(node_table=node_table))
     proposer = static.proposer(mode, 10, weaver)
     assert (proposer.node_table is not None) == node_table
     if node_table:  # row t = node_inputs(E[t]); one table per Weaver, shared by its proposers
@@ -113,7 +114,7 @@ def test_fused_greedy_steps_are_exact_with_deep_acceptance(name, mode):
     from test_generate import make_drafters, reference
     from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
-    from modeling_weaver.captured import static_draft
+    from modeling_weaver.decoding.step_cache import static_draft
     from modeling_weaver.generate import PhaseTimer, _decode
 
     torch.manual_seed(0)
@@ -203,32 +204,34 @@ def fake_graphs(monkeypatch):
     """Run every 'captured' path on CPU through FakeGraph."""
     import sys
 
+    import modeling_weaver.decoding.graphs as graphs
+    import modeling_weaver.decoding.loop as loop
+    import modeling_weaver.decoding.step_cache as step_cache
     import modeling_weaver.lab.benchmark  # noqa: F401
-    import modeling_weaver.captured as captured
     import modeling_weaver.lab.replay  # noqa: F401
 
     # sys.modules: the package's `generate` attribute is the function, not the module
     generate, benchmark, replay = (sys.modules[f"modeling_weaver.{m}"] for m in ("generate", "lab.benchmark",
                                                                                   "lab.replay"))
 
-    monkeypatch.setattr(captured, "capture_graph", fake_capture_graph)
-    real_target, real_draft = captured.static_target, captured.static_draft
+    monkeypatch.setattr(graphs, "capture_graph", fake_capture_graph)
+    real_target, real_draft = step_cache.static_target, step_cache.static_draft
 
     def forced_target(model, max_length, num_nodes, feature_layer_ids=(), capture=None, compile=False,
-                      max_tree_depth=None):
+                      max_tree_depth=None, **options):
         return real_target(model, max_length, num_nodes, feature_layer_ids, capture=True, compile=compile,
-                           max_tree_depth=max_tree_depth)
+                           max_tree_depth=max_tree_depth, **options)
 
-    def forced_draft(drafter, target, max_length, capture=None):
-        return real_draft(drafter, target, max_length, capture=True)
+    def forced_draft(drafter, target, max_length, capture=None, **options):
+        return real_draft(drafter, target, max_length, capture=True, **options)
 
-    for module in (generate, benchmark, replay):
+    for module in (loop, generate, benchmark, replay):
         if hasattr(module, "static_target"):
             monkeypatch.setattr(module, "static_target", forced_target)
         if hasattr(module, "static_draft"):
             monkeypatch.setattr(module, "static_draft", forced_draft)
     yield
-    captured._STATIC_TARGETS.clear()
+    step_cache._STATIC_TARGETS.clear()
 
 
 @pytest.mark.parametrize("name", list(TINY_TARGETS))
@@ -239,7 +242,7 @@ def test_graph_semantics_keep_the_loop_exact(fake_graphs, name):
 
     from modeling_weaver import speculative_generate
     from modeling_weaver.lab.benchmark import autoregressive_generate
-    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
 
     target = TINY_TARGETS[name]()
     drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else 96)
@@ -292,8 +295,8 @@ def test_compiled_and_plain_proposers_keep_their_own_graphs(monkeypatch):
     steps may compile more than dynamo's default 8 times per code object (buckets × tree sizes, modes × budgets)."""
     from test_generate import make_drafters
 
-    import modeling_weaver.captured as captured
-    from modeling_weaver.captured import static_draft
+    import modeling_weaver.decoding.graphs as graphs
+    from modeling_weaver.decoding.step_cache import static_draft
     from modeling_weaver.target import compile_static
 
     def capture_without_rules(fn, pool=None, warmup=2, restore=()):  # CaptureRules' dispatch mode stops dynamo
@@ -302,7 +305,7 @@ def test_compiled_and_plain_proposers_keep_their_own_graphs(monkeypatch):
         graph.replay = lambda: copy_into(graph.out, fn())
         return graph, graph.out
 
-    monkeypatch.setattr(captured, "capture_graph", capture_without_rules)
+    monkeypatch.setattr(graphs, "capture_graph", capture_without_rules)
     target = TINY_TARGETS["llama"]()
     drafter, _ = make_drafters(target, mask_token_id=96)
     draft = static_draft(drafter, target, 64, capture=True)
@@ -327,7 +330,7 @@ def test_graph_semantics_pipelined_fused_steps(fake_graphs):
     from test_generate import make_drafters, reference
 
     from modeling_weaver import speculative_generate
-    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
 
     target = TINY_TARGETS["qwen3_5"]()
     drafter, weaver = make_drafters(target, mask_token_id=None)
@@ -411,7 +414,7 @@ def test_complete_output_arms_no_fused_step(monkeypatch):
     from test_generate import make_drafters, reference
 
     from modeling_weaver import speculative_generate
-    from modeling_weaver.captured import StaticDraft, StaticProposer
+    from modeling_weaver.decoding.drafting import StaticDraft, StaticProposer
 
     target = TINY_TARGETS["llama"]()
     drafter, weaver = make_drafters(target, mask_token_id=96)

@@ -13,8 +13,9 @@ from modeling_weaver import (
     generate,
     speculative_generate,
 )
-from modeling_weaver.captured import _STATIC_TARGETS
+from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
 from modeling_weaver.generate import MODES, DFlashRunner, _decode
+from modeling_weaver.options import StepOptions, TreePolicy
 from modeling_weaver.target import text_config
 from transformers.generation import EosTokenCriteria, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
@@ -75,7 +76,7 @@ class OracleRunner:
 
 
 def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=None, seed=0,
-               target_step="eager"):
+               target_step="eager", tree_policy=TreePolicy()):
     ref = reference(target, ids, max_new_tokens + 2 * BLOCK)
     stopping = StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + max_new_tokens)])
     if eos_token_id is not None:
@@ -86,7 +87,7 @@ def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=N
         target, ids[0], runner=runner, weaver=weaver,
         mode=mode, tree_budget=budget, max_new_tokens=max_new_tokens, processors=LogitsProcessorList(),
         do_sample=False, verification="target_only", stopping_criteria=stopping, streamer=None, generator=None,
-        target_step=target_step,
+        target_step=target_step, tree_policy=tree_policy,
     )
 
 
@@ -122,19 +123,18 @@ def test_greedy_identity_with_long_accepted_paths(name, mode):
 
 @pytest.mark.parametrize("name", list(TINY_TARGETS))
 def test_greedy_identity_best_first_rounds(name, monkeypatch):
-    """Weaver trees from best-first rounds (tree.WEAVER_SPINE off; the other loop tests take the default spine
+    """Weaver trees from best-first rounds (TreePolicy.spine off; the other loop tests take the default spine
     trees): random drafters, and a drafter that agrees with the target often (deep paths)."""
-    import modeling_weaver.tree as tree_module
-
-    monkeypatch.setattr(tree_module, "WEAVER_SPINE", False)
+    policy = TreePolicy(spine=False)
     target = TINY_TARGETS[name]()
     drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else VOCAB - 1)
     for seed, ids in enumerate(prompts()):
         expected = reference(target, ids, NEW_TOKENS)
         got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="weaver", tree_budget=12,
-                                   max_new_tokens=NEW_TOKENS)
+                                   max_new_tokens=NEW_TOKENS, tree_policy=policy)
         assert torch.equal(got, expected), (name, ids.shape)
-        got, stats = run_oracle(target, weaver, ids, "weaver", budget=24, max_new_tokens=NEW_TOKENS, seed=seed)
+        got, stats = run_oracle(target, weaver, ids, "weaver", budget=24, max_new_tokens=NEW_TOKENS, seed=seed,
+                                tree_policy=policy)
         assert torch.equal(got, expected), (name, seed)
         assert max(stats.accepted_lengths) >= 6, stats.accepted_lengths
 
@@ -387,10 +387,6 @@ def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification, 
     from scipy.stats import chisquare
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import modeling_weaver.tree as tree_module
-
-    monkeypatch.setattr(tree_module, "WEAVER_SPINE", spine)
-
     vocab, temperature, top_k, draws = 6, 0.7, 3, 3000
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(
@@ -420,7 +416,7 @@ def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification, 
     for _ in range(draws):
         out = speculative_generate(target, prompt, drafter=drafter, weaver=weaver, mode=mode, tree_budget=4,
                                    max_new_tokens=3, do_sample=True, temperature=temperature, top_k=top_k,
-                                   verification=verification, generator=gen)
+                                   verification=verification, generator=gen, tree_policy=TreePolicy(spine=spine))
         x1, x2, x3 = out[0, -3:].tolist()
         counts[(x1 * vocab + x2) * vocab + x3] += 1
     support = expected > 0
@@ -462,7 +458,7 @@ def test_static_autoregressive_baseline_equals_generate(name):
 def test_bf16_drafter_with_fp32_target_stays_exact(target_step):
     """Draft logits only shape trees: a bf16 drafter (projecting with a bf16 copy of the target's head) leaves the
     fp32 target's greedy output unchanged; the cached copy follows in-place weight updates."""
-    from modeling_weaver.captured import draft_head
+    from modeling_weaver.decoding.drafting import draft_head
 
     target = TINY_TARGETS["llama"]()
     drafter, weaver = make_drafters(target, mask_token_id=VOCAB - 1)
@@ -482,7 +478,8 @@ def test_bf16_drafter_with_fp32_target_stays_exact(target_step):
     import gc
     import weakref
 
-    from modeling_weaver.captured import _DRAFT_HEADS, release_static_targets
+    from modeling_weaver.decoding.drafting import _DRAFT_HEADS
+    from modeling_weaver.decoding.step_cache import release_static_targets
 
     weight = weakref.ref(target.get_output_embeddings().weight)
     key = (id(weight()), torch.bfloat16, False)
@@ -496,12 +493,11 @@ def test_bf16_drafter_with_fp32_target_stays_exact(target_step):
 
 @pytest.mark.parametrize("target_step", ["eager", "static"])
 def test_int8_draft_head_stays_exact(target_step, monkeypatch):
-    """Drafts through the int8 copy of the lm_head (captured.INT8_DRAFT_HEAD) leave the greedy output unchanged."""
-    import modeling_weaver.captured as captured
+    """Drafts through the int8 copy of the lm_head (StepOptions.int8_head) leave the greedy output unchanged."""
+    import modeling_weaver.decoding.drafting as drafting
 
     import weaver_kernels
 
-    monkeypatch.setattr(captured, "INT8_DRAFT_HEAD", True)
     calls, int8_linear = [], weaver_kernels.int8_linear
     monkeypatch.setattr(weaver_kernels, "int8_linear", lambda *a: calls.append(a[1].shape) or int8_linear(*a))
     target = TINY_TARGETS["qwen3_5"]()
@@ -510,18 +506,18 @@ def test_int8_draft_head_stays_exact(target_step, monkeypatch):
         calls.clear()
         for ids in prompts(2):
             got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=10,
-                                       max_new_tokens=32, target_step=target_step)
+                                       max_new_tokens=32, target_step=target_step,
+                                       step_options=StepOptions(int8_head=True))
             assert torch.equal(got, reference(target, ids, 32)), mode
         assert calls and all(shape == target.get_output_embeddings().weight.shape for shape in calls), mode
-    monkeypatch.setattr(captured, "INT8_DRAFT_HEAD", None)  # the default: on CUDA only
-    assert not captured.draft_head(target, torch.float32).int8
+    assert not drafting.draft_head(target, torch.float32).int8  # the default: on CUDA only
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_draft_head_logits(dtype):
     """The int8 head: rows quantised symmetrically (|q| ≤ 127, one scale each), logits the dequantised product (plus
     the bias), within int8's rounding (≈ 1 % RMS) of the exact logits."""
-    from modeling_weaver.captured import DraftHead
+    from modeling_weaver.decoding.drafting import DraftHead
 
     gen = torch.Generator().manual_seed(1)
     weight = (torch.randn(97, 40, generator=gen) * 40 ** -0.5).to(dtype)

@@ -42,9 +42,8 @@ def test_greedy_identity_on_gpu(name, mode, target_step):
 def test_peeled_root_identity_on_gpu(mode, peel, monkeypatch):
     """GDN verify with the root as a recurrent step (peel_root, the default; budgets 16 and 32: trees of 17 and 33
     nodes) and without it keeps the hybrid target's greedy output token-identical, eager and graph steps."""
-    from modeling_weaver.target import GatedDeltaNetLayerCache
+    from modeling_weaver.options import StepOptions
 
-    monkeypatch.setattr(GatedDeltaNetLayerCache, "peel_root", peel)
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
     for ids in prompts():
@@ -52,7 +51,8 @@ def test_peeled_root_identity_on_gpu(mode, peel, monkeypatch):
         expected = reference(target, ids, 48)
         for budget, target_step in ((16, "eager"), (32, "graph")):
             got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=budget,
-                                       max_new_tokens=48, target_step=target_step)
+                                       max_new_tokens=48, target_step=target_step,
+                                       step_options=StepOptions(peel_root=peel))
             assert torch.equal(got, expected), (mode, budget, target_step)
 
 
@@ -79,12 +79,11 @@ def test_neumann_verify_identity_on_gpu(mode, monkeypatch):
 
 @pytest.mark.parametrize("spine", [True, False])
 def test_spine_trees_identity_on_gpu(spine, monkeypatch):
-    """Weaver spine trees (tree.WEAVER_SPINE: the Triton expand kernel with a spine, best_known on the device) and
+    """Weaver spine trees (TreePolicy.spine: the Triton expand kernel with a spine, best_known on the device) and
     best-first rounds at budgets 12 and 64: greedy output token-identical to transformers in eager, graph and
     compiled steps."""
-    import modeling_weaver.tree as tree_module
+    from modeling_weaver.options import TreePolicy
 
-    monkeypatch.setattr(tree_module, "WEAVER_SPINE", spine)
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
     for ids in prompts():
@@ -92,27 +91,28 @@ def test_spine_trees_identity_on_gpu(spine, monkeypatch):
         expected = reference(target, ids, 48)
         for budget, target_step in ((12, "eager"), (64, "graph"), (12, "compiled")):
             got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="weaver",
-                                       tree_budget=budget, max_new_tokens=48, target_step=target_step)
+                                       tree_budget=budget, max_new_tokens=48, target_step=target_step,
+                                       tree_policy=TreePolicy(spine=spine))
             assert torch.equal(got, expected), (budget, target_step)
 
 
 def test_int8_draft_head_on_gpu():
-    """The drafter's int8 lm_head (captured.INT8_DRAFT_HEAD, on by default on CUDA) at the Qwen3.6-27B hidden size:
+    """The drafter's int8 lm_head (StepOptions.int8_head, on by default on CUDA) at the Qwen3.6-27B hidden size:
     logits equal to its dequantised operands' product; greedy output token-identical to transformers in eager, graph
     and compiled steps for every mode (the tiny targets' drafters are fp32: the kernel multiplies in bf16), then with
     the drafter's linears on int8 weights as well."""
-    import modeling_weaver.captured as captured
+    import modeling_weaver.decoding.drafting as drafting
 
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(248320 // 16, 5120, generator=gen).mul_(5120 ** -0.5).bfloat16()
     hidden = torch.randn(15, 5120, generator=gen).bfloat16()
-    head = captured.DraftHead(weight.cuda(), None, torch.bfloat16, int8=True)
+    head = drafting.DraftHead(weight.cuda(), None, torch.bfloat16, int8=True)
     expected = hidden.float() @ (head.quantised.cpu().float() * head.scale.cpu()[:, None]).T
     torch.testing.assert_close(head(hidden.cuda()).float().cpu(), expected, rtol=1e-2, atol=1e-2)
 
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target, mask_token_id=None))
-    assert captured.draft_head(target, next(drafter.parameters()).dtype).int8  # the default on CUDA
+    assert drafting.draft_head(target, next(drafter.parameters()).dtype).int8  # the default on CUDA
     for int8_layers in (False, True):  # then the drafter's own linears on int8 weights too (packed.int8_linears)
         if int8_layers:
             assert int8_linears(drafter) > 0
@@ -145,7 +145,7 @@ def test_compiled_steps_identity_on_gpu(mode):
 
 
 def test_graphs_are_captured_once_per_tree_size_across_prompt_lengths():
-    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
 
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target))
@@ -165,7 +165,7 @@ def test_graphs_are_captured_once_per_tree_size_across_prompt_lengths():
 def test_graph_steps_allocate_nothing_per_step_and_capture_once():
     """After warm-up, a long graph-mode generation neither grows memory nor captures again (the fused step's graph —
     draft + tree, verify, accept and commit in one — stays the same object)."""
-    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
 
     target = TINY_TARGETS["qwen3_5"]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target))

@@ -101,8 +101,7 @@ def test_help_imports_neither_torch_nor_transformers(command):
 
 
 def test_lab_arguments_match_the_modules():
-    """The flags in lab.arguments are the ones the modules run with (replay's module keeps its own copy until the
-    loop refactor lands: both must stay equal)."""
+    """The flags in lab.arguments are the ones the modules run with (one definition: the modules import them)."""
     from modeling_weaver.generate import MODES, TARGET_STEPS
     from modeling_weaver.lab import arguments
     from modeling_weaver.lab.replay import add_replay_arguments
@@ -114,7 +113,7 @@ def test_lab_arguments_match_the_modules():
         return [(a.option_strings, a.dest, a.default, a.choices, a.nargs, a.required, a.help)
                 for a in parser._actions], parser.description
 
-    assert actions(add_replay_arguments) == actions(arguments.add_replay_arguments)
+    assert add_replay_arguments is arguments.add_replay_arguments
     for name, (module, stem, *_) in LAZY_COMMANDS.items():
         assert hasattr(arguments, f"add_{stem}_arguments"), name
     assert not set(LOCAL_COMMANDS) & set(LAZY_COMMANDS)

@@ -1,8 +1,8 @@
 """The package's layout: the core imports without the lab, and the core's imports form no cycle.
 
-Core: every module directly in ``modeling_weaver/``. Lab: ``modeling_weaver/lab/`` (replay, benchmark, training,
-data, the SmolLM2 fetch); it imports the core, the core never imports it (only ``cli`` does, inside the handlers of
-its lab subcommands).
+Core: every module in ``modeling_weaver/`` but the lab (the ``decoding/`` package included). Lab:
+``modeling_weaver/lab/`` (replay, benchmark, training, data, the SmolLM2 fetch); it imports the core, the core never
+imports it (only ``cli`` does, inside the handlers of its lab subcommands).
 
 The rule for cycles: an import at module level (class bodies and top-level ``try``/``if`` included) runs when the
 module is imported, so those edges must form a DAG. An import inside a function runs when the function is called and
@@ -42,7 +42,7 @@ def modules() -> dict[str, Path]:
 
 
 def core_modules() -> list[str]:
-    return sorted(name for name in modules() if name and "." not in name and name != LAB)
+    return sorted(name for name in modules() if name and name.partition(".")[0] != LAB)
 
 
 def _imported(node, package: list[str], known: set[str]) -> list[str]:

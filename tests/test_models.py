@@ -507,7 +507,7 @@ def _tree_inputs(seed: int, depth: int = 5, scale: float = 3.0):
 def _counted_steps(weaver):
     """The number of nodes of each ``weaver.step`` call inside the block."""
     steps, step = [], weaver.step
-    weaver.step = lambda *args: steps.append(args[3].shape[1]) or step(*args)
+    weaver.step = lambda *args, **kwargs: steps.append(args[3].shape[1]) or step(*args, **kwargs)
     try:
         yield steps
     finally:
@@ -522,9 +522,9 @@ def test_weaver_drives_the_tree_builder(budget, width, attention, monkeypatch):
     right; one node step per round of ``width`` new nodes and none for the nodes that fill the budget
     (ceil(budget / width) steps). The rounds' attention: WeaverModel.step's torch ops, the ``node_attention`` op
     (its CPU form), and the op's Triton kernel under the interpreter."""
-    import modeling_weaver.tree as tree_module
+    from modeling_weaver.options import TreePolicy
 
-    monkeypatch.setattr(tree_module, "FUSED_NODE_ATTENTION", attention != "torch")
+    policy = TreePolicy(fused_node_attention=attention != "torch")
     if attention == "kernel":
         pytest.importorskip("triton")  # (the Triton kernel under its CPU interpreter: only where Triton is installed)
         import weaver_kernels
@@ -536,7 +536,7 @@ def test_weaver_drives_the_tree_builder(budget, width, attention, monkeypatch):
     with torch.no_grad():
         with _counted_steps(weaver) as steps:
             tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width,
-                               spine=False)
+                               spine=False, policy=policy)
         assert len(tree) == budget + 1 and int(tree.depths.max()) <= 5
         # the default width: the widest that leaves a round per depth
         used = width or max(1, (budget - 1) // (min(5, weaver.config.K) - 1))
@@ -576,18 +576,17 @@ def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width, root, 
     ``width`` nodes; the tree equals a plain search written out here — the Weaver's log-probs of every path recomputed
     by teacher forcing, the chain's nodes stepped, each stepped node's ``fan`` best children (the chain child not
     twice) as candidates, each round stepping the best unstepped candidates, the root's next best children up to
-    ``root`` in all (``tree.ROOT_CHILDREN``; 32: more than its pool holds) as leaves never stepped, and the
+    ``root`` in all (``TreePolicy.root_children``; 32: more than its pool holds) as leaves never stepped, and the
     ``budget`` most probable paths of all of them kept. (Flat draft logits make the root's later children likely
     enough to be kept.)"""
-    import modeling_weaver.tree as tree_module
+    from modeling_weaver.options import TreePolicy
 
-    monkeypatch.setattr(tree_module, "ROOT_CHILDREN", root)
     weaver, embed, lm_head, prompt, draft_logits = _tree_inputs(budget, scale=scale)
     lm_head = lm_head * min(1.0, scale)  # (and small Weaver residuals)
     with torch.no_grad():
         with _counted_steps(weaver) as steps:
             tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width,
-                               spine=True, rounds=rounds)
+                               spine=True, rounds=rounds, policy=TreePolicy(root_children=root))
         used = width or -(-budget // 8)
         assert steps == [6] + [used] * rounds, steps
         pool_logits, pool_ids = draft_logits.float().topk(16, dim=-1)

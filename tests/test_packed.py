@@ -86,7 +86,7 @@ def test_int8_drafter_keeps_the_loop_lossless(kind):
         for m in _linears(rounded):
             q, scale = weaver_kernels.quantize_rows(m.weight)
             m.weight.copy_(q.float() * scale[:, None])
-    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
 
     _STATIC_TARGETS[drafter] = {"traced through the old forward": object()}
     n = int8_linears(drafter)

@@ -137,29 +137,33 @@ def test_decode_time_starts_at_the_first_new_token(target_step):
     assert sum(clock.values, []) == out[0, 9:].tolist() and clock.first_token is not None
 
 
-def test_switched_flips_a_setting_on_fresh_steps_and_restores_it():
-    """The A/B helper of the replay scripts: the switch holds inside the block only, and the target's cached steps
-    (built under the other setting) are dropped on the way in and out, also when the block raises."""
-    from types import SimpleNamespace
+def test_ab_setting_holds_inside_the_block_on_fresh_steps():
+    """The A/B helper of the replay scripts: the setting holds inside the block only (the settings it yields; the
+    ones given are left as they were), and the cached steps of the drafter and target (built under the other
+    setting) are dropped on the way in and out, also when the block raises."""
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
+    from modeling_weaver.lab.replay import ab_setting
+    from modeling_weaver.options import StepOptions, TreePolicy
 
-    from modeling_weaver.captured import _STATIC_TARGETS
-    from modeling_weaver.lab.replay import switched
-
-    owner, target = SimpleNamespace(flag=False), torch.nn.Linear(2, 2)
-    _STATIC_TARGETS[target] = {"stale": object()}
-    with switched(owner, "flag", True, target):
-        assert owner.flag is True and target not in _STATIC_TARGETS
+    drafter, target = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    policy, options = TreePolicy(), StepOptions()
+    _STATIC_TARGETS[target], _STATIC_TARGETS[drafter] = {"stale": object()}, {"stale": object()}
+    setting, _ = ab_setting("peel_root", False, drafter, target, policy, options)
+    with setting as (inside_policy, inside_options):
+        assert inside_options == StepOptions(peel_root=False) and inside_policy == policy
+        assert target not in _STATIC_TARGETS and drafter not in _STATIC_TARGETS
         _STATIC_TARGETS[target] = {"built inside": object()}
-    assert owner.flag is False and target not in _STATIC_TARGETS
-    with pytest.raises(RuntimeError), switched(owner, "flag", True, target):
+    assert options.peel_root is True and target not in _STATIC_TARGETS
+    _STATIC_TARGETS[target] = {"stale": object()}
+    with pytest.raises(RuntimeError), ab_setting("peel_root", False, drafter, target)[0]:
         raise RuntimeError
-    assert owner.flag is False
+    assert target not in _STATIC_TARGETS
 
 
 def test_int8_drafter_routes_the_drafters_linears_inside_the_block_only(tmp_path):
     """replay.int8_drafter (the scripts' A/B) puts the drafter's linears on int8 weights inside the block, on fresh
     steps, and restores them; `weaver replay --int8-drafter` runs the suite with them and says so."""
-    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
     from modeling_weaver.cli import main
     from modeling_weaver.packed import _INT8
     from modeling_weaver.lab.replay import int8_drafter
@@ -177,25 +181,29 @@ def test_int8_drafter_routes_the_drafters_linears_inside_the_block_only(tmp_path
 
 def test_ab_setting_flips_or_sets_each_switch_and_restores_it():
     """The scripts' one table of A/B settings: a switch set off / on or flipped from where it stands (None, "on where
-    it applies", counts as on), int8_drafter applied only when on; each restored after the block."""
-    import modeling_weaver.tree as tree_module
-    from modeling_weaver.packed import _INT8
+    it applies", counts as on) in the policy and options given (``dataclasses.replace``: they stay as they were),
+    int8_drafter applied only when on and undone after the block."""
     from modeling_weaver.lab.replay import ab_setting, ab_switches
+    from modeling_weaver.options import StepOptions, TreePolicy
+    from modeling_weaver.packed import _INT8
 
     drafter, target = torch.nn.Sequential(torch.nn.Linear(16, 16)), torch.nn.Linear(2, 2)
     assert {"spine", "node_attention", "int8_head", "int8_drafter", "gates_in_kernel"} <= set(ab_switches())
-    spine = tree_module.WEAVER_SPINE
-    setting, label = ab_setting("spine", None, drafter, target)
-    with setting:
-        assert tree_module.WEAVER_SPINE is (not spine) and label == f"WEAVER_SPINE={not spine}"
-    assert tree_module.WEAVER_SPINE is spine
-    attention = tree_module.FUSED_NODE_ATTENTION
-    with ab_setting("node_attention", None, drafter, target)[0]:
-        assert tree_module.FUSED_NODE_ATTENTION is (attention is False)
+    policy, options = TreePolicy(), StepOptions()
+    spine = policy.spine
+    setting, label = ab_setting("spine", None, drafter, target, policy, options)
+    with setting as (changed, same):
+        assert changed.spine is (not spine) and label == f"spine={not spine}" and same is options
+    assert policy.spine is spine
+    attention = policy.fused_node_attention
+    with ab_setting("node_attention", None, drafter, target, policy)[0] as (changed, _):
+        assert changed.fused_node_attention is (attention is False)
     for on in (False, True):
-        with ab_setting("node_attention", on, drafter, target)[0]:
-            assert tree_module.FUSED_NODE_ATTENTION is on
-    assert tree_module.FUSED_NODE_ATTENTION is attention
+        with ab_setting("node_attention", on, drafter, target, policy)[0] as (changed, _):
+            assert changed.fused_node_attention is on
+    with ab_setting("gates_in_kernel", None, drafter, target, policy, options)[0] as (same, changed):
+        assert same is policy and changed == StepOptions(gates_in_kernel=False)
+    assert policy.fused_node_attention is attention and options == StepOptions()
     with ab_setting("int8_drafter", False, drafter, target)[0]:
         assert not hasattr(drafter[0], _INT8)
     setting, label = ab_setting("int8_drafter", None, drafter, target)

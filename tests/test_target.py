@@ -389,7 +389,7 @@ def test_static_target_follows_reallocated_weights():
     gen = torch.Generator().manual_seed(5)
     other = {k: torch.randn(v.shape, generator=gen) if k.endswith("proj.weight") else v
              for k, v in model.state_dict().items()}
-    from modeling_weaver.captured import _STATIC_TARGETS
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
 
     old_steps = list(_STATIC_TARGETS[model].values())
     model.load_state_dict(other, assign=True)
@@ -404,7 +404,7 @@ def test_static_draft_follows_reallocated_weights():
     ones give a new StaticDraft (and drop the fused steps built on the target's replaced steps)."""
     from test_generate import make_drafters
 
-    from modeling_weaver.captured import _STATIC_TARGETS, static_draft, static_target
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS, static_draft, static_target
     from modeling_weaver.generate import speculative_generate
 
     model = TINY_TARGETS["qwen3_5"]()

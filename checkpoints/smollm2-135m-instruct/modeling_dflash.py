@@ -52,7 +52,7 @@ def _additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tenso
 class DFlashAttention(nn.Module):
     """Queries from block tokens; keys/values from ``[context | block]`` with shared projections."""
 
-    cache_attends = True  # forward lets a cache with an ``attend`` method run the attention (modeling_weaver.captured)
+    cache_attends = True  # forward takes ``attend`` and ``query_key_positions`` (a fixed-shape cache's) as arguments
 
     def __init__(self, config: DFlashConfig, layer_idx: int):
         super().__init__()
@@ -107,6 +107,8 @@ class DFlashAttention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
+        attend=None,
+        query_key_positions: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """
@@ -115,6 +117,11 @@ class DFlashAttention(nn.Module):
             context: ``[B, C, H]`` projected context features of the new context positions.
             position_embeddings: ``cos, sin [B, C + S, head_dim]``.
             attention_mask: additive or bool ``[B, 1, S, past + C + S]``.
+            attend: optional ``attend(layer, q, k, v) → [B, S, heads · head_dim] | None``: runs this layer's
+                attention instead (a fixed-shape cache's own kernel); None from it leaves the layer to masked
+                attention.
+            query_key_positions: ``(query positions [S], key positions [K])`` when cache rows are not in position
+                order (a fixed-shape cache whose rows are positions); None: queries are the last keys.
         Returns:
             ``[B, S, H]``
         """
@@ -129,15 +136,11 @@ class DFlashAttention(nn.Module):
         k = _rope(k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        # a static cache may attend with its own kernel (modeling_weaver.captured); None: it leaves this layer to us
-        attend = getattr(past_key_values, "attend", None)
         out = attend(self, q, k, v) if attend is not None else None
         if out is not None:
             return self.o_proj(out)
 
-        # A static cache (rows = positions, see modeling_weaver.captured) tells where queries and keys sit.
-        positions = getattr(past_key_values, "query_key_positions", None)
-        layer_mask = self.layer_mask(q_len, k.shape[2], q.device, positions)
+        layer_mask = self.layer_mask(q_len, k.shape[2], q.device, query_key_positions)
         if layer_mask is not None:
             layer_mask = _additive_mask(layer_mask, q.dtype)[None, None]
             attention_mask = layer_mask if attention_mask is None else attention_mask + layer_mask
@@ -252,6 +255,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             use_cache: accepted for z-lab compatibility; the cache is used whenever it is passed.
             attention_mask: optional additive or bool (True = attend) ``[B, 1, S, past + C + S]``; ``None`` means
                 every block query sees every key (the inference case).
+            kwargs: handed to every attention layer (``attend``, ``query_key_positions``: see
+                :meth:`DFlashAttention.forward`).
         Returns:
             ``[B, S, H]`` final-normed hidden states; feed ``[:, 1:]`` to the target's lm_head for depths 1..S-1.
         """

@@ -68,9 +68,13 @@ def load_interpreted(module_name: str) -> types.ModuleType:
     (any CPU-only pytest run) therefore cannot flip the variable afterwards. This executes the module again under
     ``TRITON_INTERPRET=1``, together with every kernel module of the package it imports (those that import Triton:
     the shared helpers of :mod:`.triton_utils`, another folder's launchers), so the copy calls interpreted kernels
-    and helpers only. ``sys.modules`` and the packages' attributes are left as they were: the normal modules stay
-    compiled, the copy's kernels accept CPU tensors, and its autotuners are collapsed to one config (each module
-    checks :func:`is_interpret` when it is executed). Modules without Triton (references, ``utils``) are shared.
+    and helpers only. Modules without Triton (references, ``utils``) are shared, and its autotuners are collapsed to
+    one config (each module checks :func:`is_interpret` when it is executed).
+
+    The copy is imported under a private alias of the package (``_interpreted_<package>``: stub packages with the
+    real folders as their path, the shared modules entered under the alias too), so the import binds its submodules
+    on the stubs only: the real modules, their packages' attributes and ``sys.modules`` are left as they were (the
+    alias entries are removed again), and no package ``__init__`` runs twice (ops register once).
 
     Triton is imported here first, outside interpreter mode, so that loading an interpreted copy never turns the
     process's Triton library into interpreted functions (which would break compiled kernels and torch.compile later
@@ -81,24 +85,25 @@ def load_interpreted(module_name: str) -> types.ModuleType:
     import triton
 
     importlib.import_module(module_name)  # the compiled import names every kernel module the copy needs
-    root = module_name.split(".")[0] + "."
+    top = module_name.split(".")[0]
+    alias = f"_interpreted_{top}"  # (emptied again below: one name serves every copy)
 
     def kernel_module(name: str, mod) -> bool:
-        return name == module_name or (name.startswith(root) and not hasattr(mod, "__path__")
-                                       and getattr(mod, "triton", None) is triton)
+        return name == module_name or (not hasattr(mod, "__path__") and getattr(mod, "triton", None) is triton)
 
-    saved = {name: mod for name, mod in sys.modules.items() if kernel_module(name, mod)}
-    before = set(sys.modules)
     try:
-        for name in saved:
-            del sys.modules[name]
+        for name, mod in list(sys.modules.items()):
+            if name != top and not name.startswith(top + "."):
+                continue
+            renamed = alias + name[len(top):]
+            if hasattr(mod, "__path__"):  # a package: a stub over the same folder (its __init__ not run again)
+                stub = types.ModuleType(renamed)
+                stub.__path__, stub.__package__ = list(mod.__path__), renamed
+                sys.modules[renamed] = stub
+            elif not kernel_module(name, mod):
+                sys.modules[renamed] = mod  # shared as it is: no Triton in it
         with interpret_env(True):
-            copy = importlib.import_module(module_name)
+            return importlib.import_module(alias + module_name[len(top):])
     finally:
-        for name in set(sys.modules) - before:
+        for name in [n for n in sys.modules if n == alias or n.startswith(alias + ".")]:
             del sys.modules[name]
-        sys.modules.update(saved)
-        for name, mod in saved.items():  # the import rebound the packages' attributes to the copies
-            parent, _, child = name.rpartition(".")
-            setattr(sys.modules[parent], child, mod)
-    return copy

@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 from .arguments import TREE_MODES, add_benchmark_arguments
-from ..captured import static_target, step_options
+from ..decoding.step_cache import capture_flags, static_target
+from ..options import StepOptions
 from .data import (
     DATASET_TITLES,
     EvalPrompt,
@@ -95,7 +96,8 @@ def _eos_list(target) -> list[int]:
 @torch.no_grad()
 def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
                             eos_token_id=None, generator: torch.Generator | None = None,
-                            target_step: str = "eager", streamer=None) -> torch.Tensor:
+                            target_step: str = "eager", streamer=None,
+                            step_options: StepOptions = StepOptions()) -> torch.Tensor:
     """Our AR baseline: one token per target step through :class:`TargetAdapter` (same caches as the tree loop).
 
     Args:
@@ -104,8 +106,9 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
         streamer: a transformers streamer (``put``/``end``): the prompt, then each token as it reaches the host.
         target_step: ``"eager"``, ``"static"``, ``"graph"`` or ``"compiled"``, as in
             :func:`~modeling_weaver.generate.speculative_generate`. Greedy fixed-shape decoding runs one
-            :class:`~modeling_weaver.captured.FusedARStep` per token (verify, commit and argmax in one CUDA graph on
+            :class:`~modeling_weaver.decoding.fused.FusedARStep` per token (verify, commit and argmax in one CUDA graph on
             CUDA, launched before the host reads the previous token).
+        step_options: how the target's kernels run (:class:`~modeling_weaver.options.StepOptions`).
     Returns:
         ``[1, T + new]`` ids (greedy output equals ``target.generate(do_sample=False)``).
     """
@@ -113,9 +116,10 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
               else eos_token_id)
     max_length = input_ids.shape[1] + max_new_tokens + 1
     if target_step == "eager":
-        adapter = TargetAdapter(target, max_length=max_length)
+        adapter = TargetAdapter(target, max_length=max_length, options=step_options)
     else:
-        adapter = static_target(target, max_length, 1, **step_options(target_step, input_ids.device))
+        adapter = static_target(target, max_length, 1, **capture_flags(target_step, input_ids.device),
+                                options=step_options)
     new: list[int] = []
 
     def emit(tok: int) -> None:

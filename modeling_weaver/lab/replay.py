@@ -14,8 +14,8 @@ verify, accept, commit) and peak GPU memory; it writes ``replay.json`` and ``rep
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
-from ..cli import existing_file, nonnegative_int, positive_int, torch_device
-from ..accept import Acceptance, path_to_leaf
+from .arguments import add_replay_arguments  # noqa: F401 (the flags: one definition, in lab.arguments)
+from ..accept import Acceptance, DeviceAcceptance, path_to_leaf
 from .benchmark import autoregressive_generate
-from ..captured import release_static_targets, static_draft, step_options
+from ..decoding.step_cache import capture_flags, release_static_targets, static_draft
 from .data import cli_entry
 from ..generate import MODES, PHASES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
+from ..options import StepOptions, TreePolicy
 from ..output_dir import check_output, written_output
 from ..tree import Tree
 
@@ -71,7 +72,7 @@ def load_traces(results_json: str | Path) -> dict[tuple[str, int], list[int]]:
     return traces
 
 
-class ReplayedAcceptance:
+class ReplayedAcceptance(DeviceAcceptance):
     """Accept, at step s, the most probable root→node path with ``trace[s]`` nodes (bonus: the target's argmax).
 
     On the device (:meth:`tensors`, which a fused captured step can hold: the trace and the step counter are device
@@ -146,7 +147,8 @@ _PLANTER = PeakPlanter()  # one instance: captured proposers are kept per plante
 
 def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str, tree_budget: int,
                     acceptance: ReplayedAcceptance, max_new_tokens: int, target_step: str = "graph",
-                    fused: bool = True, streamer=None):
+                    fused: bool = True, streamer=None, tree_policy: TreePolicy = TreePolicy(),
+                    step_options: StepOptions = StepOptions()):
     """One generation with replayed acceptance (restarted from the trace's first step); returns ``(ids,
     SpeculativeStats with phase_ms)``. Keep one ``acceptance`` per method: captured steps are kept per object.
     ``streamer`` receives the new tokens (not the prompt) as they reach the host.
@@ -156,18 +158,20 @@ def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str,
     acceptance.reset()
     stopping = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
     if target_step == "eager":
-        runner = PlantedRunner(DFlashRunner(drafter, target), _PLANTER)
+        runner = PlantedRunner(DFlashRunner(drafter, target, step_options), _PLANTER)
     else:  # draft, planting and tree build in one fixed-shape (captured) step
-        options = step_options(target_step, input_ids.device)
-        draft = static_draft(drafter, target, input_ids.shape[1] + max_new_tokens + tree_budget + 2, options["capture"])
+        flags = capture_flags(target_step, input_ids.device)
+        draft = static_draft(drafter, target, input_ids.shape[1] + max_new_tokens + tree_budget + 2, flags["capture"],
+                             options=step_options)
         runner = draft.proposer(mode, tree_budget, weaver if mode == "weaver" else None, shape_logits=_PLANTER,
-                                compile=options["compile"])
+                                compile=flags["compile"], policy=tree_policy)
     return _decode(
         target, input_ids[0], runner=runner, weaver=weaver, mode=mode,
         tree_budget=tree_budget,
         max_new_tokens=max_new_tokens, processors=LogitsProcessorList(), do_sample=False, verification=None,
         stopping_criteria=stopping, streamer=streamer, generator=None, target_step=target_step,
         timer=PhaseTimer(input_ids.device), accept=acceptance if fused else acceptance.__call__,
+        tree_policy=tree_policy, step_options=step_options,
     )
 
 
@@ -204,18 +208,16 @@ def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: in
 
 
 @contextlib.contextmanager
-def switched(owner, attr: str, value, target):
-    """``owner.attr = value`` inside the block (a class or module switch read when a step is built), on steps built
-    anew: ``target``'s cached steps are dropped on entry and on exit (graphs captured under the other setting must not
-    be replayed; a proposer's graph key includes its own switches); the old value is restored after."""
-    old = getattr(owner, attr)
-    setattr(owner, attr, value)
-    release_static_targets(target)
+def fresh_steps(*models):
+    """Inside the block, steps of ``models`` are built anew: their cached steps are dropped on entry and on exit, also
+    when the block raises (the steps of an A/B run's two settings would otherwise both hold their caches)."""
+    for model in models:
+        release_static_targets(model)
     try:
         yield
     finally:
-        setattr(owner, attr, old)
-        release_static_targets(target)
+        for model in models:
+            release_static_targets(model)
 
 
 @contextlib.contextmanager
@@ -234,34 +236,44 @@ def int8_drafter(drafter, target):
 
 
 def ab_switches() -> dict:
-    """The settings the A/B scripts flip, by name: ``(owner, attribute, off, on)`` for a class or module switch read
-    when a step is built (None, "on where it applies", counts as on), or None for ``int8_drafter``
-    (:func:`int8_drafter`). Built on first use: it imports the kernel modules."""
-    from .. import captured, tree
-    from ..target import GatedDeltaNetLayerCache
-
-    return {"node_table": (captured.StaticProposer, "use_node_table", False, True),
-            "peel_root": (GatedDeltaNetLayerCache, "peel_root", False, True),
-            "gates_in_kernel": (GatedDeltaNetLayerCache, "gates_in_kernel", False, True),
-            "node_attention": (tree, "FUSED_NODE_ATTENTION", False, True),
-            "neumann": (GatedDeltaNetLayerCache, "neumann", False, True),
-            "spine": (tree, "WEAVER_SPINE", False, True),
-            "int8_head": (captured, "INT8_DRAFT_HEAD", False, True), "int8_drafter": None,
-            "fan64": (tree, "CHILDREN_PER_NODE", 8, 64), "root_leaves": (tree, "ROOT_CHILDREN", 0, None)}
+    """The settings the A/B scripts flip, by name: ``(which, field, off, on)`` for a field of the
+    :class:`~modeling_weaver.options.TreePolicy` (``which="policy"``) or
+    :class:`~modeling_weaver.options.StepOptions` (``"options"``), where None ("on where it applies") counts as on,
+    or None for ``int8_drafter`` (:func:`int8_drafter`)."""
+    return {"node_table": ("options", "node_table", False, True),
+            "peel_root": ("options", "peel_root", False, True),
+            "gates_in_kernel": ("options", "gates_in_kernel", False, True),
+            "node_attention": ("policy", "fused_node_attention", False, True),
+            "neumann": ("options", "neumann", False, True),
+            "spine": ("policy", "spine", False, True),
+            "int8_head": ("options", "int8_head", False, True), "int8_drafter": None,
+            "fan64": ("policy", "children_per_node", 8, 64), "root_leaves": ("policy", "root_children", 0, None)}
 
 
-def ab_setting(name: str, on: bool | None, drafter, target):
-    """``(context manager, label)``: the A/B setting ``name`` (:func:`ab_switches`) off or on inside the block, on
-    steps built anew; ``on=None`` flips it from where it stands."""
+def ab_setting(name: str, on: bool | None, drafter, target, policy: TreePolicy = TreePolicy(),
+               options: StepOptions = StepOptions()):
+    """``(context manager, label)``: the A/B setting ``name`` (:func:`ab_switches`) off or on, on steps built anew
+    inside the block; the block gets ``(policy, options)`` with that setting (``dataclasses.replace`` of the ones
+    given); ``on=None`` flips it from where it stands in them."""
     switch = ab_switches()[name]
     if switch is None:  # int8_linears is never applied by default
         on = True if on is None else on
-        return (int8_drafter(drafter, target) if on else contextlib.nullcontext()), f"{name}={on}"
-    owner, attr, off, on_value = switch
+        setting = int8_drafter(drafter, target) if on else contextlib.nullcontext()
+        return _yielding(setting, (policy, options)), f"{name}={on}"
+    which, field, off, on_value = switch
+    current = policy if which == "policy" else options
     if on is None:
-        on = getattr(owner, attr) not in (on_value, None)
+        on = getattr(current, field) not in (on_value, None)
     value = on_value if on else off
-    return switched(owner, attr, value, target), f"{attr}={value}"
+    changed = dataclasses.replace(current, **{field: value})
+    settings = (changed, options) if which == "policy" else (policy, changed)
+    return _yielding(fresh_steps(drafter, target), settings), f"{field}={value}"
+
+
+@contextlib.contextmanager
+def _yielding(context, value):
+    with context:
+        yield value
 
 
 @contextlib.contextmanager
@@ -331,10 +343,12 @@ def memory_check(target, drafter, weaver, trace: list[int], mode: str, budget: i
 
 def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prompt_len: int, max_new_tokens: int,
                      target_step: str, seed: int = 0, hf_tokens: int = 0, fused: bool = True,
-                     split: bool = False, on_row=None) -> list[dict]:
+                     split: bool = False, on_row=None, tree_policy: TreePolicy = TreePolicy(),
+                     step_options: StepOptions = StepOptions()) -> list[dict]:
     """AR (and HF eager for ``hf_tokens``), then every budget × mode with its trace; one row each: decode tokens/s
     (prefill excluded), speed-up over AR, MAL, ms per step and per phase. ``split`` adds, per method, a run with
-    unfused steps ("split": per-phase times). ``on_row(rows)`` is called after every row (save as you go)."""
+    unfused steps ("split": per-phase times). ``on_row(rows)`` is called after every row (save as you go).
+    ``tree_policy``, ``step_options``: the settings every method runs with (AR: the step options)."""
     on_row = on_row or (lambda rows: None)
     device = next(target.parameters()).device
     ids = random_prompt(target, prompt_len, seed)
@@ -362,7 +376,8 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
         return out, end - clock.first_token, clock.first_token - start
 
     _, seconds, prefill = timed(lambda warm, streamer: autoregressive_generate(
-        target, ids, max_new_tokens, eos_token_id=[], target_step=target_step, streamer=streamer), prompt_puts=1)
+        target, ids, max_new_tokens, eos_token_id=[], target_step=target_step, streamer=streamer,
+        step_options=step_options), prompt_puts=1)
     ar_tps = (max_new_tokens - 1) / seconds
     rows = [{"method": "ar", "tokens_per_s": ar_tps, "ms_per_step": 1e3 / ar_tps, "mal": 1.0, "speedup": 1.0,
              "prefill_s": prefill, "gc_ms": timed.gc_ms}]
@@ -383,7 +398,8 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
             for fuse in (fused, False) if split else (fused,):
                 (out, stats), seconds, _ = timed(
                     lambda warm, streamer, mode=mode, budget=budget, acc=acceptance, fuse=fuse: replay_generate(
-                        target, drafter, weaver, ids, mode, budget, acc, max_new_tokens, target_step, fuse, streamer))
+                        target, drafter, weaver, ids, mode, budget, acc, max_new_tokens, target_step, fuse, streamer,
+                        tree_policy, step_options))
                 steps = stats.num_steps
                 tps = (out.shape[1] - ids.shape[1] - 1) / seconds
                 rows.append({
@@ -456,47 +472,6 @@ def _parse_mal(items: list[str], modes, budgets) -> dict:
     return mals
 
 
-def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.description = (
-        "Acceptance replay: the full draft → tree → verify → commit loop on random-weight models of a real shape "
-        "(default Qwen3.6-27B with its DFlash and Weaver), with each step's accepted length taken from a trace "
-        "(`weaver bench` results.json, or synthetic). Reports tokens/s, speed-up over our AR path, per-phase ms per "
-        "step and peak memory; figures are 'replayed acceptance'."
-    )
-    parser.add_argument("--shape", default="qwen3.6-27b", help="a hub_configs folder name, or 'tiny' (CPU smoke runs)")
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", type=existing_file,
-                     help="results.json of `weaver bench` (greedy rows give per-step accepted lengths)")
-    src.add_argument("--synthetic-mal", nargs="+", metavar="MODE[@BUDGET]=MAL",
-                     help="synthetic traces with these mean accepted lengths, e.g. chain=4 ddtree=5.4 weaver=7.1")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--budgets", type=positive_int, nargs="+", default=[16, 32, 64, 128])
-    parser.add_argument("--prompt-length", type=positive_int, default=512)
-    parser.add_argument("--max-new-tokens", type=positive_int, default=512)
-    parser.add_argument("--target-step", choices=TARGET_STEPS, default="graph")
-    parser.add_argument("--no-fuse", action="store_true",
-                        help="keep draft+tree, verify and commit as separate steps (per-phase times) instead of one "
-                             "fused step per iteration")
-    parser.add_argument("--split", action="store_true",
-                        help="also run every method unfused in the same process (rows marked 'split')")
-    parser.add_argument("--hf-tokens", type=nonnegative_int, default=32,
-                        help="also time transformers' eager generate for this many tokens (0: skip)")
-    parser.add_argument("--memory-tokens", type=nonnegative_int, default=0,
-                        help="CUDA: afterwards, generate this many tokens twice with the first mode at the last budget "
-                             "and report memory growth over the second generation and the peak (0: skip)")
-    parser.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--int8-drafter", action="store_true",
-                        help="the drafter's linears on int8 weights (modeling_weaver.int8_linears; the lm_head's int8 "
-                             "copy is the CUDA default either way)")
-    parser.add_argument("--out", default="replay_results",
-                        help="output folder: new, empty, or an earlier replay output with --overwrite (filled when "
-                             "the run ends or stops)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it holds an earlier replay output")
-    return parser
-
-
 @cli_entry
 def run_replay(args) -> int:
     out = check_output(args.out, [args.trace], args.overwrite)  # before building any model
@@ -561,4 +536,4 @@ def run_replay(args) -> int:
 
 
 __all__ = ["ReplayedAcceptance", "graph_replay_ms", "load_traces", "memory_check", "random_models", "random_prompt",
-           "replay_generate", "run_replay", "switched", "synthetic_trace"]
+           "fresh_steps", "replay_generate", "run_replay", "synthetic_trace"]

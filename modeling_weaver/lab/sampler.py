@@ -103,7 +103,7 @@ class BatchedSampler:
     def _capture(self):
         """Capture the decode step. Warm-up and capture run it, so the step counter and tokens are put back (the K/V
         rows they wrote lie ahead and are rewritten before anything attends to them)."""
-        from ..captured import capture_graph
+        from ..decoding.graphs import capture_graph
 
         try:
             self._graph, _ = capture_graph(self._decode_step, restore=(self.step_t, self.tokens))

@@ -41,16 +41,10 @@ class WeaverPrompt:
 
 @dataclass
 class WeaverNodeCache:
-    """Per-layer K/V slots of tree nodes, each ``[B, heads, max_nodes, head_dim]``; a node owns one slot.
-
-    ``attend`` (optional, batch 1 and slot ranges only): ``attend(layer, qkv [M, 3·d_rank], positions [M], lo,
-    mask [M, max_nodes]) → [M, d_rank]`` does a layer's RoPE, slot writes and attention in one call, over the prompt
-    it was made for (the tree build binds ``weaver_kernels.node_attention`` to its step's prompt); without it
-    :meth:`WeaverModel.step` runs them as torch ops."""
+    """Per-layer K/V slots of tree nodes, each ``[B, heads, max_nodes, head_dim]``; a node owns one slot."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
-    attend: Callable | None = None
 
     @property
     def max_nodes(self) -> int:
@@ -206,6 +200,7 @@ class WeaverModel(WeaverPreTrainedModel):
         depths: torch.Tensor,
         slots: torch.Tensor | slice,
         mask: torch.Tensor,
+        attend: Callable | None = None,
     ) -> torch.Tensor:
         """Run ``M`` tree nodes through the blocks together.
 
@@ -221,14 +216,18 @@ class WeaverModel(WeaverPreTrainedModel):
             slots: ``[B, M]`` node-cache slot of each node, or a ``slice`` of ``M`` consecutive slots shared by
                 the batch (written with a plain copy instead of a scatter).
             mask: ``[B, M, max_nodes]`` bool, True where the node may attend (its ancestors and itself).
+            attend: optional, batch 1 and slot ranges only: ``attend(layer, qkv [M, 3·d_rank], positions [M], lo,
+                mask [M, max_nodes]) → [M, d_rank]`` does a layer's RoPE, slot writes (into ``cache``) and attention
+                in one call, over the prompt it was made for (the tree build binds ``weaver_kernels.node_attention``
+                to its step's prompt and cache); without it the blocks run them as torch ops.
         Returns:
             ``[B, M, d_model]`` lm-head queries ``lm_head_query_in(out_norm(h))``.
         """
         bsz, m = depths.shape
         positions = depths + 1
-        if cache.attend is not None and bsz == 1 and isinstance(slots, slice):
+        if attend is not None and bsz == 1 and isinstance(slots, slice):
             for i, block in enumerate(self.blocks):
-                attn = cache.attend(i, block.qkv_proj(block.norm_attn(x))[0], positions[0], slots.start, mask[0])
+                attn = attend(i, block.qkv_proj(block.norm_attn(x))[0], positions[0], slots.start, mask[0])
                 x = block.feed_forward(x, attn[None])
             return self.lm_head_query_in(self.out_norm(x))
         prompt_visible = torch.ones(bsz, m, prompt.length, dtype=torch.bool, device=x.device)

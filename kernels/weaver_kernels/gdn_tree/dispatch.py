@@ -18,7 +18,7 @@ RESIDENT_NODES = range(49, 65)  # four row blocks, T_pad = 64: the measured case
 NEUMANN_MAX_DEPTH = 31
 # node counts after the root step: not 65-96 (T_pad 128 for five or six row blocks) nor ≤ 48 (its fixed cost
 # against two or three row blocks)
-NEUMANN_NODES = [*range(49, 65), *range(97, NEUMANN_MAX_NODES + 1)]
+NEUMANN_NODES = (*range(49, 65), *range(97, NEUMANN_MAX_NODES + 1))
 # the Horner products in single-pass tf32 for 16-bit inputs: inside the bf16 error budget ("tf32x3" nearer fp32)
 NEUMANN_PRECISION = "tf32"
 

@@ -1,0 +1,378 @@
+"""The proposer seam (docs/DESIGN.md §1, §2, §4): draft one block with the DFlash drafter, then build the tree.
+
+``Proposer.propose(bonus, context, n, last_hidden) → Proposal(hidden, logits, tree)``, with ``block_size`` and
+``feature_layer_ids`` (which target features the drafter reads). Two implementations:
+
+- :class:`EagerProposer`: a drafting runner (:class:`DFlashRunner`: the drafter with its KV cache of projected
+  context) at each step's own shapes, then :func:`~modeling_weaver.tree.tree_drafts` (phases ``draft``, ``tree``);
+- :class:`StaticProposer`: the same at fixed shapes, draft and tree build in one step (:class:`StaticDraft`: the
+  drafter's context K/V in fixed buffers whose rows are positions; one CUDA graph per step on CUDA; phase
+  ``draft+tree``).
+
+Both project with the target's lm_head as :func:`draft_head` gives it (in the drafter's dtype, or int8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import weaver_kernels
+
+from ..options import StepOptions, TreePolicy
+from ..target import compile_static
+from ..tree import DEFAULT_POLICY, Tree, tree_drafts, with_root
+from . import graphs
+
+
+def untimed(phase: str):
+    """The timer of an untimed step: every phase a no-op context."""
+    return contextlib.nullcontext()
+
+
+_DRAFT_HEADS: dict = {}  # (id(weight), dtype, int8) → (weight version, DraftHead)
+
+
+class DraftHead:
+    """The target's lm_head as a drafter projects with it: ``head(hidden [..., H]) → logits [..., V]`` in ``dtype``.
+
+    Draft logits only shape the tree, never what is committed, so the drafter may read a cheaper copy of the weight
+    than the target's: in its own ``dtype`` (a bf16 drafter of an fp32 target: on CPUs with bf16 matmuls that halves
+    the drafting cost), or with ``int8`` int8 rows with one scale each through ``weaver_kernels.int8_linear``: half of
+    bf16's bytes for the draft's largest read, at a small error on the logits (an e4m3 copy was tried: larger error,
+    less acceptance, and slower; BENCHMARKS.md).
+    ``weight`` is the target's own weight, held weakly: a cached copy must not keep the target alive.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, int8: bool = False):
+        self._weight, self.dtype, self.int8 = weakref.ref(weight), dtype, int8
+        cast = (lambda t: t if t is None or t.dtype == dtype else t.detach().to(dtype))
+        self.cast_bias = cast(bias)
+        self.cast_weight = None if int8 else cast(weight)
+        self.quantised, self.scale = weaver_kernels.quantize_rows(weight) if int8 else (None, None)
+
+    @property
+    def weight(self) -> torch.Tensor | None:
+        return self._weight()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.int8:
+            return F.linear(hidden.to(self.dtype), self.cast_weight, self.cast_bias)
+        return weaver_kernels.int8_linear(hidden.to(self.dtype), self.quantised, self.scale, self.cast_bias)
+
+
+def draft_head(target, dtype: torch.dtype, int8: bool | None = None) -> DraftHead:
+    """The :class:`DraftHead` of ``target`` for a drafter in ``dtype`` (``int8``: see
+    :attr:`~modeling_weaver.options.StepOptions.int8_head`; None: on CUDA). A copy of the weight (another dtype, or
+    int8) is cached with the weight: made again after in-place updates of it, dropped with it."""
+    head = target.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    int8 = StepOptions(int8_head=int8).int8_head_on(weight.device)
+    if not int8 and weight.dtype == dtype:  # the weight itself: nothing to cache
+        return DraftHead(weight, bias, dtype)
+    key = (id(weight), dtype, int8)
+    cached = _DRAFT_HEADS.get(key)
+    if cached is None or cached[0] != weight._version or cached[1].weight is not weight:
+        if cached is None:
+            weakref.finalize(weight, _DRAFT_HEADS.pop, key, None)  # the copy goes with the weight
+        with torch.no_grad():
+            _DRAFT_HEADS[key] = cached = (weight._version, DraftHead(weight, bias, dtype, int8))
+    return cached[1]
+
+
+class DFlashRunner:
+    """Drives a DFlash drafter across steps: its KV cache of projected context, block inputs and the target's lm_head.
+
+    Any object with the same ``draft`` method, ``block_size`` and ``feature_layer_ids`` can stand in for it in an
+    :class:`EagerProposer` (tests plant drafts through this seam).
+    """
+
+    def __init__(self, drafter, target, options: StepOptions = StepOptions()):
+        self.drafter = drafter
+        self.embed_tokens = target.get_input_embeddings()
+        self.block_size = drafter.config.block_size
+        self.feature_layer_ids = list(drafter.config.target_layer_ids)
+        self.dtype = next(drafter.parameters()).dtype
+        self.head = draft_head(target, self.dtype, options.int8_head)
+        self.cache = drafter.new_cache()
+
+    def draft(self, bonus: int, context: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block ``[bonus, MASK…]`` at positions ``n..n+B-1``, reading ``context [C, n_layers·H]``: the target
+        features of the positions ``n-C..n-1`` not yet in the drafter's cache. Returns the drafter's hidden states
+        and marginal logits for depths ``1..B-1`` (``[B-1, H]``, ``[B-1, V]``)."""
+        device = self.head.weight.device
+        block = self.drafter.block_embeddings(torch.tensor([bonus], device=device), self.embed_tokens).to(self.dtype)
+        position_ids = torch.arange(n - context.shape[0], n + self.block_size, device=device)[None]
+        hidden = self.drafter(
+            noise_embedding=block, target_hidden=context[None].to(self.dtype), position_ids=position_ids,
+            past_key_values=self.cache, use_cache=True,
+        )[0, 1:]
+        self.drafter.crop_cache(self.cache, n)  # block K/V never persist
+        return hidden, self.head(hidden)
+
+
+class Proposal(NamedTuple):
+    """One step's proposal: the drafter's hidden states and marginal logits for depths ``1..B-1`` and the tree."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    tree: Tree
+
+
+class Proposer:
+    """Draft + tree build for one mode and budget: :meth:`propose` gives the step's :class:`Proposal`, timing its
+    phases with ``timed(phase)``. ``block_size`` and ``feature_layer_ids`` come from the drafter."""
+
+    block_size: int
+    feature_layer_ids: list[int]
+
+    def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor,
+                timed=untimed) -> Proposal:
+        """The tree rooted at ``bonus`` (position ``n``), after the new ``context`` (target features of positions
+        ``n-C..n-1``); ``last_hidden``: the target's final hidden state at ``n-1`` (Weaver's prompt)."""
+        raise NotImplementedError
+
+
+class EagerProposer(Proposer):
+    """A drafting ``runner`` (:class:`DFlashRunner` or a stand-in) at each step's own shapes, then the tree of
+    ``mode`` built from its drafts (phases ``draft`` and ``tree``)."""
+
+    def __init__(self, runner, mode: str, budget: int, weaver, target, policy: TreePolicy = DEFAULT_POLICY):
+        self.runner, self.mode, self.budget, self.policy = runner, mode, budget, policy
+        self.weaver = weaver if mode == "weaver" else None
+        self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.block_size, self.feature_layer_ids = runner.block_size, runner.feature_layer_ids
+
+    def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor,
+                timed=untimed) -> Proposal:
+        with timed("draft"):
+            hidden, logits = self.runner.draft(bonus, context, n)
+        with timed("tree"):
+            tree = with_root(bonus, tree_drafts(self.mode, bonus, hidden, logits, self.budget, self.weaver,
+                                                last_hidden, self.embed_tokens, self.lm_head.weight,
+                                                policy=self.policy))
+        return Proposal(hidden, logits, tree)
+
+
+class DFlashStaticCache:
+    """Context K/V of a DFlash drafter in fixed ``[1, kv_heads, rows, head_dim]`` buffers; row = position.
+
+    ``update`` (called by each attention layer) writes the call's K/V at ``slots`` and returns the whole buffers;
+    ``query_key_positions`` tells the layers where queries and keys sit (sliding / causal layer masks); ``attend``
+    runs a layer's attention with :func:`weaver_kernels.tree_attention`, whose cost follows the rows in use, not the
+    whole buffer as masked SDPA's does. :class:`StaticDraft` hands ``attend`` and ``query_key_positions`` to the
+    drafter as arguments.
+    """
+
+    def __init__(self, drafter, rows: int, slots: int, device, dtype):
+        config = drafter.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (1, config.num_key_value_heads, rows, head_dim)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in drafter.layers]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in drafter.layers]
+        self.slots = torch.zeros(slots, dtype=torch.long, device=device)
+        self.block_size = size = drafter.block_size
+        self.query_key_positions = (torch.zeros(size, dtype=torch.long, device=device),
+                                    torch.arange(rows, device=device))
+        self.length = torch.zeros((), dtype=torch.long, device=device)  # the block's first row (= position)
+        self.block_masks = {False: torch.ones(size, size, dtype=torch.bool, device=device),
+                            True: torch.ones(size, size, dtype=torch.bool, device=device).tril()}
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int):
+        self.keys[layer_idx].index_copy_(2, self.slots, keys.to(self.keys[layer_idx].dtype))
+        self.values[layer_idx].index_copy_(2, self.slots, values.to(self.values[layer_idx].dtype))
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def kernel_attends(self, attn) -> bool:
+        """Whether :meth:`attend` takes this layer: all but a sliding window shorter than the block around a
+        non-causal block (it would hide later block rows too; masked SDPA does those)."""
+        window = attn.sliding_window or 0
+        return not (window and not attn.causal_in_block and window < self.block_size)
+
+    def attend(self, attn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
+        """``[1, S, heads · head_dim]``: the block's queries ``q [1, heads, S, head_dim]`` at rows ``length..``
+        over every row before the block and the block's own rows (causal ones for a causal-in-block layer), within
+        the layer's sliding window — the visibility :class:`StaticDraft`'s mask describes, which this replaces (the
+        layer's ``attention_mask`` is not read). None where :meth:`kernel_attends` says no."""
+        if q.shape[2] != self.block_size or not self.kernel_attends(attn):
+            return None
+        return weaver_kernels.tree_attention(q, keys, values, self.block_masks[attn.causal_in_block], self.length,
+                                             keys.shape[2], attn.scaling, attn.sliding_window or 0)
+
+
+class StaticDraft:
+    """:class:`DFlashRunner` at fixed shapes (CUDA graph on CUDA); same ``draft`` contract.
+
+    Each call drafts one block after ``block_size`` context rows (the accepted path; padding rows go past the block,
+    where the mask never looks). A longer context — the prompt, once — has its leading rows written by one eager
+    drafter call first (:meth:`_lead`), then its last ``≤ block_size`` rows go with the block as usual.
+
+    Args:
+        drafter: a :class:`~modeling_weaver.modeling_dflash.DFlashDraftModel`; target: its target (embedding, lm_head).
+        max_length: positions the generation may reach.
+        options: :class:`~modeling_weaver.options.StepOptions` (the int8 head, node tables).
+    """
+
+    def __init__(self, drafter, target, max_length: int, capture: bool | None = None,
+                 options: StepOptions = StepOptions()):
+        self.drafter, self.options = drafter, options
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()  # the target's (Weaver gathers its rows)
+        self.block_size = drafter.config.block_size
+        self.feature_layer_ids = list(drafter.config.target_layer_ids)
+        param = next(drafter.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        self.head = draft_head(target, self.dtype, options.int8_head)
+        size = self.block_size
+        self.rows = max_length + 2 * size  # pads sit after the block
+        self.cache = DFlashStaticCache(drafter, self.rows, 2 * size, self.device, self.dtype)
+        self.context = torch.zeros(size, drafter.fc.in_features, device=self.device, dtype=self.dtype)
+        self.count = torch.zeros((), dtype=torch.long, device=self.device)  # real context rows
+        self.n = self.cache.length  # position of the block's first token (the cache's attention reads it)
+        # drafter code that takes the cache's attention and row positions as arguments (an older remote-code copy
+        # reads them from the cache itself, and never hands it its attention)
+        takes = all(getattr(layer.self_attn, "cache_attends", False) for layer in drafter.layers)
+        self.cache_kwargs = dict(attend=self.cache.attend,
+                                 query_key_positions=self.cache.query_key_positions) if takes else {}
+        # the additive mask is only for layers the cache's kernel does not take
+        self.mask_needed = not (takes and all(self.cache.kernel_attends(layer.self_attn) for layer in drafter.layers))
+        self.bonus = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._graphs: dict = {}
+        self._steps: dict = {}  # proposers, fused steps and node tables on this drafter (graphs read their buffers)
+
+    def _forward(self) -> tuple[torch.Tensor, torch.Tensor]:
+        size, device = self.block_size, self.device
+        idx = torch.arange(size, device=device)
+        context_rows = torch.where(idx < self.count, self.n - self.count + idx, self.n + size + idx)
+        block_rows = self.n + idx
+        rows = torch.cat([context_rows, block_rows])
+        self.cache.slots.copy_(rows)
+        self.cache.query_key_positions[0].copy_(block_rows)
+        visible = (torch.arange(self.rows, device=device) < self.n + size).expand(1, 1, size, -1) \
+            if self.mask_needed else None
+        block = self.drafter.block_embeddings(self.bonus, self.embed_tokens).to(self.dtype)
+        hidden = self.drafter(noise_embedding=block, target_hidden=self.context[None], position_ids=rows[None],
+                              past_key_values=self.cache, attention_mask=visible, **self.cache_kwargs)[0, 1:]
+        return hidden, self.head(hidden)
+
+    def load(self, bonus: int, context: torch.Tensor, n: int) -> None:
+        """Put the inputs of the last (or only) block-size chunk of ``context`` in the static buffers, after writing
+        the K/V of any rows before it."""
+        size = self.block_size
+        if n + 2 * size > self.rows:
+            raise ValueError(f"position {n} is beyond this drafter cache ({self.rows - 2 * size} positions)")
+        first = n - context.shape[0]
+        lead = (context.shape[0] - 1) // size * size  # rows before the last (or only) chunk
+        self.bonus.fill_(int(bonus))
+        if lead > 0:
+            self._lead(context[:lead], first)
+        chunk = context[lead:]
+        self.context[: chunk.shape[0]].copy_(chunk)
+        self.count.fill_(chunk.shape[0])
+        self.n.fill_(n)
+
+    @torch.no_grad()
+    def _lead(self, context: torch.Tensor, first: int) -> None:
+        """Context K/V of positions ``first..first+C-1`` in one eager drafter call (the prompt, once per generation):
+        one read of the drafter's weights, not one per block-size chunk. The block rides along after the context, in
+        rows the next chunk overwrites; its hidden states are not needed (no lm_head)."""
+        size, n = self.block_size, first + context.shape[0]
+        rows = torch.arange(first, n + size, device=self.device)
+        graph_slots, graph_length = self.cache.slots, self.cache.length  # the graphs' buffers: swapped back below
+        self.cache.slots, self.cache.length = rows, torch.tensor(n, device=self.device)
+        try:
+            self.cache.query_key_positions[0].copy_(rows[-size:])
+            visible = (torch.arange(self.rows, device=self.device) < n + size).expand(1, 1, size, -1)
+            block = self.drafter.block_embeddings(self.bonus, self.embed_tokens).to(self.dtype)
+            self.drafter(noise_embedding=block, target_hidden=context[None].to(self.dtype), position_ids=rows[None],
+                         past_key_values=self.cache, attention_mask=visible, **self.cache_kwargs)
+        finally:
+            self.cache.slots, self.cache.length = graph_slots, graph_length
+
+    def run(self, fn, key="draft"):
+        """``fn()`` — replayed from a CUDA graph captured on first use (one per ``key``) when capturing."""
+        if not self.capture:
+            return fn()
+        if key not in self._graphs:
+            self._graphs[key] = graphs.capture_graph(fn)
+        graph, out = self._graphs[key]
+        graph.replay()
+        return out
+
+    def node_table(self, weaver) -> torch.Tensor:
+        """``weaver.node_input_table`` of this target's embedding, made once per Weaver (its proposers share it)."""
+        key = ("node_table", id(weaver))
+        if key not in self._steps:  # (the Weaver kept with it: its id stays its own)
+            self._steps[key] = (weaver, weaver.node_input_table(self.embed_tokens.weight))
+        return self._steps[key][1]
+
+    def proposer(self, mode: str, budget: int, weaver=None, shape_logits=None, compile: bool = False,
+                 policy: TreePolicy = DEFAULT_POLICY) -> StaticProposer:
+        """The :class:`StaticProposer` of this drafter for ``mode``, ``budget`` and ``policy`` (kept: its graph
+        reads its buffers); ``compile``: its tree build ``torch.compile``d."""
+        key = StaticProposer.key_of(mode, budget, weaver, shape_logits, compile, policy)
+        if key not in self._steps:
+            self._steps[key] = StaticProposer(self, mode, budget, weaver, shape_logits, compile, policy)
+        return self._steps[key]
+
+    @torch.no_grad()
+    def draft(self, bonus: int, context: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`DFlashRunner.draft`: block ``[bonus, MASK…]`` at ``n..``, new ``context`` of ``n-C..n-1``."""
+        self.load(bonus, context, n)
+        return self.run(self._forward)
+
+
+class StaticProposer(Proposer):
+    """Draft and tree build of one mode and budget at fixed shapes: one CUDA graph per step on CUDA (phase
+    ``draft+tree``).
+
+    ``propose`` returns the drafter's hidden states and logits (as :meth:`StaticDraft.draft`) and the tree, built on
+    the device by :func:`~modeling_weaver.tree.tree_drafts`.
+    ``shape_logits`` (device ops only) may transform the draft logits first — the acceptance replay plants peaks.
+    Weaver trees follow ``policy`` and, with the drafter's ``options.node_table``, gather node inputs from the
+    Weaver's node-input table (one per drafter and Weaver, shared by its proposers) instead of a norm and matmul per
+    round.
+    """
+
+    def __init__(self, draft: StaticDraft, mode: str, budget: int, weaver=None, shape_logits=None,
+                 compile: bool = False, policy: TreePolicy = DEFAULT_POLICY):
+        if mode == "weaver" and weaver is None:
+            raise ValueError("the weaver mode needs a Weaver")
+        self.draft, self.mode, self.budget, self.weaver, self.policy = draft, mode, budget, weaver, policy
+        self.shape_logits = shape_logits
+        # Drafting and the tree build are hundreds of small ops (the drafter's layers between its matmuls, a Weaver
+        # node step per expansion round): compiled, inductor fuses them (whole graph, the rounds unrolled; one
+        # compile per proposer).
+        self.node_table = draft.node_table(weaver) if mode == "weaver" and draft.options.node_table else None
+        self.key = self.key_of(mode, budget, weaver, shape_logits, compile, policy)  # of this proposer's graph too
+        self._forward = compile_static(self._draft_and_tree) if compile else self._draft_and_tree
+        self.feature_layer_ids, self.block_size = draft.feature_layer_ids, draft.block_size
+        self.last_hidden = torch.zeros(draft.lm_head.weight.shape[1], device=draft.device,
+                                       dtype=draft.lm_head.weight.dtype)
+
+    @staticmethod
+    def key_of(mode, budget, weaver, shape_logits, compile, policy: TreePolicy) -> tuple:
+        # (the drafter's options are its own cache key; only Weaver trees read a policy)
+        return (mode, budget, id(weaver), id(shape_logits), compile, policy if mode == "weaver" else None)
+
+    def _draft_and_tree(self):
+        hidden, logits = self.draft._forward()
+        if self.shape_logits is not None:
+            logits = self.shape_logits(logits)
+        drafts = tree_drafts(self.mode, self.draft.bonus[0], hidden, logits, self.budget, self.weaver,
+                             self.last_hidden, self.draft.embed_tokens, self.draft.lm_head.weight, self.node_table,
+                             self.policy)
+        return hidden, logits, drafts
+
+    @torch.no_grad()
+    def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor,
+                timed=untimed) -> Proposal:
+        with timed("draft+tree"):
+            self.draft.load(bonus, context, n)
+            self.last_hidden.copy_(last_hidden)
+            hidden, logits, drafts = self.draft.run(self._forward, key=self.key)
+            return Proposal(hidden, logits, with_root(self.draft.bonus, drafts))  # (the root on the device: no copy)

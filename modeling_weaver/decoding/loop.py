@@ -1,0 +1,292 @@
+"""The speculative decoding loop, batch 1 (docs/DESIGN.md §1): prefill, then steps of propose → verify → accept →
+commit until a stopping rule fires.
+
+One step, top to bottom: :func:`_decode` (here) asks :func:`plan_steps` once, before the loop, for the verifier (eager
+:class:`~modeling_weaver.target.TargetAdapter` or fixed-shape :class:`~.verify.StaticTarget`), the proposer (eager
+:class:`~.drafting.EagerProposer` or fixed-shape :class:`~.drafting.StaticProposer`) and how steps run:
+:class:`SplitSteps` (propose, verify, accept on the host, commit: :mod:`.drafting`, :mod:`..tree`, :mod:`..target`,
+:mod:`..accept`) or, greedy with a fixed-shape proposer and no processors, :class:`FusedSteps` (the whole step on the
+device, :mod:`.fused`). The loop itself only emits what each step accepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from transformers.generation import LogitsProcessorList, StoppingCriteriaList
+
+from ..accept import DeviceAcceptance, accept_greedy, accept_target_only, accept_traversal
+from ..options import StepOptions, TreePolicy
+from ..target import TargetAdapter
+from ..tree import node_depths
+from .checks import _row_wise
+from .drafting import DFlashRunner, EagerProposer, Proposer, StaticProposer, untimed
+from .fused import FusedGreedyStep
+from .step_cache import capture_flags, fused_step, static_draft, static_target
+from .verify import StaticTarget
+
+
+@dataclass
+class SpeculativeStats:
+    """Per-generation statistics. ``accepted_lengths[s]`` counts the tokens committed at verify step s (bonus incl.)."""
+
+    accepted_lengths: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
+    num_new_tokens: int = 0
+    phase_ms: dict[str, float] = field(default_factory=dict)  # summed over steps, when timed (PhaseTimer)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.accepted_lengths)
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """MAL τ: tokens committed per verify step, bonus included."""
+        return sum(self.accepted_lengths) / max(1, self.num_steps)
+
+
+TARGET_STEPS = ("eager", "static", "graph", "compiled")
+
+
+# Loop phases in report order; eager steps time draft, tree, verify, accept, commit; fixed-shape steps draft+tree
+# instead of draft and tree; a fused greedy step is one "step" (so the phases of one step never overlap).
+PHASES = ("draft", "tree", "draft+tree", "verify", "accept", "commit", "step")
+
+
+class PhaseTimer:
+    """Time spent in each phase of the loop (draft, tree — or draft+tree for a fixed-shape proposer —, verify,
+    accept, commit), summed over steps.
+
+    CUDA events on CUDA (no sync inside the loop; :meth:`totals_ms` synchronises once), wall time elsewhere.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.spans: dict[str, list] = defaultdict(list)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.spans[phase].append((start, end))
+        else:
+            start = time.perf_counter()
+            yield
+            self.spans[phase].append(1e3 * (time.perf_counter() - start))
+
+    def totals_ms(self) -> dict[str, float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return {k: sum(s.elapsed_time(e) for s, e in v) for k, v in self.spans.items()}
+        return {k: sum(v) for k, v in self.spans.items()}
+
+
+class _Output:
+    """Emitted tokens, stopping rules and the streamer, one token at a time.
+
+    The ids live on the host, so stopping rules and the streamer read them without waiting for the device: a device
+    tensor here would make each emitted token wait behind the step already queued ahead (a copy to, or a read from,
+    the device is ordered after it). Stopping criteria therefore see CPU ``input_ids`` (transformers' own criteria
+    move their tensors to ``input_ids.device``)."""
+
+    def __init__(self, prompt: torch.Tensor, max_new_tokens: int, stopping_criteria: StoppingCriteriaList, streamer):
+        self.device, self.prompt_len = prompt.device, prompt.shape[0]
+        self._ids = torch.empty(1, self.prompt_len + max_new_tokens, dtype=prompt.dtype)
+        self._ids[0, :self.prompt_len] = prompt.cpu()
+        self.length = self.prompt_len
+        self.stopping_criteria, self.streamer = stopping_criteria, streamer
+        self.done = False
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """``[1, prompt + emitted]`` on the host."""
+        return self._ids[:, :self.length]
+
+    def emit(self, tokens: list[int]) -> int:
+        """Append tokens until a stopping rule fires or ``max_new_tokens`` are out; returns how many were kept."""
+        kept = 0
+        for tok in tokens:
+            if self.done:
+                break
+            self._ids[0, self.length] = tok
+            self.length += 1
+            kept += 1
+            self.done = bool(self.stopping_criteria(self.ids, None).any()) or self.length == self._ids.shape[1]
+        if kept and self.streamer is not None:
+            self.streamer.put(self.ids[0, -kept:].clone())
+        return kept
+
+
+class Scores:
+    """The processed scores of tree nodes (``processors`` then softmax when sampling), as sequential decoding would
+    see them after the emitted ids of ``out``."""
+
+    def __init__(self, processors: LogitsProcessorList, do_sample: bool, out: _Output):
+        self.processors, self.do_sample, self.out = processors, do_sample, out
+        self.by_length = any(not _row_wise(proc) for proc in processors)
+
+    def __call__(self, logits: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
+        """Processed scores of every node (``parents``: the tree's; None: one row after the emitted ids)."""
+        scores, processors, ids = logits.float(), self.processors, self.out.ids
+        if processors and (not self.by_length or parents is None):  # the ids so far stand in for every row
+            scores = processors(ids.to(logits.device).expand(logits.shape[0], -1), scores)
+        elif processors:  # a node of depth d continues the emitted ids by d tokens: its processors see that length
+            depths = node_depths(parents.to(logits.device))
+            for d in sorted(set(depths.tolist())):
+                rows = (depths == d).nonzero()[:, 0]
+                longer = torch.cat([ids, ids.new_zeros(1, d)], 1).to(logits.device)  # (length-only readers)
+                scores[rows] = processors(longer.expand(rows.shape[0], -1), scores[rows])
+        return scores.softmax(-1) if self.do_sample else scores
+
+    def first_token(self, logits: torch.Tensor, generator: torch.Generator | None) -> int:
+        """The token after the prompt, from its last row's ``logits``."""
+        scores = self(logits[None])
+        if self.do_sample:
+            return int(torch.multinomial(scores.cpu(), 1, generator=generator))
+        return int(scores.argmax(-1))
+
+
+class SplitSteps:
+    """Steps as separate calls: the proposer's draft and tree, the verifier's pass, the acceptance rule on the host
+    (on the processed scores), the verifier's commit. :meth:`run` yields ``(accepted tokens, root first; bonus; tree
+    size)`` per step."""
+
+    def __init__(self, proposer: Proposer, verifier, accept, scores: Scores, timed):
+        self.proposer, self.verifier, self.accept, self.scores, self.timed = proposer, verifier, accept, scores, timed
+
+    def arm(self, bonus: int, context: torch.Tensor, last_hidden: torch.Tensor) -> None:
+        """The first step's inputs: the first new token, the prompt's target features and last hidden state."""
+        self.bonus, self.context, self.last_hidden = bonus, context, last_hidden
+
+    def run(self, ahead=None):
+        timed, verifier = self.timed, self.verifier
+        while True:
+            tree = self.proposer.propose(self.bonus, self.context, verifier.length, self.last_hidden, timed).tree
+            with timed("verify"):
+                verified = verifier.verify(tree)
+            with timed("accept"):
+                accepted = self.accept(tree, self.scores(verified.logits, tree.parents))
+            with timed("commit"):
+                verifier.commit(accepted.path)
+            self.context = verified.features[accepted.path]
+            self.last_hidden = verified.hidden[accepted.path[-1]]
+            self.bonus = accepted.bonus
+            yield tree.tokens[accepted.path].tolist(), accepted.bonus, len(tree)
+
+
+class FusedSteps:
+    """Whole greedy steps on the device (:class:`~.fused.FusedGreedyStep`, pipelined one ahead on CUDA), each timed
+    as one phase ``step``. :meth:`run` yields as :meth:`SplitSteps.run` does."""
+
+    def __init__(self, step: FusedGreedyStep, timed):
+        self.step, self.timed = step, timed
+
+    def arm(self, bonus: int, context: torch.Tensor, last_hidden: torch.Tensor) -> None:
+        self.step.arm(bonus, context, last_hidden)  # (untimed: the prompt's drafter pass is no step's phase)
+
+    def run(self, ahead):
+        with contextlib.closing(self.step.run(ahead)) as steps:
+            while True:
+                with self.timed("step"):  # (pipelined: a span holds the GPU time of the step launched ahead in it)
+                    tokens, bonus = next(steps)
+                yield tokens, bonus, self.step.target.num_nodes
+
+
+@dataclass
+class Plan:
+    """What one generation runs, chosen once before the loop: the verifier and the steps (proposer inside)."""
+
+    verifier: TargetAdapter | StaticTarget
+    steps: SplitSteps | FusedSteps  # each: arm(bonus, context, last_hidden), then run(ahead) yields the steps
+
+
+def acceptance_rule(accept, do_sample: bool, verification: str, generator):
+    """``accept(tree, scores) → Acceptance``: the one given, greedy, or a sampling rule (docs/DESIGN.md §6)."""
+    if accept is not None:
+        return accept
+    if not do_sample:
+        return accept_greedy
+    rule = accept_traversal if verification == "traversal" else accept_target_only
+    return lambda tree, scores: rule(tree, scores, generator)
+
+
+def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_step: str, max_length: int, device,
+               accept, scores: Scores, timed, generator, verification: str, tree_policy: TreePolicy,
+               step_options: StepOptions) -> Plan:
+    """The factory: the verifier of ``target_step``, the proposer for ``runner`` (a :class:`~.drafting.Proposer` as
+    it is; a :class:`~.drafting.DFlashRunner` at fixed shapes when the target's steps are; any other drafting runner
+    eager), and fused steps when greedy decoding needs nothing from the host (no processors, device acceptance)."""
+    depth = runner.block_size - 1  # every tree drafts within one block: the bound picks the GDN verify kernel
+    if target_step == "eager":
+        verifier = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids,
+                                 max_tree_depth=depth, options=step_options)
+    else:  # kept per target and drafter: later generations replay the same graphs
+        flags = capture_flags(target_step, device)
+        verifier = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, **flags,
+                                 max_tree_depth=depth, options=step_options)
+    if verifier.max_tree_nodes is not None and tree_budget + 1 > verifier.max_tree_nodes:
+        raise ValueError(f"tree_budget {tree_budget} is too large for this hybrid target on {verifier.device}: the "
+                         f"GDN tree kernel verifies at most {verifier.max_tree_nodes} nodes (budget + root)")
+    if isinstance(runner, Proposer):
+        proposer = runner
+    elif target_step != "eager" and isinstance(runner, DFlashRunner):  # draft + tree build as one fixed-shape step
+        proposer = static_draft(runner.drafter, target, max_length, flags["capture"], options=step_options).proposer(
+            mode, tree_budget, weaver if mode == "weaver" else None, compile=flags["compile"], policy=tree_policy)
+    else:
+        proposer = EagerProposer(runner, mode, tree_budget, weaver, target, tree_policy)
+    on_device = accept is None or isinstance(accept, DeviceAcceptance)
+    if isinstance(proposer, StaticProposer) and not scores.do_sample and not scores.processors and on_device:
+        return Plan(verifier, FusedSteps(fused_step(proposer, verifier, accept), timed))
+    return Plan(verifier, SplitSteps(proposer, verifier, acceptance_rule(accept, scores.do_sample, verification,
+                                                                         generator), scores, timed))
+
+
+@torch.no_grad()
+def _decode(target, prompt: torch.Tensor, *, runner, weaver, mode: str, tree_budget: int, max_new_tokens: int,
+            processors: LogitsProcessorList, do_sample: bool, verification: str | None,
+            stopping_criteria: StoppingCriteriaList, streamer, generator: torch.Generator | None,
+            target_step: str = "eager", timer: PhaseTimer | None = None, accept=None,
+            tree_policy: TreePolicy = TreePolicy(), step_options: StepOptions = StepOptions(),
+            ) -> tuple[torch.Tensor, SpeculativeStats]:
+    """The loop. ``runner``: a drafting runner or a :class:`~.drafting.Proposer` (see :func:`plan_steps`); ``timer``
+    times its phases into ``stats.phase_ms``; ``accept(tree, scores) → Acceptance`` replaces the acceptance rule (a
+    :class:`~modeling_weaver.accept.DeviceAcceptance` also runs inside fused steps)."""
+    if target_step not in TARGET_STEPS:
+        raise ValueError(f"target_step must be one of {TARGET_STEPS}, got {target_step!r}")
+    stats, out = SpeculativeStats(), _Output(prompt, max_new_tokens, stopping_criteria, streamer)
+    scores = Scores(processors, do_sample, out)
+    max_length = prompt.shape[0] + max_new_tokens + tree_budget + 2
+    plan = plan_steps(target, runner, mode=mode, tree_budget=tree_budget, weaver=weaver, target_step=target_step,
+                      max_length=max_length, device=prompt.device, accept=accept, scores=scores, timed=timer or untimed,
+                      generator=generator, verification=verification or ("traversal" if mode == "weaver"
+                                                                          else "target_only"),
+                      tree_policy=tree_policy, step_options=step_options)
+    verifier = plan.verifier
+    verified = verifier.prefill(prompt)
+    bonus = scores.first_token(verified.logits[-1], generator)
+    stats.num_new_tokens += out.emit([bonus])
+    if not out.done:  # (arming may run the drafter over the prompt: not for an output that is complete already)
+        plan.steps.arm(bonus, verified.features, verified.hidden[-1])
+    # Launch a fused step ahead only if one more fits in the caches and the step in flight (≤ block new tokens)
+    # cannot reach max_new_tokens: a step launched after the last one is a whole step of wasted GPU time.
+    block = runner.block_size
+    with contextlib.closing(plan.steps.run(ahead=lambda: verifier.length + block + tree_budget + 1
+                                           <= verifier.max_length and stats.num_new_tokens + block < max_new_tokens)
+                            ) as steps:
+        while not out.done:
+            tokens, bonus, size = next(steps)
+            stats.accepted_lengths.append(len(tokens))
+            stats.tree_sizes.append(size)
+            stats.num_new_tokens += out.emit(tokens[1:] + [bonus])
+    if timer is not None:
+        stats.phase_ms = timer.totals_ms()
+    if streamer is not None:
+        streamer.end()
+    return out.ids.to(out.device, copy=True), stats  # (a copy: not a view of the host buffer)

@@ -1,0 +1,72 @@
+"""Settings of one decoding step, as values: the tree policy (what tree is built) and the step options (how the
+step's kernels run). docs/DESIGN.md §4 (trees) and §5 (the target's verify).
+
+Both are frozen and hashable: a generation takes them as arguments (``speculative_generate(..., tree_policy=...,
+step_options=...)``), fixed-shape steps are cached and their CUDA graphs keyed by them, and an A/B run makes the
+other setting with ``dataclasses.replace``. Nothing here is read from a module global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreePolicy:
+    """How a Weaver tree is built (docs/DESIGN.md §4; chain and DDTree trees take no policy).
+
+    Attributes:
+        spine: start from DFlash's top-1 chain, stepped with the root in one round, then ``spine_rounds`` rounds
+            (False: the paper's best-first rounds, one per depth at least).
+        spine_rounds: rounds after the spine; a path leaves the spine for at most ``spine_rounds + 1`` Weaver tokens.
+        spine_width: frontier entries per round after the spine (None: ``ceil(budget / 8)``).
+        children_per_node: pool candidates each stepped node publishes to the frontier (the expand kernel picks
+            them one by one: more costs time per round).
+        root_children: candidates the root offers in all on a spine tree, the extra ones as leaves never stepped
+            (None: half the budget); depth 1 is where most steps stop.
+        fused_node_attention: each Weaver layer's RoPE, slot writes and attention as one
+            ``weaver_kernels.node_attention`` op (None: on CUDA, where it is one launch instead of ~10).
+    """
+
+    spine: bool = True
+    spine_rounds: int = 4
+    spine_width: int | None = None
+    children_per_node: int = 8
+    root_children: int | None = None
+    fused_node_attention: bool | None = None
+
+    def node_attention_on(self, device) -> bool:
+        """Whether Weaver node steps on ``device`` use the fused node attention op."""
+        on = self.fused_node_attention
+        return torch.device(device).type == "cuda" if on is None else on
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How a step's kernels run; none of them changes a committed token (docs/DESIGN.md §5).
+
+    Attributes:
+        int8_head: the drafter projects with an int8 copy of the target's lm_head (None: on CUDA, where the Triton
+            kernel makes it faster; the CPU reference dequantises on every call).
+        node_table: fixed-shape Weaver proposers gather node inputs from ``weaver.node_input_table`` (one table per
+            drafter and Weaver) instead of a norm and matmul per round.
+        gates_in_kernel: the GDN ops get the raw gate projections and form g and β inside their kernels.
+        peel_root: the GDN tree verify runs the root as a recurrent step (budget + root trees solve one row block
+            fewer, or a Neumann solve at half the padded size).
+        neumann: the GDN tree verify gets the caller's depth bound, which lets it take the Neumann form.
+    """
+
+    int8_head: bool | None = None
+    node_table: bool = True
+    gates_in_kernel: bool = True
+    peel_root: bool = True
+    neumann: bool = True
+
+    def int8_head_on(self, device) -> bool:
+        """Whether drafters on ``device`` project with the int8 head."""
+        return torch.device(device).type == "cuda" if self.int8_head is None else self.int8_head
+
+
+__all__ = ["StepOptions", "TreePolicy"]
