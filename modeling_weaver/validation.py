@@ -122,3 +122,17 @@ def caller_streamer():
             return frame.f_locals["streamer"]
         frame = frame.f_back
     return None
+
+
+def load_dict_file(file, what: str, fields, map_location="cpu") -> dict:
+    """A ``torch.save``d dict read without executing code (``weights_only=True``: a pickle that names any callable
+    is refused); errors name the file and what it should have been. The caller checks the fields."""
+    try:
+        obj = torch.load(file, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # noqa: BLE001 - pickles that need code, truncated or foreign files, ...
+        raise ValueError(f"{file}: not {what} ({type(err).__name__}: {' '.join(str(err).split())[:300]})") from err
+    if not isinstance(obj, dict):
+        raise ValueError(f"{file}: expected a dict of {', '.join(fields)}, found {type(obj).__name__}")
+    return obj

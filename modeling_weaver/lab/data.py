@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from ..validation import load_dict_file
 from ..output_dir import check_new_files
 from .arguments import DATASET_TITLES, DataSettings, add_make_data_arguments
 
@@ -133,15 +134,7 @@ def load_shard(file: str | Path) -> dict:
     """A ``shard-*.pt`` of ``make-data`` read without executing code (``weights_only=True``) and checked field by
     field before use; errors name the file and the field."""
     file = Path(file)
-    try:
-        shard = torch.load(file, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as err:  # noqa: BLE001 - pickles that need code, truncated or foreign files, ...
-        raise ValueError(f"{file}: not a training-data shard ({type(err).__name__}: "
-                         f"{' '.join(str(err).split())[:300]})") from err
-    if not isinstance(shard, dict):
-        raise ValueError(f"{file}: expected a dict of {', '.join(SHARD_FIELDS)}, found {type(shard).__name__}")
+    shard = load_dict_file(file, "a training-data shard", SHARD_FIELDS)
     for name in SHARD_FIELDS:
         value = shard.get(name)
         if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_floating_point():

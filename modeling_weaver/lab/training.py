@@ -54,6 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..validation import load_dict_file
 from ..configuration_dflash import DFlashConfig
 from ..configuration_weaver import WeaverConfig
 from .data import TokenDataset, cli_entry, require_dir
@@ -789,15 +790,7 @@ def load_training_state(file, map_location="cpu") -> dict:
     containers only, a pickle that names any other callable is refused) and checked field by field; errors name the
     file and the field."""
     file = Path(file)
-    try:
-        state = torch.load(file, map_location=map_location, weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as err:  # noqa: BLE001 - pickles that need code, truncated or foreign files, ...
-        raise ValueError(f"{file}: not a training state written by this package ({type(err).__name__}: "
-                         f"{' '.join(str(err).split())[:300]})") from err
-    if not isinstance(state, dict):
-        raise ValueError(f"{file}: expected a dict of {', '.join(STATE_FIELDS)}, found {type(state).__name__}")
+    state = load_dict_file(file, "a training state written by this package", STATE_FIELDS, map_location)
     for name, kind in STATE_FIELDS.items():
         if name not in state:
             raise ValueError(f"{file}: field '{name}' is missing")
