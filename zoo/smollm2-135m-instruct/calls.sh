@@ -46,9 +46,9 @@ case ${1:?carry|data|dflash|weaver} in
     ( WORK=$W DFLASH_DIR=$W/dflash PROFILE_NAME=${POINT:?} HELDOUT_N=32 timeout 280 bash scripts/train_smollm2.sh profile
     ) > $L/profile.log 2>&1 &
     timeout 330 python3 -m modeling_weaver.cli bench --drafter $W/dflash --weaver $W/weaver --subset 8 \
-      --max-new-tokens 128 --budgets 64 --temperatures 0 --dtype float32 --target-step eager --no-plot --strict \
+      --max-new-tokens 128 --budgets 64 16 --temperatures 0 --dtype float32 --target-step eager --no-plot --strict \
       --max-minutes 5 --no-progress --out $E/bench-$POINT > $L/bench.log 2>&1
-    wait; tail -2 $L/profile.log; grep "^| 0 " $L/bench.log
+    wait; tail -2 $L/profile.log; grep "^| 0 " $L/bench.log; ls $E
     WORK=$W bash scripts/train_smollm2.sh back
     (cd $W && tar cf - eval logs profile-*) | xz -T0 -6 > $OUT/weaver-call.tar.xz; ls -la $OUT ;;
   *) echo "unknown call $1" >&2; exit 2 ;;
