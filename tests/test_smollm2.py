@@ -104,4 +104,4 @@ def test_shipped_drafters_on_real_smollm2(smollm2):
             assert torch.equal(out, ref), (mode, prompt)
             lengths += stats.accepted_lengths
     mal = {mode: sum(v) / len(v) for mode, v in accepted.items()}
-    assert mal["weaver"] >= 2.77 and mal["ddtree"] >= 2.31 and mal["weaver"] > mal["ddtree"], mal
+    assert mal["weaver"] >= 2.90 and mal["ddtree"] >= 2.31 and mal["weaver"] > mal["ddtree"], mal
