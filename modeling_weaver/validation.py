@@ -87,8 +87,8 @@ REFUSED = {
     "prefix_allowed_tokens_fn": "depends on every earlier token",
     "guidance_scale": "classifier-free guidance runs a second model pass per token",
     "watermarking_config": "watermarks depend on earlier tokens",
-    "attention_mask": "a mask that masks prompt tokens means a padded prompt (batch size 1, no padding): pass the "
-                      "unpadded prompt, or a mask of all ones",
+    "attention_mask": "masking prompt tokens means a padded prompt (batch size 1, no padding): pass the unpadded "
+                      "prompt, or a mask of all ones",
 }
 # The processor that each refused history-dependent setting builds, by class name.
 _PROCESSOR_SETTING = {
@@ -125,7 +125,7 @@ def _check_count(name: str, value, meaning: str = "") -> None:
         raise ValueError(f"{name} {meaning}must be an int >= 1, got {value!r}")
 
 
-def _token_id_bound(target) -> int:
+def _vocab_size(target) -> int:
     return target.get_input_embeddings().weight.shape[0]
 
 
@@ -139,7 +139,7 @@ def _check_prompt(target, input_ids) -> None:
         raise ValueError(f"input_ids has batch {input_ids.shape[0]}: speculative decoding supports batch size 1 only")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: give a prompt of at least one token")
-    vocab = _token_id_bound(target)
+    vocab = _vocab_size(target)
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab:
         raise ValueError(f"input_ids holds token id {low if low < 0 else high}, outside the target's vocabulary: ids "
@@ -184,7 +184,7 @@ def _check_eos(target, eos_token_id) -> None:
         ids = eos_token_id.flatten().tolist() if not eos_token_id.is_floating_point() else [eos_token_id]
     if not all(_is_int(i) for i in ids):  # ([]: no eos at all, the target's overridden)
         raise TypeError(f"eos_token_id must be a token id (int) or a list of them, got {eos_token_id!r}")
-    vocab = _token_id_bound(target)
+    vocab = _vocab_size(target)
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise ValueError(f"eos_token_id {bad[0]} is outside the target's vocabulary: ids must be in [0, {vocab - 1}]")
