@@ -27,6 +27,7 @@ from torch import nn
 
 from .configuration_dflash import DFlashConfig
 from .configuration_weaver import WeaverConfig
+from .files import load_dict_file
 from .modeling_dflash import DFlashDraftModel
 from .modeling_weaver import WeaverModel
 from .output_dir import check_output, stamp_code_copies, written_output
@@ -243,16 +244,6 @@ _OLD_VARIANT = ("the older Weaver variant (separate q_proj/k_proj/v_proj, GELU f
 _OLD_VARIANT_KEYS = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|fc1|fc2)\.(weight|bias)$|(^|\.)pos_emb$")
 
 
-def _torch_load(path) -> dict:
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise
-    except Exception as err:  # noqa: BLE001 - pickles that need code, truncated files, ...
-        raise CheckpointError(f"{path}: not a plain torch checkpoint ({type(err).__name__}: {err})") from err
-    return payload
-
-
 def read_released_weaver(path_or_payload) -> tuple[WeaverConfig, dict[str, torch.Tensor]]:
     """Read and validate the paper's ``.pth`` payload ``{"config": {...}, "state_dict": {...}}``.
 
@@ -263,7 +254,8 @@ def read_released_weaver(path_or_payload) -> tuple[WeaverConfig, dict[str, torch
     """
     if isinstance(path_or_payload, (str, os.PathLike)):
         where = str(path_or_payload)
-        payload = _torch_load(path_or_payload)
+        payload = load_dict_file(path_or_payload, "a plain torch checkpoint", ("config", "state_dict"),
+                                 error=CheckpointError)
     else:
         where, payload = "Weaver checkpoint", path_or_payload
     if not isinstance(payload, dict) or "config" not in payload or "state_dict" not in payload:

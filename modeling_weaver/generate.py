@@ -2,21 +2,23 @@
 
 ``speculative_generate`` is the plain-function API; ``generate`` is the same loop behind
 ``target.generate(input_ids, custom_generate=generate, drafter=..., weaver=...)``. Both check what they are given
-(:mod:`.decoding.checks`) and run :func:`~.decoding.loop._decode`; the names below them are re-exported for callers
-of this module.
+(:mod:`.validation`) and run :func:`~.decoding.loop._decode`; the names below them are re-exported for callers of
+this module (``modeling_weaver.generate.REFUSED`` is the documented path).
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import torch
 from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorList, StoppingCriteriaList
 
-from . import validation as _validation
-from .decoding.checks import (LENGTH_PROCESSORS, MODES, REFUSED, ROW_WISE_PROCESSORS, VERIFICATIONS, _check_arguments,
-                              _check_budget, _check_processors, _check_prompt, _check_settings, _prepare, refuse)
 from .decoding.drafting import DFlashRunner
 from .decoding.loop import PHASES, TARGET_STEPS, PhaseTimer, SpeculativeStats, _decode
 from .options import StepOptions, TreePolicy
+from .validation import (LENGTH_PROCESSORS, MODES, REFUSED, ROW_WISE_PROCESSORS, VERIFICATIONS, check_call,
+                         check_processors, check_room, check_settings, prepare_settings, refuse)
 
 
 def speculative_generate(
@@ -81,14 +83,9 @@ def speculative_generate(
     Returns:
         ``[1, T + new]`` token ids, and a :class:`SpeculativeStats` when ``return_stats=True``.
     """
-    _validation.check_call(target, input_ids, drafter=drafter, weaver=weaver, tree_budget=tree_budget,
-                           do_sample=do_sample, temperature=temperature, eos_token_id=eos_token_id)
-    _validation.check_attention_mask(input_ids, generation_kwargs.pop("attention_mask", None))
-    _check_prompt(input_ids)
-    if max_new_tokens is not None and (not isinstance(max_new_tokens, int) or max_new_tokens < 1):
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    _check_arguments(target, drafter, weaver, mode, tree_budget, verification, do_sample)
-    _check_budget(target, tree_budget, input_ids.device)
+    check_call(target, input_ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=tree_budget,
+               verification=verification, do_sample=do_sample, temperature=temperature, eos_token_id=eos_token_id,
+               attention_mask=generation_kwargs.pop("attention_mask", None), max_new_tokens=max_new_tokens)
     settings = dict(generation_kwargs, do_sample=do_sample)
     if do_sample:  # (greedy: transformers ignores them, and so do we once they are checked)
         settings.update(temperature=temperature, top_k=top_k or 0, top_p=1.0 if top_p is None else top_p)
@@ -96,8 +93,7 @@ def speculative_generate(
         settings.update({k: v for k, v in (("top_k", top_k), ("top_p", top_p)) if v is not None})
     if eos_token_id is not None:
         settings["eos_token_id"] = eos_token_id
-    config, processors, stopping = _prepare(target, input_ids, generation_config, max_new_tokens, settings)
-    _check_processors(processors)
+    config, processors, stopping = prepare_settings(target, input_ids, generation_config, max_new_tokens, settings)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     options = step_options or StepOptions()
@@ -139,27 +135,18 @@ def generate(
     honours (length-only processors such as ``min_new_tokens`` per tree node); the settings of :data:`REFUSED` raise.
 
     Streaming: transformers keeps ``streamer=`` for itself when ``custom_generate`` is a callable (it sends the prompt
-    and never passes the streamer on); the loop finds it in transformers' frame
-    (:func:`~modeling_weaver.validation.caller_streamer`) and streams to it. ``tree_streamer=`` is the explicit form:
-    it receives the prompt, every committed token and ``end()``. The Hub ``custom_generate`` folder maps one to the
-    other.
+    and never passes the streamer on); the loop finds it in transformers' frame (:func:`caller_streamer`) and streams
+    to it. ``tree_streamer=`` is the explicit form: it receives the prompt, every committed token and ``end()``. The
+    Hub ``custom_generate`` folder maps one to the other.
     """
     # (first: transformers has already widened input_ids for num_beams / num_return_sequences)
-    _check_settings(generation_config, assistant_model=model_kwargs.get("assistant_model"))
-    _validation.check_call(model, input_ids, drafter=drafter, weaver=weaver, tree_budget=tree_budget,
-                           do_sample=bool(generation_config.do_sample))
-    _check_prompt(input_ids)
-    mask = model_kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise refuse("attention_mask")
+    check_settings(generation_config, assistant_model=model_kwargs.get("assistant_model"))
     do_sample = bool(generation_config.do_sample)
-    _check_arguments(model, drafter, weaver, mode, tree_budget, verification, do_sample)
-    _check_budget(model, tree_budget, input_ids.device)
-    _check_processors(logits_processor)
-    max_new_tokens = generation_config.max_length - input_ids.shape[1]
-    if max_new_tokens < 1:
-        raise ValueError(f"max_length {generation_config.max_length} leaves no room after the prompt")
-    streamer = streamer if streamer is not None else _validation.caller_streamer()  # (the prompt: already sent)
+    check_call(model, input_ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=tree_budget,
+               verification=verification, do_sample=do_sample, attention_mask=model_kwargs.get("attention_mask"))
+    check_processors(logits_processor)
+    check_room(generation_config.max_length, input_ids.shape[1])
+    streamer = streamer if streamer is not None else caller_streamer()  # (the prompt: already sent)
     if tree_streamer is not None:
         if streamer is not None and streamer is not tree_streamer:
             raise ValueError("give the streamer once: streamer= or tree_streamer=, not both")
@@ -168,14 +155,54 @@ def generate(
     options = step_options or StepOptions()
     ids, _ = _decode(
         model, input_ids[0], runner=DFlashRunner(drafter, model, options), weaver=weaver, mode=mode,
-        tree_budget=tree_budget, max_new_tokens=max_new_tokens, processors=logits_processor, do_sample=do_sample,
-        verification=verification, stopping_criteria=stopping_criteria, streamer=streamer, generator=None,
-        target_step=target_step, tree_policy=tree_policy or TreePolicy(), step_options=options,
+        tree_budget=tree_budget, max_new_tokens=generation_config.max_length - input_ids.shape[1],
+        processors=logits_processor, do_sample=do_sample, verification=verification,
+        stopping_criteria=stopping_criteria, streamer=streamer, generator=None, target_step=target_step,
+        tree_policy=tree_policy or TreePolicy(), step_options=options,
     )
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=ids)
     return ids
 
 
+def _in_transformers(frame) -> bool:
+    name = frame.f_globals.get("__name__") or ""
+    return name == "transformers" or name.startswith("transformers.")
+
+
+def caller_streamer(limit: int = 8):
+    """The ``streamer=`` given to ``target.generate(..., custom_generate=<callable>, streamer=...)``, for
+    :func:`generate` (which alone calls this).
+
+    transformers passes a callable ``custom_generate`` only the arguments its signature adds to ``_sample``'s;
+    ``streamer`` is one of ``_sample``'s, so transformers sends it the prompt and keeps it. It is still a local of
+    transformers' ``generate``: the nearest transformers frame above :func:`generate`, which calls it directly or
+    through the user's wrappers. That frame is trusted within ``limit`` calls. When it is farther and holds a
+    streamer, or is near but not ``generate`` as this version knows it, this cannot tell: it warns (``tree_streamer=``
+    is the explicit form) rather than drop a streamer silently. None when no transformers code called
+    :func:`generate`, or ``custom_generate`` was a name (transformers then passes ``streamer`` on itself).
+    """
+    frame, depth = sys._getframe(2), 1  # (frame 1 is generate; 2 what called it)
+    while frame is not None and not _in_transformers(frame):
+        frame, depth = frame.f_back, depth + 1
+    if frame is None:
+        return None  # called directly: there is no target.generate to take a streamer from
+    local = frame.f_locals
+    known = "custom_generate" in local and "streamer" in local
+    if known and not callable(local["custom_generate"]):
+        return None
+    if known and depth <= limit:
+        return local["streamer"]
+    # far: perhaps another call's streamer; near but unknown: perhaps another transformers version
+    unsure = local["streamer"] is not None if known else depth <= limit
+    if unsure:
+        warnings.warn(f"generate() cannot tell whether target.generate was given a streamer=: the nearest "
+                      f"transformers frame ({frame.f_globals.get('__name__')}.{frame.f_code.co_name}, {depth} calls "
+                      f"up) is not transformers' generate within {limit} calls. Such a streamer receives the prompt "
+                      "only; pass tree_streamer= to stream the generated tokens", stacklevel=3)
+    return None
+
+
 __all__ = ["LENGTH_PROCESSORS", "MODES", "PHASES", "REFUSED", "ROW_WISE_PROCESSORS", "TARGET_STEPS", "VERIFICATIONS",
-           "DFlashRunner", "PhaseTimer", "SpeculativeStats", "generate", "refuse", "speculative_generate"]
+           "DFlashRunner", "PhaseTimer", "SpeculativeStats", "caller_streamer", "generate", "refuse",
+           "speculative_generate"]

@@ -21,7 +21,7 @@ KERNELS = ROOT / "kernels" / "weaver_kernels"
 
 #: The modules one step runs through (the lab, CLI, conversion and export are not read by a step).
 STEP_MODULES = ["accept.py", "generate.py", "modeling_dflash.py", "modeling_weaver.py", "options.py",
-                "target.py", "tree.py", "decoding"]
+                "target.py", "tree.py", "validation.py", "decoding"]
 
 #: Module-level names that are state by design, each with why: caches keyed by what they cache, and constant tables.
 ALLOWED = {

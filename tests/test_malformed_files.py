@@ -178,6 +178,17 @@ def test_broken_weaver_pth(tmp_path, case):
     assert str(file) in str(info.value)
 
 
+def test_weaver_pth_through_the_shared_loader(tmp_path):
+    """The released .pth, training shards and training states share ``files.load_dict_file``; a .pth keeps the
+    converter's own error type."""
+    from modeling_weaver.convert import CheckpointError
+
+    file = tmp_path / "weaver.pth"
+    torch.save([1, 2, 3], file)
+    with pytest.raises(CheckpointError, match="expected a dict of config, state_dict"):
+        load_weaver(file)
+
+
 def good_state() -> dict:
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())

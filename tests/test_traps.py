@@ -4,6 +4,8 @@ for a small vocabulary."""
 
 from __future__ import annotations
 
+import functools
+import warnings
 from pathlib import Path
 
 import pytest
@@ -58,6 +60,49 @@ def test_streamer_and_tree_streamer_together_are_refused(models):
     same = Recorder()  # (the same object twice is one streamer)
     target.generate(IDS, attention_mask=torch.ones_like(IDS), custom_generate=generate, drafter=drafter,
                     mode="chain", tree_budget=4, max_new_tokens=4, streamer=same, tree_streamer=same)
+
+
+def test_streamer_through_wrappers_of_generate(models):
+    """A wrapper of ``generate`` as ``custom_generate`` still streams to ``streamer=``; a wrapper too deep for the
+    frame lookup to trust warns (the streamer then gets the prompt only) instead of dropping it silently."""
+    target, drafter, weaver = models
+
+    def wrapped(depth):
+        @functools.wraps(generate)  # (transformers reads the custom arguments from the signature)
+        def call(*args, _depth=depth, **kwargs):
+            return call(*args, _depth=_depth - 1, **kwargs) if _depth else generate(*args, **kwargs)
+        return call
+
+    kwargs = dict(attention_mask=torch.ones_like(IDS), drafter=drafter, mode="chain", tree_budget=4, max_new_tokens=6)
+    near = Recorder()
+    out = target.generate(IDS, custom_generate=wrapped(2), streamer=near, **kwargs)
+    assert sum(near.chunks[1:], []) == out[0, IDS.shape[1]:].tolist() and near.ended == 1
+    far = Recorder()
+    with pytest.warns(UserWarning, match="tree_streamer"):
+        target.generate(IDS, custom_generate=wrapped(12), streamer=far, **kwargs)
+    assert far.chunks == [IDS[0].tolist()] and far.ended == 0
+
+
+def test_caller_streamer_reads_only_the_frame_it_knows():
+    """Which frame ``caller_streamer`` reads: transformers' ``generate`` with a callable ``custom_generate`` (its
+    ``streamer``), none when no transformers code called, and a warning when transformers code it does not know
+    did."""
+    from modeling_weaver.generate import caller_streamer
+
+    def ask():  # (stands for our generate: caller_streamer reads the frame that called it)
+        return caller_streamer()
+
+    fake = {"__name__": "transformers.generation.utils", "ask": ask}
+    exec("def generate(custom_generate, streamer):\n    return ask()\n"
+         "def elsewhere():\n    return ask()\n", fake)
+    streamer = Recorder()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fake["generate"](generate, streamer) is streamer
+        assert fake["generate"]("owner/repo", streamer) is None  # (transformers passed it on itself)
+        assert ask() is None
+    with pytest.warns(UserWarning, match="tree_streamer"):
+        assert fake["elsewhere"]() is None
 
 
 def test_custom_generate_given_the_folder_itself(models):

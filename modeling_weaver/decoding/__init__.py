@@ -2,7 +2,6 @@
 
 - :mod:`.loop` — :func:`~.loop._decode`, one short loop; :func:`~.loop.plan_steps` picks, once, the verifier, the
   proposer and whether whole steps run fused on the device; :class:`~.loop.SplitSteps` is one eager step.
-- :mod:`.checks` — what a generation accepts and refuses.
 - :mod:`.step_cache` — fixed-shape steps kept across generations, keyed by capacity, tree size and step options.
 - :mod:`.drafting` — the proposer seam: draft + tree build (eager and fixed-shape).
 - :mod:`.verify` — the verifier seam: prefill / verify / commit (eager: the

@@ -23,7 +23,7 @@ from ..accept import DeviceAcceptance, accept_greedy, accept_target_only, accept
 from ..options import StepOptions, TreePolicy
 from ..target import TargetAdapter
 from ..tree import node_depths
-from .checks import _row_wise
+from ..validation import row_wise
 from .drafting import DFlashRunner, EagerProposer, Proposer, StaticProposer, untimed
 from .fused import FusedGreedyStep
 from .step_cache import capture_flags, fused_step, static_draft, static_target
@@ -130,7 +130,7 @@ class Scores:
 
     def __init__(self, processors: LogitsProcessorList, do_sample: bool, out: _Output):
         self.processors, self.do_sample, self.out = processors, do_sample, out
-        self.by_length = any(not _row_wise(proc) for proc in processors)
+        self.by_length = any(not row_wise(proc) for proc in processors)
 
     def __call__(self, logits: torch.Tensor, parents: torch.Tensor | None = None) -> torch.Tensor:
         """Processed scores of every node (``parents``: the tree's; None: one row after the emitted ids)."""

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from ..validation import load_dict_file
+from ..files import load_dict_file
 from ..output_dir import check_new_files
 from .arguments import DATASET_TITLES, DataSettings, add_make_data_arguments
 

@@ -54,9 +54,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..validation import load_dict_file
 from ..configuration_dflash import DFlashConfig
 from ..configuration_weaver import WeaverConfig
+from ..files import load_dict_file
 from .data import TokenDataset, cli_entry, require_dir
 from ..modeling_dflash import DFlashDraftModel
 from ..modeling_weaver import WeaverModel
