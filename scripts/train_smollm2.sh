@@ -69,7 +69,7 @@ for stage in "$@"; do
     back)    # what the next call or session needs, into $OUT in ≤ 15 MiB pieces (join: cat X.tar.xz.* | tar xJf -):
       # every trained model folder but its training_state.pt, logs, profiles, data manifests; BACK_DATA=TAG: that
       # run's shards and prompts too
-      (cd "$WORK" && find . -maxdepth 2 \( -name model.safetensors -o -name config.json -o -name train_log.jsonl \
+      (cd "$WORK" && find . -maxdepth 3 \( -name model.safetensors -o -name config.json -o -name train_log.jsonl \
         -o -name README.md -o -name "*.log" -o -path "./profile-*/*" -o -name "manifest-*.json" \) -print \
         | tar cf - -T -) | xz -T0 -3 | split -b 15M - "${OUT:-.}/models.tar.xz."
       [ -z "${BACK_DATA:-}" ] || (cd "$WORK" && tar cf - data/prompts-"${BACK_DATA}".jsonl \

@@ -353,6 +353,28 @@ def test_dflash_kd_constant_lr_and_ema(tiny):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_dflash_wsd_saves_weights_before_decay(tiny, capsys):
+    """--schedule wsd: lr constant, then linear to 0 over the last --decay fraction; --save-before-decay keeps the
+    weights of the step before the decay as a model folder (pre_decay/), once, also across a resume."""
+    from safetensors.torch import load_file
+
+    run = tiny / "wsd"
+    extra = ["--schedule", "wsd", "--decay", "0.5", "--warmup", "0.1", "--save-before-decay", "--save-every", "0"]
+    assert run_train_dflash(_dflash_args(tiny, run, "--max-steps", 8, "--stop-at-step", 3, *extra)) == 0
+    assert not (run / "pre_decay").exists()  # stopped before the decay
+    steps_before = torch.load(run / "training_state.pt", weights_only=True)["step"]
+    assert run_train_dflash(_dflash_args(tiny, run, "--max-steps", 8, "--resume", *extra)) == 0
+    lrs = [r["lr"] for r in _log(run) if r["step"] > steps_before]
+    assert lrs[0] == pytest.approx(3e-3) and lrs[-1] < lrs[0] / 3 and lrs == sorted(lrs, reverse=True)
+    pre = load_file(run / "pre_decay" / "model.safetensors")
+    final = load_file(run / "model.safetensors")
+    assert pre.keys() == final.keys() and any(not torch.equal(pre[k], final[k]) for k in pre)
+    assert "before the lr decay" in (run / "pre_decay" / "README.md").read_text()
+    capsys.readouterr()
+    assert run_train_dflash(_dflash_args(tiny, tiny / "cos", "--max-steps", 2, "--save-before-decay")) != 0
+    assert "--save-before-decay needs a schedule with a final decay" in capsys.readouterr().err
+
+
 def run_weights(model_state: dict) -> list[tuple[str, torch.Tensor]]:
     """The trainable parameters of a DFlash state dict, in parameter order (the target's are not in it)."""
     return [(n, t) for n, t in model_state.items() if t.is_floating_point()]

@@ -170,6 +170,9 @@ def _add_common(parser: argparse.ArgumentParser, lr: float, warmup: float, batch
                    help="keep an exponential moving average of the weights (e.g. 0.999) and save it as the model "
                         "(training_state.pt keeps both); 0: off")
     c.add_argument("--log-every", type=positive_int, default=10, help="write train_log.jsonl every N steps")
+    c.add_argument("--save-before-decay", action="store_true",
+                   help="also save the (EMA) weights as OUTPUT_DIR/pre_decay when the lr decay starts (WSD "
+                        "schedules): profile both to measure what the cooldown adds")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -191,8 +194,10 @@ def add_train_dflash_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
                    help="random decoder layers (default: start them from the target's last layers, same shapes)")
     m.add_argument("--mask-token-id", type=int, default=None,
                    help="target vocabulary MASK id (default: none → a learned mask embedding)")
-    m.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
-                   help="lr after warm-up: cosine to 0, or constant (for runs continued across calls; pair with --ema)")
+    m.add_argument("--schedule", choices=("cosine", "constant", "wsd"), default="cosine",
+                   help="lr after warm-up: cosine to 0; constant (for runs continued across calls; pair with --ema); "
+                        "wsd: constant, then linear to 0 over the last --decay fraction (a cooldown per session)")
+    m.add_argument("--decay", type=float, default=0.2, help="--schedule wsd: final fraction with linear lr decay")
     m.add_argument("--kd-weight", type=float, default=0.0,
                    help="λ of (1-λ)·CE + λ·KD: distillation to the target's top --kd-topk distribution")
     m.add_argument("--kd-topk", type=positive_int, default=32, help="tokens of the target's distribution kept for KD")

@@ -520,6 +520,15 @@ def wsd_schedule(progress: float, warmup: float, decay: float) -> float:
     return max(0.0, (1 - progress) / max(1e-9, decay))
 
 
+def dflash_schedule(args) -> Callable[[float], float]:
+    """The DFlash trainer's lr factor against progress, from ``--schedule`` (``--warmup``, ``--decay``)."""
+    if args.schedule == "constant":
+        return lambda p: constant_schedule(p, args.warmup)
+    if args.schedule == "wsd":
+        return lambda p: wsd_schedule(p, args.warmup, args.decay)
+    return lambda p: cosine_schedule(p, args.warmup)
+
+
 def build_optimizers(model: nn.Module, lr: float, weight_decay: float, kind: str = "adamw") -> list:
     """AdamW (β = 0.9, 0.95; no decay on norms and biases), or Muon for 2-D matrices + AdamW for the rest."""
     decay, no_decay, matrices = [], [], []
@@ -599,6 +608,7 @@ class LoopSpec:
     schedule: Callable[[float], float]
     optimizer_kind: str
     card: Callable[[dict], str]  # final metrics -> model-card text
+    decay_start: float | None = None  # progress where the lr decay starts (WSD), for --save-before-decay
 
 
 class Schedule:
@@ -686,6 +696,19 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
                 weights=None if ema is None else ema.weights)
         runtime.barrier()
 
+    if not 0 <= getattr(args, "decay", 0) < 1:
+        raise ValueError(f"--decay must be in [0, 1), got {args.decay}")
+    if args.save_before_decay and spec.decay_start is None:
+        raise ValueError("--save-before-decay needs a schedule with a final decay (train-dflash: --schedule wsd)")
+    pre_decay = out_dir / "pre_decay"
+
+    def save_pre_decay():  # once per run (resumes included): the weights at the start of the decay
+        if runtime.is_main and not (pre_decay / "config.json").exists():
+            save_hub(model, pre_decay, getattr(torch, args.save_dtype), spec.card(
+                {"step": step, "minutes": round(elapsed / 60, 2), "weights": "before the lr decay" + (
+                    "" if ema is None else f", EMA (decay {ema.decay})")}), weights=None if ema is None else ema.weights)
+        runtime.barrier()
+
     bar = tqdm(total=total, initial=step, desc=f"train {spec.name}", disable=not runtime.is_main or args.no_progress)
     start = time.monotonic() - elapsed
     session_end = None if args.session_minutes is None else time.monotonic() + 60 * args.session_minutes
@@ -695,6 +718,8 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
             break
         if session_end is not None and runtime.max_over_ranks([float(time.monotonic() > session_end)])[0]:
             break
+        if args.save_before_decay and schedule.progress(step + 1, elapsed) >= spec.decay_start:
+            save_pre_decay()
         factor = spec.schedule(schedule.progress(step + 1, elapsed))
         for opt in opts:
             for g in opt.param_groups:
@@ -849,11 +874,10 @@ def run_train_dflash(args) -> int:
 
         n_params = sum(p.numel() for p in drafter.parameters())
         spec = LoopSpec(
-            "dflash", drafter, BlockDrafting(drafter), step,
-            (lambda p: constant_schedule(p, args.warmup)) if args.schedule == "constant"
-            else (lambda p: cosine_schedule(p, args.warmup)), "adamw",
+            "dflash", drafter, BlockDrafting(drafter), step, dflash_schedule(args), "adamw",
             _card("dflash", args, f"DFlash block drafter: {drafter.config.num_hidden_layers} layers, block size "
                   f"{size}, target layers {drafter.config.target_layer_ids}, {n_params / 1e6:.1f} M parameters."),
+            decay_start=1 - args.decay if args.schedule == "wsd" else None,
         )
         train_loop(args, spec, dataset, runtime, pad_id)
     finally:
@@ -905,6 +929,7 @@ def run_train_weaver(args) -> int:
             _card("weaver", args, f"Weaver tree adapter: d_rank {weaver.config.d_rank}, {weaver.config.num_layers} "
                   f"layer(s), pool {weaver.config.candidate_pool_size}, K {weaver.config.K}, {n_params / 1e6:.1f} M "
                   f"parameters; trained with the DFlash drafter `{args.drafter}` frozen."),
+            decay_start=1 - args.decay,
         )
         train_loop(args, spec, dataset, runtime, pad_id)
     finally:

@@ -16,8 +16,10 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels MODELING_WEAVER_CACHE=/tmp/smol/ca
 S=checkpoints/smollm2-135m-instruct W=/tmp/smol/work
 E=$W/eval L=$W/logs OUT=${OUT:-/tmp/smol/out}
 MIX=${MIX:-self=0.3,template=0.25,math=0.1,code=0.25,passage=0.1}
-DFLASH_FLAGS=${DFLASH_FLAGS:-"--schedule constant --lr 3e-4 --ema 0.999"}
-DFLASH_TOTAL=${DFLASH_TOTAL:-10}  # minutes of schedule across the data and dflash calls
+# WSD: constant lr, then a linear cooldown over the last 30 % of the session's DFlash minutes; the weights at its
+# start come back too (dflash/pre_decay), profiled during the dflash call: what the cooldown adds is measured
+DFLASH_FLAGS=${DFLASH_FLAGS:-"--schedule wsd --decay 0.3 --save-before-decay --lr 3e-4 --ema 0.999"}
+DFLASH_TOTAL=${DFLASH_TOTAL:-10}  # minutes of schedule across the data and dflash calls (the dflash call: their sum)
 mkdir -p $E $L $OUT /tmp/smol/cache
 train() {  # DFlash from the shipped drafter (or resumed), for $1 minutes of this call
   WORK=$W DFLASH_INIT=$S/dflash DFLASH_TOTAL=$DFLASH_TOTAL DFLASH_MIN=$1 DFLASH_FLAGS="$DFLASH_FLAGS" \
@@ -37,9 +39,18 @@ case ${1:?carry|data|dflash|weaver} in
     wait; for i in 1 2; do tail -1 $L/data-$i.log; done
     train ${DATA_CALL_DFLASH_MIN:-2.5}
     (cd $W && tar cf - data/manifest-*.json logs) | xz -T0 -6 > $OUT/data-call.tar.xz; ls -la $OUT ;;
-  dflash)  # ≈ 9 min: the DFlash resumed to the end of its schedule, weights back
-    train ${DFLASH_CALL_MIN:-7.5}
-    WORK=$W bash scripts/train_smollm2.sh back ;;
+  dflash)  # ≈ 9 min: the DFlash resumed to the end of its schedule (DFLASH_TOTAL: both calls' minutes), weights
+    # back; the weights at the cooldown's start are profiled beside the training as soon as they are saved
+    ( until [ -f $W/dflash/pre_decay/README.md ]; do sleep 5; done
+      WORK=$W DFLASH_DIR=$W/dflash/pre_decay PROFILE_NAME=pre-decay HELDOUT_N=32 timeout 240 \
+        bash scripts/train_smollm2.sh profile
+    ) > $L/profile-pre-decay.log 2>&1 & waiter=$!
+    DFLASH_TOTAL=$(awk "BEGIN { print ${DATA_CALL_DFLASH_MIN:-2.5} + ${DFLASH_CALL_MIN:-7.5} }") \
+      train ${DFLASH_CALL_MIN:-7.5}
+    (sleep 60; kill $waiter) > /dev/null 2>&1 & killer=$!; wait $waiter; kill $killer 2>/dev/null
+    tail -1 $L/profile-pre-decay.log
+    WORK=$W bash scripts/train_smollm2.sh back
+    (cd $W && tar cf - logs profile-*) | xz -T0 -6 > $OUT/dflash-call.tar.xz; ls -la $OUT ;;
   weaver)  # ≈ 9 min: Weaver from the shipped one on the new DFlash, then profile beside the greedy bench
     WORK=$W DFLASH_DIR=$W/dflash WEAVER_INIT=$S/weaver WEAVER_MIN=${WEAVER_MIN:-2.0} WEAVER_TOTAL=${WEAVER_MIN:-2.0} \
       timeout 190 bash scripts/train_smollm2.sh weaver > $L/weaver.log 2>&1; echo "weaver rc=$?"; tail -1 $L/weaver.log
