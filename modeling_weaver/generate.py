@@ -97,13 +97,14 @@ def speculative_generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
     options = step_options or StepOptions()
-    ids, stats = _decode(
-        target, input_ids[0], runner=DFlashRunner(drafter, target, options), weaver=weaver, mode=mode,
-        tree_budget=tree_budget, max_new_tokens=config.max_length - input_ids.shape[1], processors=processors,
-        do_sample=do_sample, verification=verification, stopping_criteria=stopping, streamer=streamer,
-        generator=generator, target_step=target_step, timer=timer, tree_policy=tree_policy or TreePolicy(),
-        step_options=options,
-    )
+    with options.packing(input_ids.device, [m for m in (target, drafter, weaver) if m is not None]):
+        ids, stats = _decode(
+            target, input_ids[0], runner=DFlashRunner(drafter, target, options), weaver=weaver, mode=mode,
+            tree_budget=tree_budget, max_new_tokens=config.max_length - input_ids.shape[1], processors=processors,
+            do_sample=do_sample, verification=verification, stopping_criteria=stopping, streamer=streamer,
+            generator=generator, target_step=target_step, timer=timer, tree_policy=tree_policy or TreePolicy(),
+            step_options=options,
+        )
     return (ids, stats) if return_stats else ids
 
 
@@ -153,13 +154,14 @@ def generate(
         streamer = tree_streamer
         streamer.put(input_ids.cpu())
     options = step_options or StepOptions()
-    ids, _ = _decode(
-        model, input_ids[0], runner=DFlashRunner(drafter, model, options), weaver=weaver, mode=mode,
-        tree_budget=tree_budget, max_new_tokens=generation_config.max_length - input_ids.shape[1],
-        processors=logits_processor, do_sample=do_sample, verification=verification,
-        stopping_criteria=stopping_criteria, streamer=streamer, generator=None, target_step=target_step,
-        tree_policy=tree_policy or TreePolicy(), step_options=options,
-    )
+    with options.packing(input_ids.device, [m for m in (model, drafter, weaver) if m is not None]):
+        ids, _ = _decode(
+            model, input_ids[0], runner=DFlashRunner(drafter, model, options), weaver=weaver, mode=mode,
+            tree_budget=tree_budget, max_new_tokens=generation_config.max_length - input_ids.shape[1],
+            processors=logits_processor, do_sample=do_sample, verification=verification,
+            stopping_criteria=stopping_criteria, streamer=streamer, generator=None, target_step=target_step,
+            tree_policy=tree_policy or TreePolicy(), step_options=options,
+        )
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=ids)
     return ids

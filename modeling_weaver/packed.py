@@ -9,6 +9,8 @@ PyTorch's CPU ``F.linear`` hands each call to MKL, which re-packs the weight eve
 (timings: BENCHMARKS.md, the CPU demo). It is an inference switch of the models themselves, so every caller sees
 the same linears — transformers' ``generate``, our AR path and the speculative loop alike — and their greedy outputs
 stay comparable token for token. The cost is one packed copy of each weight (+ the model's linear weights in memory).
+:func:`packed_cpu_linears` is the scoped form the speculative loop uses by default on CPU
+(``StepOptions.packed_linears``): packed calls inside one generation only, the copies kept for the next.
 
 A packed module falls back to ``F.linear`` where the packed form does not apply: a non-CPU input, another dtype, or
 autograd (a weight or input that requires grad under grad mode). A weight changed in place or replaced is re-packed
@@ -25,6 +27,10 @@ Both drop the models' cached fixed-shape steps (CUDA graphs and compiled steps t
 
 from __future__ import annotations
 
+import contextlib
+import os
+import weakref
+
 import torch
 import torch.nn.functional as F
 import weaver_kernels
@@ -37,17 +43,33 @@ def _available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _packable_dtypes() -> tuple[torch.dtype, ...]:
+    """fp32 always; bf16 only where oneDNN has bf16 kernels for this CPU (else its reorder refuses the weight)."""
+    try:
+        bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        bf16 = False
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+
+
+def _available_memory() -> int | None:
+    """Bytes of host memory available now (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def _pack(weight: torch.Tensor) -> list:
     return [torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None), weight._version, weight.data_ptr()]
 
 
-def _packed_forward(module: torch.nn.Linear):
+def _packed_forward(module: torch.nn.Linear, state: list):
     def forward(x: torch.Tensor) -> torch.Tensor:
         w = module.weight
         if (x.device.type != "cpu" or w.device.type != "cpu" or x.dtype != w.dtype
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             return F.linear(x, w, module.bias)
-        state = getattr(module, _PACKED)
         if state[1] != w._version or state[2] != w.data_ptr():  # changed in place, or a new weight
             state[:] = _pack(w)
         return torch.ops.mkldnn._linear_pointwise(x, state[0], module.bias, "none", [], "")
@@ -77,23 +99,69 @@ def _restore(models, attr: str) -> int:
     return count
 
 
+def _cpu_linears(models) -> list[torch.nn.Linear]:
+    if not _available():
+        return []
+    return [m for m in _plain_linears(models, _packable_dtypes()) if m.weight.device.type == "cpu"]
+
+
+# packed_cpu_linears' copies between its blocks, per module (off the module: a model stays deep-copyable and
+# picklable between generations); each entry [packed weight, weight version, weight pointer] follows its weight.
+_PACKED_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def pack_cpu_linears(*models: torch.nn.Module) -> int:
     """Pack the weights of every ``nn.Linear`` (exactly that class, without a patched forward) in ``models`` whose
-    weight is a plain fp32 or bf16 CPU tensor; returns how many were packed (0 where oneDNN is unavailable)."""
-    if not _available():
-        return 0
-    count = 0
-    for module in list(_plain_linears(models, (torch.float32, torch.bfloat16))):
-        if module.weight.device.type == "cpu":
-            setattr(module, _PACKED, _pack(module.weight))
-            module.forward = _packed_forward(module)
-            count += 1
-    return count
+    weight is a plain fp32 CPU tensor, or bf16 where the CPU has oneDNN bf16 kernels; returns how many were packed
+    (0 where oneDNN is unavailable)."""
+    modules = _cpu_linears(models)
+    for module in modules:
+        state = _PACKED_COPIES.pop(module, None) or _pack(module.weight)
+        setattr(module, _PACKED, state)
+        module.forward = _packed_forward(module, state)
+    return len(modules)
 
 
 def unpack_cpu_linears(*models: torch.nn.Module) -> int:
-    """Undo :func:`pack_cpu_linears` on ``models``; returns how many modules were restored."""
-    return _restore(models, _PACKED)
+    """Undo :func:`pack_cpu_linears` on ``models`` and free the packed copies (also those that
+    :func:`packed_cpu_linears` keeps between calls); returns how many modules held one."""
+    kept = 0
+    for model in models:
+        for module in model.modules():
+            kept += _PACKED_COPIES.pop(module, None) is not None
+    return _restore(models, _PACKED) + kept
+
+
+# Share of the host's available memory the packed copies may take when packing is chosen by default.
+PACKED_MEMORY_SHARE = 0.25
+
+
+def packing_fits(*models: torch.nn.Module) -> bool:
+    """Whether the packed copies that :func:`packed_cpu_linears` would add fit in :data:`PACKED_MEMORY_SHARE` of the
+    available host memory (the default's rule: a big model on a small machine is not doubled silently)."""
+    new = sum(m.weight.numel() * m.weight.element_size() for m in _cpu_linears(models) if m not in _PACKED_COPIES)
+    free = _available_memory()
+    return new == 0 or (free is not None and new <= PACKED_MEMORY_SHARE * free)
+
+
+@contextlib.contextmanager
+def packed_cpu_linears(*models: torch.nn.Module):
+    """Route the CPU linears of ``models`` through prepacked weights inside the block only; yields how many.
+
+    Outside it the modules run ``F.linear`` again (transformers' ``generate`` after it is unchanged), while the packed
+    copies stay on the modules for the next block — one copy of the linear weights, freed by
+    :func:`unpack_cpu_linears`. Modules already routed (by :func:`pack_cpu_linears`, or an enclosing block) are left
+    as they are."""
+    modules = _cpu_linears(models)
+    try:
+        for module in modules:
+            if module not in _PACKED_COPIES:
+                _PACKED_COPIES[module] = _pack(module.weight)
+            module.forward = _packed_forward(module, _PACKED_COPIES[module])
+        yield len(modules)
+    finally:
+        for module in modules:
+            module.__dict__.pop("forward", None)
 
 
 def _int8_forward(module: torch.nn.Linear, max_rows: int):

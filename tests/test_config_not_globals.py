@@ -20,7 +20,7 @@ PACKAGE = ROOT / "modeling_weaver"
 KERNELS = ROOT / "kernels" / "weaver_kernels"
 
 #: The modules one step runs through (the lab, CLI, conversion and export are not read by a step).
-STEP_MODULES = ["accept.py", "generate.py", "modeling_dflash.py", "modeling_weaver.py", "options.py",
+STEP_MODULES = ["accept.py", "generate.py", "modeling_dflash.py", "modeling_weaver.py", "options.py", "packed.py",
                 "target.py", "tree.py", "validation.py", "decoding"]
 
 #: Module-level names that are state by design, each with why: caches keyed by what they cache, and constant tables.
@@ -28,6 +28,7 @@ ALLOWED = {
     "_DRAFT_HEADS": "cache of lm_head copies, keyed by (weight, dtype, int8)",
     "_STATIC_TARGETS": "cache of fixed-shape steps per model, keyed by capacity, tree size and StepOptions",
     "_SCRATCH": "kernels' scratch buffers per device and shape",
+    "_PACKED_COPIES": "packed CPU weights kept between generations, per module (weak keys), each following its weight",
     "_SMS": "SM count per device",
     "REFUSED": "the refused settings and why (read-only table, README lists it)",
     "_PROCESSOR_SETTING": "processor class name → the refused setting that builds it (read-only table)",

@@ -124,3 +124,62 @@ def test_int8_linear_falls_back_for_many_rows_and_autograd():
         torch.testing.assert_close(lin(many), torch.nn.functional.linear(many, weight, lin.bias))
     lin(x).sum().backward()  # autograd takes F.linear: gradients reach the weight
     assert torch.equal(lin.weight.grad, x.sum(0).expand(48, 32))
+
+
+@needs_onednn
+def test_generation_on_cpu_packs_inside_the_call_only(monkeypatch):
+    """By default a CPU generation runs on packed linears (StepOptions.packed_linears) and leaves the models as they
+    were: no routed forward after it (transformers' generate unchanged), deep-copyable, the copies kept off the
+    modules for the next call; off when asked, or when the copies would not fit the memory rule."""
+    import copy
+
+    from modeling_weaver import StepOptions
+    from modeling_weaver import packed as packed_module
+
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    linears = _linears(target, drafter, weaver)
+    ids = prompts(1)[0]
+    expected = reference(target, ids, 16)
+    routed = []
+    real = packed_module._packed_forward
+
+    def spy(module, state):  # records which modules the call routed
+        routed.append(module)
+        return real(module, state)
+
+    monkeypatch.setattr(packed_module, "_packed_forward", spy)
+    got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="weaver", tree_budget=8,
+                               max_new_tokens=16)
+    assert torch.equal(got, expected) and set(routed) == set(linears)
+    assert not any("forward" in m.__dict__ or hasattr(m, _PACKED) for m in linears)
+    assert all(m in packed_module._PACKED_COPIES for m in linears)
+    copies = {m: packed_module._PACKED_COPIES[m][0] for m in linears}
+    copy.deepcopy(target)  # nothing opaque on the modules
+    routed.clear()
+    speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="ddtree", tree_budget=8, max_new_tokens=4)
+    assert set(routed) == set(linears) and all(packed_module._PACKED_COPIES[m][0] is copies[m] for m in linears)
+    assert unpack_cpu_linears(target, drafter, weaver) == len(linears)
+    assert not any(m in packed_module._PACKED_COPIES for m in linears)
+    routed.clear()
+    off = StepOptions(packed_linears=False)
+    got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="chain", tree_budget=8,
+                               max_new_tokens=16, step_options=off)
+    assert torch.equal(got, expected) and not routed and not any(m in packed_module._PACKED_COPIES for m in linears)
+    monkeypatch.setattr(packed_module, "_available_memory", lambda: 1024)  # the copies would not fit
+    assert not packed_module.packing_fits(target, drafter, weaver)
+    speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="chain", tree_budget=8, max_new_tokens=4)
+    assert not routed
+    speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="chain", tree_budget=8, max_new_tokens=4,
+                         step_options=StepOptions(packed_linears=True))  # asked for: packed whatever the rule
+    assert set(routed) == set(linears)
+    unpack_cpu_linears(target, drafter, weaver)
+
+
+def test_bf16_linears_are_packed_only_where_the_cpu_has_bf16_kernels(monkeypatch):
+    from modeling_weaver import packed as packed_module
+
+    monkeypatch.setattr(packed_module, "_packable_dtypes", lambda: (torch.float32,))
+    assert pack_cpu_linears(torch.nn.Linear(8, 8).bfloat16()) == 0  # (oneDNN's reorder would refuse it there)
+    if torch.backends.mkldnn.is_available():
+        assert pack_cpu_linears(torch.nn.Linear(8, 8)) == 1

@@ -112,6 +112,13 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
     Returns:
         ``[1, T + new]`` ids (greedy output equals ``target.generate(do_sample=False)``).
     """
+    with step_options.packing(input_ids.device, [target]):  # (as the speculative loop runs: a fair baseline)
+        return _autoregressive(target, input_ids, max_new_tokens, temperature, eos_token_id, generator, target_step,
+                               streamer, step_options)
+
+
+def _autoregressive(target, input_ids, max_new_tokens, temperature, eos_token_id, generator, target_step, streamer,
+                    step_options):
     eos = set(_eos_list(target) if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int)
               else eos_token_id)
     max_length = input_ids.shape[1] + max_new_tokens + 1
