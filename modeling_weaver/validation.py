@@ -78,8 +78,8 @@ def check_call(target, input_ids, *, drafter, weaver, tree_budget, do_sample=Fal
     loaded (meta device), and the type and range of ``eos_token_id``."""
     _check_model("target", target, "target")
     _check_input_ids(target, input_ids)
-    if isinstance(tree_budget, bool) or not _is_int(tree_budget):
-        raise TypeError(f"tree_budget counts draft nodes and must be an int >= 1, got {tree_budget!r}")
+    if tree_budget != "auto" and not _is_int(tree_budget):
+        raise TypeError(f'tree_budget counts draft nodes and must be an int >= 1 or "auto", got {tree_budget!r}')
     if not isinstance(do_sample, bool):
         raise TypeError(f"do_sample must be True or False, got {do_sample!r}")
     if do_sample and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))):

@@ -109,8 +109,8 @@ def _check_arguments(target, drafter, weaver, mode: str, tree_budget: int, verif
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "weaver" and weaver is None:
         raise ValueError('mode="weaver" needs a Weaver adapter: pass weaver=WeaverModel, or use mode="ddtree"/"chain"')
-    if not isinstance(tree_budget, int) or tree_budget < 1:
-        raise ValueError(f"tree_budget counts draft nodes and must be an integer >= 1, got {tree_budget!r}")
+    if tree_budget != "auto" and (not isinstance(tree_budget, int) or tree_budget < 1):
+        raise ValueError(f'tree_budget counts draft nodes and must be an integer >= 1 or "auto", got {tree_budget!r}')
     if verification is not None:
         if verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {VERIFICATIONS} or None, got {verification!r}")
