@@ -80,7 +80,9 @@ class BudgetPolicy:
         decay: how fast the acceptance calibration forgets (per step; the weight of the step ``k`` steps back is
             ``decay**k``).
         max_backoff: after choosing AR, the next steps skip drafting too, twice as many after each further AR choice,
-            up to this many (then one step drafts again to look at the drafter's confidence).
+            up to this many (then one step drafts again to look at the drafter's confidence); counted in units of
+            ``max(1, draft + tree time / AR step time)`` steps, so that looking costs at most ``1 / max_backoff`` of
+            the time spent in AR steps.
         costs: a :class:`~modeling_weaver.decoding.budget.CostTable` to use as it is (None: measured on the first use
             and cached on disk, see :func:`~modeling_weaver.decoding.budget.step_costs`).
         recalibrate: measure again and replace the cached table (once: a later generation can read it).

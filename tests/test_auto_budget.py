@@ -57,6 +57,9 @@ def test_ar_when_verify_is_expensive_and_the_drafter_unsure():
     assert [sizer.drafts() for _ in range(2)] == [False, True]
     sizer.choose(bushy(0.2))
     assert [sizer.drafts() for _ in range(3)] == [False, False, True]
+    sizer = AutoBudget(BudgetPolicy(), CostTable(STEEP.verify_ms, 30.0), SIZES, BLOCK - 1)
+    sizer.choose(bushy(0.2))  # a draft costs three AR steps: three times the AR steps before the next look
+    assert [sizer.drafts() for _ in range(4)] == [False, False, False, True]
     sizer = AutoBudget(BudgetPolicy(max_backoff=0), STEEP, SIZES, BLOCK - 1)
     sizer.choose(bushy(0.2))
     assert sizer.drafts()  # no backoff: every step drafts
@@ -342,3 +345,21 @@ def test_cost_table_interpolates():
     assert MIXED.verify(6) == pytest.approx(11.5) and MIXED.verify(64) == 18.0
     assert MIXED.step_ms(0) == 10.0 and MIXED.step_ms(4) == 13.0
     assert CostTable.from_dict(MIXED.as_dict(), "cache").verify_ms == MIXED.verify_ms
+
+
+def test_cli_takes_auto(tmp_path, capsys):
+    from modeling_weaver.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--tree-budget", "auto", "--recalibrate"])
+    assert args.tree_budget == "auto" and args.recalibrate
+    assert build_parser().parse_args(["demo", "--tree-budget", "12"]).tree_budget == 12
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--tree-budget", "0"])
+    args = build_parser("bench").parse_args(["bench", "--budgets", "16", "auto", "--no-plot", "--target-step", "static",
+                                      "--drafter", str(tmp_path), "--modes", "ddtree"])
+    assert args.budgets == [16, "auto"]
+    from modeling_weaver.lab.benchmark import build_methods, run_benchmark
+
+    assert [m.label for m in build_methods(["ddtree"], [8, "auto"], [0.0])] == ["ar", "ddtree@8", "ddtree@auto"]
+    assert run_benchmark(args) != 0  # (a one-line error before anything loads)
+    assert "eager-only" in capsys.readouterr().err

@@ -12,7 +12,8 @@
   where ``c_d`` corrects the scores (which are not acceptance probabilities) by the decayed ratio of observed to
   predicted reach at that depth.
 - **Policy** (:func:`pick_size`, :class:`AutoBudget`): the size maximising expected length / step time, or 0 (an AR
-  step: the root alone, then a few AR steps without drafting, doubling while AR keeps winning).
+  step: the root alone, then AR steps without drafting until the next look at the drafter, their number doubling
+  while AR keeps winning, in units of a draft's time in AR steps).
 
 Any tree a step verifies is a function of what was committed before it, so every acceptance rule stays lossless.
 """
@@ -177,7 +178,8 @@ class AutoBudget:
         if size == 0:  # AR wins: a few more AR steps without drafting, more while it keeps winning
             self.reach = None
             self.backoff = min(max(1, 2 * self.backoff), self.policy.max_backoff)
-            self.skip = self.backoff
+            # (in units of a draft's time in AR steps: a probe then costs at most 1 / backoff of the AR time)
+            self.skip = self.backoff * max(1, round(self.costs.propose_ms / self.costs.step_ms(0)))
             return subtree(tree, [])
         self.backoff = 0
         kept = nodes[:size]
