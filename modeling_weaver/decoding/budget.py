@@ -243,18 +243,6 @@ def cost_fields(target, runner: DFlashRunner, weaver, mode: str, sizes: tuple[in
             "step_options": repr(step_options), "context": policy.calibration_context}
 
 
-def _median_ms(fn, reps: int, sync) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(1e3 * (time.perf_counter() - start))
-    return statistics.median(times)
-
-
 def _dummy_tree(drafts: int, depth: int, vocab: int, device, generator: torch.Generator) -> Tree:
     """A tree of ``drafts`` nodes and the root: a chain to ``depth``, the other nodes hung round-robin on it."""
     chain = min(drafts, depth)
@@ -267,37 +255,48 @@ def _dummy_tree(drafts: int, depth: int, vocab: int, device, generator: torch.Ge
 def measure_costs(target, runner: DFlashRunner, weaver, mode: str, sizes: tuple[int, ...], tree_policy: TreePolicy,
                   step_options: StepOptions, policy: BudgetPolicy) -> tuple[tuple[tuple[int, float], ...], float]:
     """Time an eager step's parts on dummy inputs: verify + accept + commit at each size, draft + tree at the
-    largest (fresh caches: the generation's own are untouched). Returns ``(verify_ms pairs, propose_ms)``."""
+    largest (fresh caches: the generation's own are untouched). Returns ``(verify_ms pairs, propose_ms)``.
+
+    Round-robin over the parts, one warm-up round, then the median of ``policy.calibration_reps`` rounds: a slow
+    spell of a shared machine slows every part alike. Noise only adds time, so a size's cost is the least measured
+    at it or any larger size (a larger tree never costs less)."""
     device = next(target.parameters()).device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     reps, context, depth = policy.calibration_reps, policy.calibration_context, runner.block_size - 1
     vocab = target.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
-    steps = (len(sizes) + 1) * (reps + 1)  # each timed step commits its root
-    adapter = TargetAdapter(target, max_length=context + steps + max(sizes) + 2,
+    rounds = reps + 1
+    adapter = TargetAdapter(target, max_length=context + rounds * len(sizes) + max(sizes) + 2,
                             feature_layer_ids=runner.feature_layer_ids, max_tree_depth=depth, options=step_options)
     prefilled = adapter.prefill(torch.randint(0, vocab, (context,), generator=generator).to(device))
-    verify = []
-    for size in sizes:
-        tree = _dummy_tree(size, depth, vocab, device, generator)
+    proposer = EagerProposer(DFlashRunner(runner.drafter, target, step_options), mode, max(sizes), weaver, target,
+                             tree_policy)
+    features, last = prefilled.features, prefilled.hidden[-1]
+    proposer.propose(0, features, context, last)  # the prompt's context, once
+    drafted = iter(range(1, rounds + 1))
 
-        def step(tree=tree):
-            accept_greedy(tree, adapter.verify(tree).logits.float())
-            adapter.commit([0])
-
-        # (a larger tree never costs less: where noise says otherwise, the smaller tree's time stands)
-        verify.append((size, max([_median_ms(step, reps, sync)] + [ms for _, ms in verify[-1:]])))
-    fresh = DFlashRunner(runner.drafter, target, step_options)
-    proposer = EagerProposer(fresh, mode, max(sizes), weaver, target, tree_policy)
-    n, features, last = context, prefilled.features, prefilled.hidden[-1]
-    proposer.propose(0, features, n, last)  # the prompt's context, once
-    moves = iter(range(1, 2 * reps + 4))
+    def verify_step(tree: Tree):
+        accept_greedy(tree, adapter.verify(tree).logits.float())
+        adapter.commit([0])  # (each timed step commits its root)
 
     def propose():
-        tree = proposer.propose(0, features[-1:], n + next(moves), last).tree
-        tree.logq.tolist()  # (the host reads the tree to choose its size)
+        proposer.propose(0, features[-1:], context + next(drafted), last).tree.logq.tolist()  # (the host reads it)
 
-    return tuple(verify), _median_ms(propose, reps, sync)
+    parts = {size: (lambda tree=_dummy_tree(size, depth, vocab, device, generator): verify_step(tree))
+             for size in sizes}
+    parts["propose"] = propose
+    times: dict = {key: [] for key in parts}
+    for round_ in range(rounds):
+        for key, part in parts.items():
+            sync()
+            start = time.perf_counter()
+            part()
+            sync()
+            if round_:  # (the first round warms up)
+                times[key].append(1e3 * (time.perf_counter() - start))
+    medians = {key: statistics.median(ms) for key, ms in times.items()}
+    verify = [(size, min(medians[s] for s in sizes if s >= size)) for size in sizes]
+    return tuple(verify), medians["propose"]
 
 
 def _read(path: Path) -> dict:
