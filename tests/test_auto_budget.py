@@ -15,7 +15,7 @@ from test_generate import BLOCK, OracleRunner, make_drafters, prompts, reference
 from tiny_targets import TINY_TARGETS, VOCAB
 from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
-from modeling_weaver import BudgetPolicy, DFlashConfig, DFlashDraftModel, WeaverConfig, WeaverModel
+from modeling_weaver import BudgetPolicy, DFlashConfig, DFlashDraftModel, WeaverModel
 from modeling_weaver.decoding import budget as budget_module
 from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, expected_length,
                                              expected_lengths, pick_size, reach_sums, step_costs)

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from ..validation import load_dict_file
-from ..output_dir import CACHE_ENV, cache_root, check_new_files
+from ..output_dir import cache_root, check_new_files
 from .arguments import DATASET_TITLES, DataSettings, add_make_data_arguments
 
 # ----------------------------------------------------------------------------------------------------------------------
