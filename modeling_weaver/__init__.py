@@ -23,7 +23,7 @@ _EXPORTS = {
     "WeaverModel": ".modeling_weaver",
     "int8_linears": ".packed", "pack_cpu_linears": ".packed", "remove_int8_linears": ".packed",
     "unpack_cpu_linears": ".packed",
-    "StepOptions": ".options", "TreePolicy": ".options",
+    "BudgetPolicy": ".options", "StepOptions": ".options", "TreePolicy": ".options",
     "TargetAdapter": ".target",
     "Tree": ".tree", "chain_tree": ".tree", "ddtree": ".tree", "weaver_tree": ".tree",
 }
@@ -60,6 +60,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Acceptance",
+    "BudgetPolicy",
     "DFlashConfig",
     "DFlashDraftModel",
     "SpeculativeStats",

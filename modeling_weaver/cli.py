@@ -118,6 +118,11 @@ positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
 
 
+def tree_budget_value(text: str):
+    """argparse type of a tree budget: draft nodes (>= 1) or ``auto`` (each step's size chosen, eager steps)."""
+    return "auto" if text == "auto" else positive_int(text)
+
+
 def existing_dir(text: str) -> str:
     """argparse type of an input folder: it must exist."""
     if not os.path.isdir(text):
@@ -164,9 +169,13 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
                                       f"{DEFAULT_SHIPPED_DRAFTERS.relative_to(SOURCE_ROOT)}/ in a source checkout)")
     p.add_argument("--mode", choices=("weaver", "ddtree", "chain"), default="weaver", help="tree policy (default: "
                                                                                            "weaver)")
-    p.add_argument("--tree-budget", type=positive_int, default=16,
-                   help="draft nodes per tree (default: 16 — a small target's tree pass is overhead-bound, so larger "
-                        "trees cost more than their extra acceptance brings; BENCHMARKS.md)")
+    p.add_argument("--tree-budget", type=tree_budget_value, default=16,
+                   help="draft nodes per tree, or 'auto': each step's size chosen from step costs measured once "
+                        "(cached) and the drafter's confidence, AR steps included (default: 16 — a small target's "
+                        "tree pass is overhead-bound, so larger trees cost more than their extra acceptance brings; "
+                        "BENCHMARKS.md)")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="with --tree-budget auto: measure the step costs again and replace the cached table")
     p.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="tokens per prompt (default: 128, tiny: 48)")
     p.add_argument("--prompt", action="append", help="a prompt of your own (repeatable)")
@@ -252,6 +261,7 @@ def run_demo(args) -> int:
 
     from .lab.benchmark import autoregressive_generate
     from .generate import speculative_generate
+    from .options import BudgetPolicy
 
     target, drafter, weaver, tokenizer, prompts = _tiny_setup() if args.tiny else _real_setup(args)
     packed = 0
@@ -272,11 +282,14 @@ def run_demo(args) -> int:
     warm = prompts[0]  # first calls pay one-time costs (allocations, packing checks): keep them out of the timings
     target.generate(warm, max_new_tokens=2, do_sample=False, eos_token_id=eos)
     autoregressive_generate(target, warm, 2, eos_token_id=eos)
+    auto = args.tree_budget == "auto"  # (the warm-up measures the step costs if they are not cached yet)
     speculative_generate(target, warm, drafter=drafter, weaver=weaver, mode=args.mode, tree_budget=args.tree_budget,
-                         max_new_tokens=2, eos_token_id=eos)
+                         max_new_tokens=2, eos_token_id=eos,
+                         budget_policy=BudgetPolicy(recalibrate=args.recalibrate) if auto else None)
     ar_time = spec_time = hf_time = 0.0
     ar_tokens = spec_tokens = hf_tokens = 0
     steps = committed = 0
+    sizes: dict[int, int] = {}
     identical = True
     shown = None
     for ids in tqdm(prompts, desc=f"{PROG} demo", unit="prompt", leave=False):
@@ -300,6 +313,8 @@ def run_demo(args) -> int:
         spec_tokens += stats.num_new_tokens
         steps += stats.num_steps
         committed += sum(stats.accepted_lengths)
+        for size, n in stats.size_histogram.items():
+            sizes[size] = sizes.get(size, 0) + n
         identical &= torch.equal(out, ref) and torch.equal(hf, ref)
         if shown is None:
             new = out[0, ids.shape[1]:]
@@ -313,6 +328,10 @@ def run_demo(args) -> int:
     hf_rate = hf_tokens / max(hf_time, 1e-9)
     print(f"prompts: {len(prompts)}   new tokens: {spec_tokens}")
     print(f"mean accepted length (MAL): {committed / max(steps, 1):.2f} tokens per target forward")
+    if auto:
+        costs = stats.calibration["costs"]
+        print(f"tree sizes (draft nodes: steps): {', '.join(f'{k}: {n}' for k, n in sorted(sizes.items()))}   "
+              f"step costs ({costs['source']}): verify ms {costs['verify_ms']}, draft+tree {costs['propose_ms']} ms")
     print(f"target.generate: {hf_rate:.1f} tok/s   our autoregressive: {ar_rate:.1f} tok/s   "
           f"speculative: {spec_rate:.1f} tok/s")
     print(f"speed-up: {spec_rate / max(hf_rate, 1e-9):.2f}x over target.generate, "

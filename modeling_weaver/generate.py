@@ -16,7 +16,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorLi
 
 from .decoding.drafting import DFlashRunner
 from .decoding.loop import PHASES, TARGET_STEPS, PhaseTimer, SpeculativeStats, _decode
-from .options import StepOptions, TreePolicy
+from .options import BudgetPolicy, StepOptions, TreePolicy
 from .validation import (LENGTH_PROCESSORS, MODES, REFUSED, ROW_WISE_PROCESSORS, VERIFICATIONS, check_call,
                          check_processors, check_room, check_settings, prepare_settings, refuse)
 
@@ -28,7 +28,7 @@ def speculative_generate(
     drafter,
     weaver=None,
     mode: str = "weaver",
-    tree_budget: int = 64,
+    tree_budget: int | str = 64,
     max_new_tokens: int | None = None,
     do_sample: bool = False,
     temperature: float = 1.0,
@@ -44,6 +44,7 @@ def speculative_generate(
     generation_config=None,
     tree_policy: TreePolicy | None = None,
     step_options: StepOptions | None = None,
+    budget_policy: BudgetPolicy | None = None,
     **generation_kwargs,
 ):
     """Lossless tree speculative decoding of ``target`` with a DFlash ``drafter`` (and optionally a Weaver).
@@ -59,7 +60,9 @@ def speculative_generate(
         mode: ``"weaver"`` (Weaver best-first tree), ``"ddtree"`` (best-first over DFlash marginals) or
             ``"chain"`` (plain DFlash).
         tree_budget: draft nodes per tree (the root/bonus token is extra), at most
-            :func:`~modeling_weaver.tree.max_tree_budget`.
+            :func:`~modeling_weaver.tree.max_tree_budget`; or ``"auto"`` (eager steps only): each step verifies the
+            size that maximises expected tokens per second, AR steps included, from step costs measured once and
+            cached and the drafter's confidence (docs/DESIGN.md §12; ``stats.size_histogram``, ``stats.calibration``).
         max_new_tokens: default: ``generation_config``'s ``max_new_tokens`` or ``max_length``, else 128.
         do_sample, temperature, top_k, top_p: this function's own (greedy unless ``do_sample``; they override
             ``generation_config``'s); the values are checked as transformers' warpers check them.
@@ -75,6 +78,8 @@ def speculative_generate(
         tree_policy: how Weaver trees are built (:class:`~modeling_weaver.options.TreePolicy`; default: its defaults).
         step_options: how the step's kernels run (:class:`~modeling_weaver.options.StepOptions`); no option changes
             the tokens.
+        budget_policy: how ``tree_budget="auto"`` chooses (:class:`~modeling_weaver.options.BudgetPolicy`: candidate
+            sizes, calibration cache, a given cost table; default: its defaults).
         generation_config, generation_kwargs: as ``target.generate`` takes them (default: the target's
             ``generation_config``), prepared as it prepares them; lengths (``min_new_tokens``, ``min_length``, ...)
             and processors that act per distribution or per length are applied, the settings of :data:`REFUSED`
@@ -103,7 +108,7 @@ def speculative_generate(
             tree_budget=tree_budget, max_new_tokens=config.max_length - input_ids.shape[1], processors=processors,
             do_sample=do_sample, verification=verification, stopping_criteria=stopping, streamer=streamer,
             generator=generator, target_step=target_step, timer=timer, tree_policy=tree_policy or TreePolicy(),
-            step_options=options,
+            step_options=options, budget_policy=budget_policy,
         )
     return (ids, stats) if return_stats else ids
 
@@ -119,18 +124,19 @@ def generate(
     drafter=None,
     weaver=None,
     mode: str = "weaver",
-    tree_budget: int = 64,
+    tree_budget: int | str = 64,
     verification: str | None = None,
     tree_streamer=None,
     target_step: str = "eager",
     tree_policy: TreePolicy | None = None,
     step_options: StepOptions | None = None,
+    budget_policy: BudgetPolicy | None = None,
     **model_kwargs,
 ):
     """``target.generate(input_ids, custom_generate=generate, drafter=..., weaver=..., mode=..., tree_budget=...)``.
 
-    ``target_step``, ``tree_policy``, ``step_options`` as in :func:`speculative_generate` (``"graph"``: CUDA-graph
-    steps on CUDA).
+    ``tree_budget`` (``"auto"`` too), ``target_step``, ``tree_policy``, ``step_options``, ``budget_policy`` as in
+    :func:`speculative_generate` (``"graph"``: CUDA-graph steps on CUDA).
 
     transformers has already prepared ``generation_config`` and built the processors and stopping criteria this loop
     honours (length-only processors such as ``min_new_tokens`` per tree node); the settings of :data:`REFUSED` raise.
@@ -160,7 +166,7 @@ def generate(
             tree_budget=tree_budget, max_new_tokens=generation_config.max_length - input_ids.shape[1],
             processors=logits_processor, do_sample=do_sample, verification=verification,
             stopping_criteria=stopping_criteria, streamer=streamer, generator=None, target_step=target_step,
-            tree_policy=tree_policy or TreePolicy(), step_options=options,
+            tree_policy=tree_policy or TreePolicy(), step_options=options, budget_policy=budget_policy,
         )
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=ids)

@@ -84,4 +84,43 @@ class StepOptions:
         return torch.device(device).type == "cuda" if self.int8_head is None else self.int8_head
 
 
-__all__ = ["StepOptions", "TreePolicy"]
+@dataclass(frozen=True)
+class BudgetPolicy:
+    """How ``tree_budget="auto"`` picks each eager step's tree size (docs/DESIGN.md §12).
+
+    Attributes:
+        sizes: the candidate draft counts; 0 is a plain AR step (no speculation). Capped by ``max_size``.
+        max_size: the largest tree built each step, then cut to the chosen size (None: 64 on CUDA, 32 elsewhere; at
+            most :func:`~modeling_weaver.tree.max_tree_budget`).
+        decay: how fast the acceptance calibration forgets (per step; the weight of the step ``k`` steps back is
+            ``decay**k``).
+        max_backoff: after choosing AR, the next steps skip drafting too, twice as many after each further AR choice,
+            up to this many (then one step drafts again to look at the drafter's confidence); counted in units of
+            ``max(1, draft + tree time / AR step time)`` steps, so that looking costs at most ``1 / max_backoff`` of
+            the time spent in AR steps.
+        costs: a :class:`~modeling_weaver.decoding.budget.CostTable` to use as it is (None: measured on the first use
+            and cached on disk, see :func:`~modeling_weaver.decoding.budget.step_costs`).
+        recalibrate: measure again and replace the cached table (once: a later generation can read it).
+        cache_dir: the folder of the cached tables (None: ``$MODELING_WEAVER_CACHE`` or ``~/.cache/modeling_weaver``).
+        calibration_context: committed tokens under the calibration's steps (their attention reads them).
+        calibration_reps: timed repetitions per measurement (the median is kept), after one warm-up.
+    """
+
+    sizes: tuple[int, ...] = (0, 4, 8, 16, 32, 64)
+    max_size: int | None = None
+    decay: float = 0.9
+    max_backoff: int = 16
+    costs: CostTable | None = None  # noqa: F821 - decoding.budget.CostTable (options imports nothing of the step)
+    recalibrate: bool = False
+    cache_dir: str | None = None
+    calibration_context: int = 128
+    calibration_reps: int = 5
+
+    def max_size_on(self, device) -> int:
+        """The largest candidate size on ``device`` before the target's own bound."""
+        if self.max_size is not None:
+            return self.max_size
+        return 64 if torch.device(device).type == "cuda" else 32
+
+
+__all__ = ["BudgetPolicy", "StepOptions", "TreePolicy"]

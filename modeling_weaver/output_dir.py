@@ -18,8 +18,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
-__all__ = ["MARKER", "OutputOverlapError", "check_new_files", "check_output", "is_our_output", "stamp_code_copies",
-           "with_banner", "written_output"]
+__all__ = ["CACHE_ENV", "MARKER", "OutputOverlapError", "cache_root", "check_new_files", "check_output",
+           "is_our_output", "stamp_code_copies", "with_banner", "written_output"]
+
+#: The environment variable naming the cache folder (models, evaluation data, measured step costs).
+CACHE_ENV = "MODELING_WEAVER_CACHE"
+
+
+def cache_root() -> Path:
+    """``$MODELING_WEAVER_CACHE`` or ``~/.cache/modeling_weaver``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "modeling_weaver"
+
 
 #: Present in every folder this package writes; only such a folder may be replaced.
 MARKER = ".modeling_weaver_output"

@@ -159,6 +159,17 @@ def most_probable(scores: torch.Tensor, depths: torch.Tensor, k: int):
     return (scores.double() - 1e-12 * depths.double()).topk(k)
 
 
+def subtree(tree: Tree, keep: list[int]) -> Tree:
+    """The root of ``tree`` and its nodes ``keep`` (indices, ancestors of each included), renumbered in the tree's
+    order: still topological, ``logq`` unchanged (traversal verification renormalises over the children kept)."""
+    index = [0] + sorted(keep)
+    number = {old: new for new, old in enumerate(index)}
+    parents = tree.parents.tolist()
+    picked = torch.tensor(index, device=tree.tokens.device)
+    return Tree(tree.tokens[picked], torch.tensor([-1] + [number[parents[i]] for i in index[1:]],
+                                                  device=tree.tokens.device), tree.logq[picked], check_root=False)
+
+
 def with_root(root, drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> Tree:
     """A :class:`Tree` from a builder's draft nodes (``tokens, parents, logq``; parent 0 = the root) and the root."""
     return Tree(*rooted(root, drafts), check_root=False)

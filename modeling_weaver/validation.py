@@ -190,7 +190,7 @@ def _check_eos(target, eos_token_id) -> None:
         raise ValueError(f"eos_token_id {bad[0]} is outside the target's vocabulary: ids must be in [0, {vocab - 1}]")
 
 
-def check_call(target, input_ids, *, drafter, weaver, mode: str, tree_budget: int, verification: str | None,
+def check_call(target, input_ids, *, drafter, weaver, mode: str, tree_budget: int | str, verification: str | None,
                do_sample: bool, temperature=1.0, eos_token_id=None, attention_mask=None, max_new_tokens=None) -> None:
     """The arguments of a call of either entry point: the models (kind, slot, loaded weights, a pair that fits),
     the prompt and its ``attention_mask``, ``mode`` / ``verification`` / ``do_sample`` / ``temperature`` kinds,
@@ -199,7 +199,8 @@ def check_call(target, input_ids, *, drafter, weaver, mode: str, tree_budget: in
     _check_model("target", target)  # (first: the prompt check reads the target's vocabulary)
     _check_prompt(target, input_ids)
     _check_attention_mask(input_ids, attention_mask)
-    _check_count("tree_budget", tree_budget, "counts draft nodes and ")
+    if tree_budget != "auto":  # ("auto": sized per step, docs/DESIGN.md §12)
+        _check_count("tree_budget", tree_budget, 'counts draft nodes (or is "auto") and ')
     if max_new_tokens is not None:
         _check_count("max_new_tokens", max_new_tokens)
     if not isinstance(do_sample, bool):
@@ -227,7 +228,7 @@ def check_call(target, input_ids, *, drafter, weaver, mode: str, tree_budget: in
     )
     _check_eos(target, eos_token_id)
     bound, why = tree_budget_bound(target, input_ids.device)
-    if tree_budget > bound:
+    if tree_budget != "auto" and tree_budget > bound:
         raise ValueError(f"tree_budget {tree_budget} exceeds max_tree_budget(target, {input_ids.device}) = {bound}: "
                          f"{why}")
 

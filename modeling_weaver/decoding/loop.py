@@ -20,10 +20,11 @@ import torch
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
 from ..accept import DeviceAcceptance, accept_greedy, accept_target_only, accept_traversal
-from ..options import StepOptions, TreePolicy
+from ..options import BudgetPolicy, StepOptions, TreePolicy
 from ..target import TargetAdapter
-from ..tree import node_depths
+from ..tree import Tree, node_depths
 from ..validation import row_wise
+from .budget import AutoBudget, candidate_sizes, step_costs
 from .drafting import DFlashRunner, EagerProposer, Proposer, StaticProposer, untimed
 from .fused import FusedGreedyStep
 from .step_cache import capture_flags, fused_step, static_draft, static_target
@@ -32,12 +33,22 @@ from .verify import StaticTarget
 
 @dataclass
 class SpeculativeStats:
-    """Per-generation statistics. ``accepted_lengths[s]`` counts the tokens committed at verify step s (bonus incl.)."""
+    """Per-generation statistics. ``accepted_lengths[s]`` counts the tokens committed at verify step s (bonus incl.);
+    ``tree_sizes[s]`` the nodes it verified, root included (1: an AR step of ``tree_budget="auto"``)."""
 
     accepted_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     num_new_tokens: int = 0
     phase_ms: dict[str, float] = field(default_factory=dict)  # summed over steps, when timed (PhaseTimer)
+    calibration: dict | None = None  # tree_budget="auto": the costs, candidate sizes and final depth factors used
+
+    @property
+    def size_histogram(self) -> dict[int, int]:
+        """Steps per number of draft nodes verified (0: AR steps)."""
+        counts: dict[int, int] = {}
+        for size in self.tree_sizes:
+            counts[size - 1] = counts.get(size - 1, 0) + 1
+        return dict(sorted(counts.items()))
 
     @property
     def num_steps(self) -> int:
@@ -156,10 +167,12 @@ class Scores:
 class SplitSteps:
     """Steps as separate calls: the proposer's draft and tree, the verifier's pass, the acceptance rule on the host
     (on the processed scores), the verifier's commit. :meth:`run` yields ``(accepted tokens, root first; bonus; tree
-    size)`` per step."""
+    size)`` per step. With a ``sizer`` (:class:`~.budget.AutoBudget`, ``tree_budget="auto"``) it decides whether a
+    step drafts and cuts each tree to the size it chooses."""
 
-    def __init__(self, proposer: Proposer, verifier, accept, scores: Scores, timed):
+    def __init__(self, proposer: Proposer, verifier, accept, scores: Scores, timed, sizer: AutoBudget | None = None):
         self.proposer, self.verifier, self.accept, self.scores, self.timed = proposer, verifier, accept, scores, timed
+        self.sizer = sizer
 
     def arm(self, bonus: int, context: torch.Tensor, last_hidden: torch.Tensor) -> None:
         """The first step's inputs: the first new token, the prompt's target features and last hidden state."""
@@ -167,15 +180,27 @@ class SplitSteps:
 
     def run(self, ahead=None):
         timed, verifier = self.timed, self.verifier
+        sizer = self.sizer
         while True:
-            tree = self.proposer.propose(self.bonus, self.context, verifier.length, self.last_hidden, timed).tree
+            drafts = sizer is None or sizer.drafts()
+            if drafts:
+                tree = self.proposer.propose(self.bonus, self.context, verifier.length, self.last_hidden, timed).tree
+                if sizer is not None:
+                    with timed("tree"):
+                        tree = sizer.choose(tree)
+            else:  # an AR step: the root alone
+                tree = Tree.from_lists([self.bonus], [-1], device=verifier.device)
             with timed("verify"):
                 verified = verifier.verify(tree)
             with timed("accept"):
                 accepted = self.accept(tree, self.scores(verified.logits, tree.parents))
             with timed("commit"):
                 verifier.commit(accepted.path)
-            self.context = verified.features[accepted.path]
+            if sizer is not None:
+                sizer.observe(len(accepted.path))
+            context = verified.features[accepted.path]
+            # the drafter reads every committed position once: without a draft this step, the context grows
+            self.context = context if drafts else torch.cat([self.context, context])
             self.last_hidden = verified.hidden[accepted.path[-1]]
             self.bonus = accepted.bonus
             yield tree.tokens[accepted.path].tolist(), accepted.bonus, len(tree)
@@ -205,6 +230,7 @@ class Plan:
 
     verifier: TargetAdapter | StaticTarget
     steps: SplitSteps | FusedSteps  # each: arm(bonus, context, last_hidden), then run(ahead) yields the steps
+    sizer: AutoBudget | None = None  # tree_budget="auto"
 
 
 def acceptance_rule(accept, do_sample: bool, verification: str, generator):
@@ -219,10 +245,12 @@ def acceptance_rule(accept, do_sample: bool, verification: str, generator):
 
 def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_step: str, max_length: int, device,
                accept, scores: Scores, timed, generator, verification: str, tree_policy: TreePolicy,
-               step_options: StepOptions) -> Plan:
+               step_options: StepOptions, auto: BudgetPolicy | None = None, sizes: tuple[int, ...] = ()) -> Plan:
     """The factory: the verifier of ``target_step``, the proposer for ``runner`` (a :class:`~.drafting.Proposer` as
     it is; a :class:`~.drafting.DFlashRunner` at fixed shapes when the target's steps are; any other drafting runner
-    eager), and fused steps when greedy decoding needs nothing from the host (no processors, device acceptance)."""
+    eager), and fused steps when greedy decoding needs nothing from the host (no processors, device acceptance).
+    With ``auto`` (``tree_budget="auto"``, eager), ``tree_budget`` is the largest of ``sizes`` and each step's size is
+    chosen among them (:class:`~.budget.AutoBudget`)."""
     depth = runner.block_size - 1  # every tree drafts within one block: the bound picks the GDN verify kernel
     if target_step == "eager":
         verifier = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids,
@@ -244,22 +272,37 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
     on_device = accept is None or isinstance(accept, DeviceAcceptance)
     if isinstance(proposer, StaticProposer) and not scores.do_sample and not scores.processors and on_device:
         return Plan(verifier, FusedSteps(fused_step(proposer, verifier, accept), timed))
-    return Plan(verifier, SplitSteps(proposer, verifier, acceptance_rule(accept, scores.do_sample, verification,
-                                                                         generator), scores, timed))
+    sizer = None
+    if auto is not None:
+        costs = step_costs(target, runner, weaver, mode, sizes, tree_policy, step_options, auto)
+        sizer = AutoBudget(auto, costs, sizes, depth)
+    rule = acceptance_rule(accept, scores.do_sample, verification, generator)
+    return Plan(verifier, SplitSteps(proposer, verifier, rule, scores, timed, sizer), sizer)
 
 
 @torch.no_grad()
-def _decode(target, prompt: torch.Tensor, *, runner, weaver, mode: str, tree_budget: int, max_new_tokens: int,
+def _decode(target, prompt: torch.Tensor, *, runner, weaver, mode: str, tree_budget: int | str, max_new_tokens: int,
             processors: LogitsProcessorList, do_sample: bool, verification: str | None,
             stopping_criteria: StoppingCriteriaList, streamer, generator: torch.Generator | None,
             target_step: str = "eager", timer: PhaseTimer | None = None, accept=None,
             tree_policy: TreePolicy = TreePolicy(), step_options: StepOptions = StepOptions(),
-            ) -> tuple[torch.Tensor, SpeculativeStats]:
+            budget_policy: BudgetPolicy | None = None) -> tuple[torch.Tensor, SpeculativeStats]:
     """The loop. ``runner``: a drafting runner or a :class:`~.drafting.Proposer` (see :func:`plan_steps`); ``timer``
     times its phases into ``stats.phase_ms``; ``accept(tree, scores) → Acceptance`` replaces the acceptance rule (a
-    :class:`~modeling_weaver.accept.DeviceAcceptance` also runs inside fused steps)."""
+    :class:`~modeling_weaver.accept.DeviceAcceptance` also runs inside fused steps). ``tree_budget="auto"`` chooses
+    each step's size as ``budget_policy`` (default :class:`~modeling_weaver.options.BudgetPolicy`) says."""
     if target_step not in TARGET_STEPS:
         raise ValueError(f"target_step must be one of {TARGET_STEPS}, got {target_step!r}")
+    sizes: tuple[int, ...] = ()
+    if tree_budget == "auto":
+        if target_step != "eager":
+            raise ValueError(f'tree_budget="auto" is eager-only for now (target_step="eager"), got target_step='
+                             f'{target_step!r}: give a fixed tree_budget for fixed-shape steps')
+        budget_policy = budget_policy or BudgetPolicy()
+        sizes = candidate_sizes(budget_policy, target, prompt.device)
+        tree_budget = max(sizes)
+    elif budget_policy is not None:
+        raise ValueError(f'budget_policy applies to tree_budget="auto" only, got tree_budget={tree_budget!r}')
     stats, out = SpeculativeStats(), _Output(prompt, max_new_tokens, stopping_criteria, streamer)
     scores = Scores(processors, do_sample, out)
     max_length = prompt.shape[0] + max_new_tokens + tree_budget + 2
@@ -267,7 +310,7 @@ def _decode(target, prompt: torch.Tensor, *, runner, weaver, mode: str, tree_bud
                       max_length=max_length, device=prompt.device, accept=accept, scores=scores, timed=timer or untimed,
                       generator=generator, verification=verification or ("traversal" if mode == "weaver"
                                                                           else "target_only"),
-                      tree_policy=tree_policy, step_options=step_options)
+                      tree_policy=tree_policy, step_options=step_options, auto=budget_policy, sizes=sizes)
     verifier = plan.verifier
     verified = verifier.prefill(prompt)
     bonus = scores.first_token(verified.logits[-1], generator)
@@ -287,6 +330,8 @@ def _decode(target, prompt: torch.Tensor, *, runner, weaver, mode: str, tree_bud
             stats.num_new_tokens += out.emit(tokens[1:] + [bonus])
     if timer is not None:
         stats.phase_ms = timer.totals_ms()
+    if plan.sizer is not None:
+        stats.calibration = plan.sizer.report()
     if streamer is not None:
         streamer.end()
     return out.ids.to(out.device, copy=True), stats  # (a copy: not a view of the host buffer)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from ..cli import existing_dir, existing_file, int_at_least, nonnegative_int, positive_int, torch_device
+from ..cli import (existing_dir, existing_file, int_at_least, nonnegative_int, positive_int, torch_device,
+                   tree_budget_value)
 
 # (the same tuples as modeling_weaver.generate's MODES / TARGET_STEPS; tests/test_install.py checks it)
 MODES = ("weaver", "ddtree", "chain")
@@ -61,8 +62,11 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--subset", type=positive_int, default=None, help="first N prompts of each dataset")
     parser.add_argument("--modes", nargs="+", default=list(TREE_MODES), choices=TREE_MODES,
                         help="tree modes (AR always runs as the baseline)")
-    parser.add_argument("--budgets", type=positive_int, nargs="+", default=[16, 32, 64],
-                        help="tree budgets (draft nodes)")
+    parser.add_argument("--budgets", type=tree_budget_value, nargs="+", default=[16, 32, 64],
+                        help="tree budgets (draft nodes), or 'auto' (each step's size chosen; eager target steps)")
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="with budget auto: measure the step costs again (in each method's warm-up) and replace "
+                             "the cached tables")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy")
     parser.add_argument("--sampling-verifications", choices=("default", "both"), default="default",
                         help="'both': every sampled tree mode with target-only and traversal verification "

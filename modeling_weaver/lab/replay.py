@@ -63,7 +63,8 @@ def load_traces(results_json: str | Path) -> dict[tuple[str, int], list[int]]:
     rows = json.loads(Path(results_json).read_text())["rows"]
     traces: dict[tuple[str, int], list[int]] = {}
     for row in rows:
-        if row["mode"] in MODES and float(row["temperature"]) == 0.0:
+        # (budget auto changes the tree size per step: it has no fixed-shape replay yet)
+        if row["mode"] in MODES and float(row["temperature"]) == 0.0 and row["budget"] != "auto":
             lengths = [n for run in row["per_prompt"] for n in run.get("accepted_lengths", [])]
             if lengths:
                 traces.setdefault((row["mode"], int(row["budget"])), []).extend(lengths)

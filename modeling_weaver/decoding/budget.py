@@ -1,0 +1,342 @@
+"""``tree_budget="auto"``: each eager step verifies the tree size that maximises expected tokens per second
+(docs/DESIGN.md §12).
+
+- **Cost** (:class:`CostTable`, :func:`step_costs`): milliseconds of an eager step's verify + accept + commit against
+  the number of draft nodes (0: a plain AR step), and of draft + tree build at the largest size. Measured once on
+  dummy inputs with the generation's own target, drafter and tree mode, then cached as JSON under the cache folder,
+  keyed by the device, the target (class, config, dtype, module types), the step kind and the drafting setup.
+- **Value** (:func:`best_first`, :func:`expected_lengths`): the tree is built at the largest size; its nodes in
+  best-first order (path probability under the drafter's / Weaver's scores, shallower first among ties) make every
+  prefix a subtree. A prefix's expected committed length is ``1 + Σ_d r_d`` with
+  ``r_d = min(r_{d-1}, c_d · Σ_{nodes of depth d} exp(path log q))`` (``r_0 = 1``): the chance to reach depth d,
+  where ``c_d`` corrects the scores (which are not acceptance probabilities) by the decayed ratio of observed to
+  predicted reach at that depth.
+- **Policy** (:func:`pick_size`, :class:`AutoBudget`): the size maximising expected length / step time, or 0 (an AR
+  step: the root alone, then AR steps without drafting until the next look at the drafter, their number doubling
+  while AR keeps winning, in units of a draft's time in AR steps).
+
+Any tree a step verifies is a function of what was committed before it, so every acceptance rule stays lossless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..accept import accept_greedy
+from ..options import BudgetPolicy, StepOptions, TreePolicy
+from ..output_dir import cache_root
+from ..target import TargetAdapter
+from ..tree import Tree, max_tree_budget, subtree
+from .drafting import DFlashRunner, EagerProposer
+
+CACHE_FILE = "step_costs.json"
+CALIBRATION_VERSION = "1"  # (bump when what is timed changes: older entries are then measured again)
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Measured milliseconds of one eager step's parts.
+
+    Attributes:
+        verify_ms: ``(drafts, ms)`` pairs, ascending: verify + greedy accept + commit of a tree of that many draft
+            nodes and the root (0: an AR step).
+        propose_ms: draft + tree build at the largest size, the tree read by the host.
+        fields: what it was measured on (``(name, value)`` pairs; the cache key is their hash).
+        source: ``"measured"``, ``"cache"`` or ``"given"``.
+    """
+
+    verify_ms: tuple[tuple[int, float], ...]
+    propose_ms: float
+    fields: tuple[tuple[str, str], ...] = ()
+    source: str = "given"
+
+    def verify(self, drafts: int) -> float:
+        """Verify + accept + commit ms at ``drafts`` nodes, linear between the measured sizes (clamped outside)."""
+        points = self.verify_ms
+        if drafts <= points[0][0]:
+            return points[0][1]
+        for (a, ta), (b, tb) in zip(points, points[1:]):
+            if drafts <= b:
+                return ta + (tb - ta) * (drafts - a) / (b - a)
+        return points[-1][1]
+
+    def step_ms(self, drafts: int) -> float:
+        """A whole step with ``drafts`` draft nodes; 0: an AR step, which drafts nothing."""
+        return self.verify(0) if drafts == 0 else self.propose_ms + self.verify(drafts)
+
+    def as_dict(self) -> dict:
+        return {"verify_ms": {str(k): round(v, 4) for k, v in self.verify_ms}, "propose_ms": round(self.propose_ms, 4),
+                "fields": dict(self.fields), "source": self.source}
+
+    @classmethod
+    def from_dict(cls, entry: dict, source: str) -> CostTable:
+        verify = tuple(sorted((int(k), float(v)) for k, v in entry["verify_ms"].items()))
+        return cls(verify, float(entry["propose_ms"]), tuple(sorted(entry["fields"].items())), source)
+
+
+# ------------------------------------------------------------------------------------------------------------ value
+
+
+def best_first(parents: list[int], logq: list[float]) -> list[tuple[int, int, float]]:
+    """``(node, depth, path probability)`` of a tree's draft nodes, most probable first, shallower first among ties
+    (a node's path is never more probable than its parent's: every prefix is a subtree). Padding roots are left out."""
+    score, depth = [0.0] * len(parents), [0] * len(parents)
+    for i in range(1, len(parents)):
+        p = parents[i]
+        score[i] = score[p] + logq[i] if p >= 0 else -math.inf
+        depth[i] = depth[p] + 1 if p >= 0 else 0
+    order = sorted((i for i in range(1, len(parents)) if score[i] > -math.inf), key=lambda i: (-score[i], depth[i], i))
+    return [(i, depth[i], math.exp(score[i])) for i in order]
+
+
+def reach_sums(nodes: list[tuple[int, int, float]]) -> list[float]:
+    """Per depth (index 0: the root), the summed path probability of ``nodes``: the drafter's chance to reach it."""
+    sums = [1.0] + [0.0] * max((d for _, d, _ in nodes), default=0)
+    for _, d, p in nodes:
+        sums[d] += p
+    return sums
+
+
+def expected_length(sums: list[float], factors: list[float]) -> float:
+    """Expected committed tokens of a step (bonus included): ``1 + Σ_d r_d``, ``r_d = min(r_{d-1}, c_d · sums[d])``."""
+    reach = total = 1.0
+    for d in range(1, len(sums)):
+        reach = min(reach, (factors[d] if d < len(factors) else 1.0) * sums[d])
+        total += reach
+    return total
+
+
+def expected_lengths(nodes: list[tuple[int, int, float]], sizes, factors: list[float]) -> list[float]:
+    """:func:`expected_length` of the best-first prefix of each size in ``sizes`` (0: 1, an AR step)."""
+    return [expected_length(reach_sums(nodes[:k]), factors) if k else 1.0 for k in sizes]
+
+
+# ----------------------------------------------------------------------------------------------------------- policy
+
+
+def pick_size(sizes, lengths: list[float], costs: CostTable, available: int | None = None) -> int:
+    """The size in ``sizes`` with the most expected tokens per ms (the smaller among equals); a size past the
+    ``available`` nodes costs what that many do."""
+    best, best_rate = sizes[0], -1.0
+    for k, length in zip(sizes, lengths):
+        rate = length / costs.step_ms(k if available is None else min(k, available))
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
+def candidate_sizes(policy: BudgetPolicy, target, device) -> tuple[int, ...]:
+    """The policy's sizes up to its largest tree on ``device`` and the target's bound (the largest is built)."""
+    if not policy.sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in policy.sizes):
+        raise ValueError(f"BudgetPolicy.sizes must be draft counts >= 0 (0: an AR step), got {policy.sizes!r}")
+    if not 0 < policy.decay <= 1:
+        raise ValueError(f"BudgetPolicy.decay must be in (0, 1], got {policy.decay!r}")
+    cap = min(policy.max_size_on(device), max_tree_budget(target, device))
+    sizes = tuple(sorted({s for s in policy.sizes if s <= cap}))
+    return sizes if any(sizes) else (*sizes, cap)  # (something to build: the largest tree that fits)
+
+
+class AutoBudget:
+    """One generation's adaptive tree size, the seam the eager loop calls each step: :meth:`drafts` (draft this
+    step?), :meth:`choose` (cut the tree built at the largest size to the chosen prefix), :meth:`observe` (the
+    accepted length, for the calibration). :meth:`report` says what it used."""
+
+    def __init__(self, policy: BudgetPolicy, costs: CostTable, sizes: tuple[int, ...], max_depth: int):
+        self.policy, self.costs, self.sizes = policy, costs, sizes
+        # decayed sums of observed and predicted reach per depth, from a prior of one step at factor 1
+        self.observed, self.predicted = [1.0] * (max_depth + 1), [1.0] * (max_depth + 1)
+        self.skip = self.backoff = 0
+        self.reach: list[float] | None = None  # the verified tree's predicted reach per depth (None: an AR step)
+
+    def factors(self) -> list[float]:
+        """``c_d`` per depth (index 0 unused)."""
+        return [o / p for o, p in zip(self.observed, self.predicted)]
+
+    def drafts(self) -> bool:
+        """Whether this step drafts (False: an AR step, after the policy chose AR)."""
+        self.reach = None
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def choose(self, tree: Tree) -> Tree:
+        """The best-first prefix of ``tree`` of the chosen size (the root alone: an AR step)."""
+        nodes = best_first(tree.parents.tolist(), tree.logq.tolist())
+        size = pick_size(self.sizes, expected_lengths(nodes, self.sizes, self.factors()), self.costs, len(nodes))
+        if size == 0:  # AR wins: a few more AR steps without drafting, more while it keeps winning
+            self.reach = None
+            self.backoff = min(max(1, 2 * self.backoff), self.policy.max_backoff)
+            # (in units of a draft's time in AR steps: a probe then costs at most 1 / backoff of the AR time)
+            self.skip = self.backoff * max(1, round(self.costs.propose_ms / self.costs.step_ms(0)))
+            return subtree(tree, [])
+        self.backoff = 0
+        kept = nodes[:size]
+        self.reach = reach_sums(kept)
+        if len(kept) == len(tree) - 1:
+            return tree
+        return subtree(tree, [i for i, _, _ in kept])
+
+    def observe(self, accepted: int) -> None:
+        """The committed length (root included) of the step whose tree :meth:`choose` gave."""
+        if self.reach is None:
+            return
+        decay = self.policy.decay
+        for d in range(1, len(self.reach)):
+            if self.reach[d] > 0 and d < len(self.observed):
+                self.observed[d] = decay * self.observed[d] + (accepted - 1 >= d)
+                self.predicted[d] = decay * self.predicted[d] + self.reach[d]
+
+    def report(self) -> dict:
+        return {"costs": self.costs.as_dict(), "sizes": list(self.sizes),
+                "depth_factors": [round(f, 4) for f in self.factors()[1:]]}
+
+
+# ------------------------------------------------------------------------------------------------------ calibration
+
+
+def device_name(device) -> str:
+    """The GPU's name, or the CPU's model with its cores and torch's threads (what a step's time depends on)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{device.type}: {model}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+
+
+def _digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_signature(model) -> str:
+    """The hash of a model's config (its name and version left out) and module types (prepacked or int8 linears
+    run at other speeds)."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    return _digest([config, sorted({type(m).__name__ for m in model.modules()})])
+
+
+def cost_fields(target, runner: DFlashRunner, weaver, mode: str, sizes: tuple[int, ...], tree_policy: TreePolicy,
+                step_options: StepOptions, policy: BudgetPolicy, step: str = "eager") -> dict:
+    """What a :class:`CostTable` depends on: the cache key is their hash."""
+    param = next(target.parameters())
+    return {"version": CALIBRATION_VERSION, "device": device_name(param.device), "step": step,
+            "target": type(target).__name__, "target_signature": model_signature(target), "dtype": str(param.dtype),
+            "drafter_signature": model_signature(runner.drafter), "drafter_dtype": str(runner.dtype),
+            "weaver_signature": model_signature(weaver) if mode == "weaver" else None, "mode": mode,
+            "sizes": list(sizes), "tree_policy": repr(tree_policy) if mode == "weaver" else None,
+            "step_options": repr(step_options), "context": policy.calibration_context}
+
+
+def _dummy_tree(drafts: int, depth: int, vocab: int, device, generator: torch.Generator) -> Tree:
+    """A tree of ``drafts`` nodes and the root: a chain to ``depth``, the other nodes hung round-robin on it."""
+    chain = min(drafts, depth)
+    parents = [-1] + list(range(chain)) + [i % chain for i in range(drafts - chain)]
+    tokens = torch.randint(0, vocab, (drafts + 1,), generator=generator).tolist()
+    return Tree.from_lists(tokens, parents, device=device)
+
+
+@torch.no_grad()
+def measure_costs(target, runner: DFlashRunner, weaver, mode: str, sizes: tuple[int, ...], tree_policy: TreePolicy,
+                  step_options: StepOptions, policy: BudgetPolicy) -> tuple[tuple[tuple[int, float], ...], float]:
+    """Time an eager step's parts on dummy inputs: verify + accept + commit at each size, draft + tree at the
+    largest (fresh caches: the generation's own are untouched). Returns ``(verify_ms pairs, propose_ms)``.
+
+    Round-robin over the parts, one warm-up round, then the median of ``policy.calibration_reps`` rounds: a slow
+    spell of a shared machine slows every part alike. Noise only adds time, so a size's cost is the least measured
+    at it or any larger size (a larger tree never costs less)."""
+    device = next(target.parameters()).device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    reps, context, depth = policy.calibration_reps, policy.calibration_context, runner.block_size - 1
+    vocab = target.get_input_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    rounds = reps + 1
+    adapter = TargetAdapter(target, max_length=context + rounds * len(sizes) + max(sizes) + 2,
+                            feature_layer_ids=runner.feature_layer_ids, max_tree_depth=depth, options=step_options)
+    prefilled = adapter.prefill(torch.randint(0, vocab, (context,), generator=generator).to(device))
+    proposer = EagerProposer(DFlashRunner(runner.drafter, target, step_options), mode, max(sizes), weaver, target,
+                             tree_policy)
+    features, last = prefilled.features, prefilled.hidden[-1]
+    proposer.propose(0, features, context, last)  # the prompt's context, once
+    drafted = iter(range(1, rounds + 1))
+
+    def verify_step(tree: Tree):
+        accept_greedy(tree, adapter.verify(tree).logits.float())
+        adapter.commit([0])  # (each timed step commits its root)
+
+    def propose():
+        proposer.propose(0, features[-1:], context + next(drafted), last).tree.logq.tolist()  # (the host reads it)
+
+    parts = {size: (lambda tree=_dummy_tree(size, depth, vocab, device, generator): verify_step(tree))
+             for size in sizes}
+    parts["propose"] = propose
+    times: dict = {key: [] for key in parts}
+    for round_ in range(rounds):
+        for key, part in parts.items():
+            sync()
+            start = time.perf_counter()
+            part()
+            sync()
+            if round_:  # (the first round warms up)
+                times[key].append(1e3 * (time.perf_counter() - start))
+    medians = {key: statistics.median(ms) for key, ms in times.items()}
+    verify = [(size, min(medians[s] for s in sizes if s >= size)) for size in sizes]
+    return tuple(verify), medians["propose"]
+
+
+def _read(path: Path) -> dict:
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def step_costs(target, runner, weaver, mode: str, sizes: tuple[int, ...], tree_policy: TreePolicy,
+               step_options: StepOptions, policy: BudgetPolicy) -> CostTable:
+    """The :class:`CostTable` of this generation's setup: ``policy.costs`` if given; else the cached one (file
+    :data:`CACHE_FILE` in ``policy.cache_dir`` or the cache folder) unless ``policy.recalibrate``; else measured
+    (:func:`measure_costs`, seconds) and cached. Entries of other setups in the file are kept."""
+    if policy.costs is not None:
+        return policy.costs
+    if not isinstance(runner, DFlashRunner):
+        raise ValueError('tree_budget="auto" measures its costs with a DFlash drafter: with another drafting runner, '
+                         "give BudgetPolicy(costs=CostTable(...))")
+    fields = cost_fields(target, runner, weaver, mode, sizes, tree_policy, step_options, policy)
+    key = _digest(fields)
+    path = Path(policy.cache_dir) if policy.cache_dir is not None else cache_root()
+    path = path / CACHE_FILE
+    entry = _read(path).get(key)
+    if not policy.recalibrate and isinstance(entry, dict) and entry.get("fields") == fields:
+        try:
+            return CostTable.from_dict(entry, "cache")
+        except (KeyError, TypeError, ValueError):
+            pass  # (a damaged entry: measured again)
+    verify, propose = measure_costs(target, runner, weaver, mode, sizes, tree_policy, step_options, policy)
+    table = CostTable(verify, propose, tuple(sorted(fields.items())), "measured")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    entries = _read(path)  # (again: another process may have added entries meanwhile)
+    entries[key] = {**table.as_dict(), "fields": fields}
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".part", delete=False) as f:
+        json.dump(entries, f, indent=1, sort_keys=True)
+    os.replace(f.name, path)  # (atomic: a reader sees the old file or the new one)
+    return table
+
+
+__all__ = ["AutoBudget", "CostTable", "best_first", "candidate_sizes", "expected_length", "expected_lengths",
+           "measure_costs", "pick_size", "reach_sums", "step_costs"]

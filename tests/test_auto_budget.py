@@ -1,0 +1,365 @@
+"""tree_budget="auto" (docs/DESIGN.md §12): the policy on synthetic cost / value tables, best-first prefixes as
+subtrees, greedy identity and sampling exactness with auto on the tiny targets, and the calibration cache."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_generate import BLOCK, OracleRunner, make_drafters, prompts, reference
+from tiny_targets import TINY_TARGETS, VOCAB
+from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+
+from modeling_weaver import BudgetPolicy, DFlashConfig, DFlashDraftModel, WeaverModel
+from modeling_weaver.decoding import budget as budget_module
+from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, expected_length,
+                                             expected_lengths, pick_size, reach_sums, step_costs)
+from modeling_weaver.decoding.drafting import DFlashRunner
+from modeling_weaver.generate import _decode, generate, speculative_generate
+from modeling_weaver.options import StepOptions, TreePolicy
+from modeling_weaver.target import text_config
+from modeling_weaver.tree import Tree, ddtree, subtree, weaver_tree
+
+SIZES = (0, 4, 8, 16, 32)
+# verify grows with the tree as on a CPU (a 32-node tree costs 8 AR steps), drafting is cheap
+STEEP = CostTable(((0, 10.0), (4, 20.0), (8, 30.0), (16, 50.0), (32, 80.0)), 2.0)
+# verify barely grows with the tree (a GPU's memory-bound step)
+FLAT = CostTable(((0, 10.0), (4, 10.2), (8, 10.4), (16, 10.8), (32, 11.5)), 1.0)
+# in between: AR and trees both win at times with tiny drafters
+MIXED = CostTable(((0, 10.0), (4, 11.0), (8, 12.0), (16, 14.0), (32, 18.0)), 2.0)
+
+
+def bushy(p_child: float, depth: int = 7, width: int = 4) -> Tree:
+    """``width`` chains of ``depth``: the first with probability ``p_child`` per token, the others sharing the rest."""
+    tokens, parents, logq = [0], [-1], [0.0]
+    for w in range(width):
+        p = p_child if w == 0 else (1 - p_child) / (width - 1)
+        parent = 0
+        for d in range(depth):
+            tokens.append(1 + w)
+            parents.append(parent)
+            logq.append(math.log(p if d == 0 else p_child))
+            parent = len(tokens) - 1
+    return Tree.from_lists(tokens, parents, logq)
+
+
+def test_ar_when_verify_is_expensive_and_the_drafter_unsure():
+    sizer = AutoBudget(BudgetPolicy(), STEEP, SIZES, BLOCK - 1)
+    chosen = sizer.choose(bushy(0.2))
+    assert len(chosen) == 1 and int(chosen.parents[0]) == -1  # the root alone: an AR step
+    assert sizer.reach is None
+    # the next step skips drafting, then one drafts again; a second AR choice skips two, and so on up to the cap
+    assert [sizer.drafts() for _ in range(2)] == [False, True]
+    sizer.choose(bushy(0.2))
+    assert [sizer.drafts() for _ in range(3)] == [False, False, True]
+    sizer = AutoBudget(BudgetPolicy(), CostTable(STEEP.verify_ms, 30.0), SIZES, BLOCK - 1)
+    sizer.choose(bushy(0.2))  # a draft costs three AR steps: three times the AR steps before the next look
+    assert [sizer.drafts() for _ in range(4)] == [False, False, False, True]
+    sizer = AutoBudget(BudgetPolicy(max_backoff=0), STEEP, SIZES, BLOCK - 1)
+    sizer.choose(bushy(0.2))
+    assert sizer.drafts()  # no backoff: every step drafts
+
+
+def test_a_large_tree_when_verify_is_cheap_and_the_drafter_sure():
+    sizer = AutoBudget(BudgetPolicy(), FLAT, SIZES, BLOCK - 1)
+    assert sizer.choose(bushy(0.9)).num_drafts >= 16
+    wide = bushy(0.7, width=5)  # the side chains' 0.075 per token are worth verifying too when verify is ~free
+    assert AutoBudget(BudgetPolicy(), CostTable(((0, 10.0), (32, 10.1)), 1.0), SIZES, 7).choose(wide).num_drafts == 32
+    assert AutoBudget(BudgetPolicy(), STEEP, SIZES, BLOCK - 1).choose(bushy(0.9)).num_drafts in (4, 8)
+    # a confident chain on the steep table: a small tree, never AR
+    assert pick_size(SIZES, [1.0, 3.0, 4.0, 5.0, 6.0], STEEP) == 4
+    assert pick_size(SIZES, [1.0, 3.0, 4.0, 5.0, 6.0], FLAT) == 32
+    assert pick_size(SIZES, [1.0, 1.05, 1.1, 1.1, 1.1], STEEP) == 0
+
+
+def test_expected_length_formula():
+    tree = bushy(0.5, depth=3, width=2)  # chains a (0.5, 0.25, 0.125) and b (0.5, 0.25, 0.125)
+    nodes = best_first(tree.parents.tolist(), tree.logq.tolist())
+    assert [round(p, 4) for _, _, p in nodes] == [0.5, 0.5, 0.25, 0.25, 0.125, 0.125]
+    assert [d for _, d, _ in nodes] == [1, 1, 2, 2, 3, 3]
+    assert reach_sums(nodes[:3]) == pytest.approx([1.0, 1.0, 0.25])
+    assert expected_length(reach_sums(nodes), [1.0] * 4) == pytest.approx(1 + 1 + 0.5 + 0.25)
+    # factors scale each depth's reach, capped by the depth above
+    assert expected_length(reach_sums(nodes), [1.0, 0.5, 4.0, 1.0]) == pytest.approx(1 + 0.5 + 0.5 + 0.25)
+    assert expected_lengths(nodes, (0, 1, 6), [1.0] * 4) == pytest.approx([1.0, 1.5, 2.75])
+
+
+def test_calibration_follows_observed_acceptance():
+    sizer = AutoBudget(BudgetPolicy(decay=0.5), FLAT, SIZES, BLOCK - 1)
+    for _ in range(6):  # the drafter says 0.9 per depth; only the first draft is ever accepted
+        assert sizer.drafts()
+        sizer.choose(bushy(0.9))
+        sizer.observe(2)
+    factors = sizer.factors()
+    assert factors[1] > 0.95 and factors[2] < 0.1 and factors[3] < 0.1
+    sizer.drafts()
+    assert len(sizer.choose(Tree.from_lists([0], [-1]))) == 1  # nothing drafted: an AR step
+    sizer.observe(5)  # after an AR step nothing is learned
+    assert sizer.factors() == factors
+
+
+@pytest.mark.parametrize("kind", ["ddtree", "spine", "best_first"])
+def test_best_first_prefixes_are_subtrees(kind):
+    """Every prefix of the best-first order holds its nodes' ancestors, whatever order the builder left the nodes in
+    (best-first Weaver rounds are in round order); the cut keeps tokens, logq and the parent links."""
+    torch.manual_seed(0)
+    logits = torch.randn(BLOCK - 1, VOCAB) * 3
+    if kind == "ddtree":
+        tree = ddtree(5, logits, 32)
+    else:
+        target = TINY_TARGETS["llama"]()
+        drafter, weaver = make_drafters(target)
+        hidden = torch.randn(BLOCK - 1, target.config.hidden_size)
+        prompt = weaver.encode_prompt(torch.randn(1, target.config.hidden_size), hidden[None])
+        tree = weaver_tree(5, weaver, prompt, logits, target.get_input_embeddings(), target.lm_head.weight, 32,
+                           policy=TreePolicy(spine=kind == "spine"))
+    parents = tree.parents.tolist()
+    nodes = best_first(parents, tree.logq.tolist())
+    assert len(nodes) == sum(p >= 0 for p in parents)
+    for k in range(len(nodes) + 1):
+        kept = {i for i, _, _ in nodes[:k]}
+        assert all(parents[i] == 0 or parents[i] in kept for i in kept)
+        cut = subtree(tree, sorted(kept))
+        assert len(cut) == k + 1 and cut.tokens[0] == tree.tokens[0]
+        for new, old in enumerate([0] + sorted(kept)):  # same paths: each kept node's ancestor tokens are its own
+            assert [int(cut.tokens[j]) for j in cut.path_to(new)] == [int(tree.tokens[j]) for j in tree.path_to(old)]
+            assert cut.logq[new].item() == tree.logq[old].item()
+
+
+class AlternatingOracle(OracleRunner):
+    """An oracle that is sure on two drafts in three and knows nothing on the third; it checks that the context it
+    is given covers every position since its last draft (the AR steps in between included)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls, self.last = 0, 0
+
+    def draft(self, bonus, context, n):
+        assert context.shape[0] == n - self.last, (context.shape, n, self.last)
+        self.calls, self.last = self.calls + 1, n
+        hidden, logits = super().draft(bonus, context, n)
+        return hidden, logits if self.calls % 3 else torch.zeros_like(logits)
+
+
+@pytest.mark.parametrize("mode", ["weaver", "ddtree"])
+@pytest.mark.parametrize("name", list(TINY_TARGETS))
+def test_greedy_identity_with_auto(name, mode):
+    """Token-identical to target.generate(do_sample=False) in fp32: the real random drafters (AR steps mostly, with
+    probes), and an oracle that makes the policy switch between trees of several sizes and AR steps."""
+    target = TINY_TARGETS[name]()
+    drafter, weaver = make_drafters(target)
+    with torch.no_grad():  # Weaver adds nothing to the planted marginals: its trees follow them
+        oracle_weaver = WeaverModel(weaver.config).eval()
+        oracle_weaver.load_state_dict(weaver.state_dict())
+        oracle_weaver.lm_head_query_in.weight.zero_()
+    new = 40
+    for seed, ids in enumerate(prompts(2)[1:]):
+        expected = reference(target, ids, new)
+        got, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget="auto",
+                                          max_new_tokens=new, return_stats=True,
+                                          budget_policy=BudgetPolicy(costs=MIXED))
+        assert torch.equal(got, expected), (name, mode, seed)
+        assert stats.calibration["costs"]["source"] == "given" and stats.calibration["sizes"] == list(SIZES)
+        runner = AlternatingOracle(reference(target, ids, new + 2 * BLOCK), text_config(target.config).hidden_size,
+                                   seed=seed)
+        got, stats = _decode(target, ids[0], runner=runner, weaver=oracle_weaver, mode=mode, tree_budget="auto",
+                             max_new_tokens=new, processors=LogitsProcessorList(), do_sample=False,
+                             verification=None, generator=None, streamer=None, budget_policy=BudgetPolicy(costs=STEEP),
+                             stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + new)]))
+        assert torch.equal(got, expected), (name, mode, seed, "oracle")
+        histogram = stats.size_histogram
+        assert histogram.get(0, 0) > 0 and max(histogram) >= 4, histogram  # AR steps and real trees both
+        assert sum(histogram.values()) == stats.num_steps and 1 in stats.tree_sizes
+
+
+def test_custom_generate_with_auto():
+    target = TINY_TARGETS["qwen3"]()
+    drafter, weaver = make_drafters(target)
+    ids = prompts(2)[1]
+    got = target.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=generate, drafter=drafter,
+                          weaver=weaver, tree_budget="auto", budget_policy=BudgetPolicy(costs=MIXED),
+                          max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, reference(target, ids, 24))
+
+
+def test_auto_is_eager_only_and_checked():
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    ids = prompts(1)[0]
+    for step in ("static", "graph", "compiled"):
+        with pytest.raises(ValueError, match="eager-only"):
+            speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget="auto", target_step=step)
+    with pytest.raises(ValueError, match="budget_policy"):
+        speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget=8, budget_policy=BudgetPolicy())
+    with pytest.raises(TypeError, match="tree_budget"):
+        speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget="big")
+    with pytest.raises(ValueError, match="sizes"):
+        speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget="auto",
+                             budget_policy=BudgetPolicy(sizes=(-1, 4)))
+
+
+def test_sampling_with_auto_is_exact_in_distribution():
+    """The first three sampled tokens (a prefill token, then steps whose sizes the policy picks from what was sampled
+    before) follow the processed target distribution; negative control: the same counts reject the distribution
+    at another temperature."""
+    from scipy.stats import chisquare
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab, temperature, draws = 4, 0.8, 600
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, initializer_range=0.3, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )).eval()
+    drafter = DFlashDraftModel(DFlashConfig.from_target_config(
+        target.config, num_hidden_layers=1, block_size=4, target_layer_ids=[0])).eval()
+    prompt = torch.tensor([[1, 3, 2]])
+
+    def distribution(temp):
+        with torch.no_grad():  # exact p(x1, x2, x3) by enumeration
+            seqs = torch.cartesian_prod(*[torch.arange(vocab)] * 2)
+            p1 = (target(prompt).logits[0, -1] / temp).softmax(-1)
+            p2 = (target(torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)).logits[:, -1]
+                  / temp).softmax(-1)
+            p3 = (target(torch.cat([prompt.expand(vocab * vocab, -1), seqs], 1)).logits[:, -1] / temp).softmax(-1)
+        return (p1[:, None, None] * p2[:, :, None] * p3.view(vocab, vocab, vocab)).flatten().double()
+
+    # costs where a tree pays only when the drafter is sure (and the calibration agrees): AR and tree steps both
+    costs = CostTable(((0, 10.0), (1, 11.0), (2, 12.0), (3, 13.0)), 4.0)
+    gen = torch.Generator().manual_seed(7)
+    counts = torch.zeros(vocab ** 3, dtype=torch.float64)
+    sizes: dict[int, int] = {}
+    for i in range(draws):  # (DDTree trees: cheaper to build than Weaver's, and auto treats both alike)
+        verification = ("target_only", "traversal")[i % 2]
+        out, stats = speculative_generate(target, prompt, drafter=drafter, mode="ddtree", verification=verification,
+                                          tree_budget="auto", max_new_tokens=3, do_sample=True,
+                                          temperature=temperature, generator=gen, return_stats=True,
+                                          budget_policy=BudgetPolicy(sizes=(0, 1, 2, 3), costs=costs))
+        x1, x2, x3 = out[0, -3:].tolist()
+        counts[(x1 * vocab + x2) * vocab + x3] += 1
+        for size, n in stats.size_histogram.items():
+            sizes[size] = sizes.get(size, 0) + n
+    assert sizes.get(0, 0) > 0 and sum(n for s, n in sizes.items() if s > 0) > 0, sizes  # both kinds of step
+
+    def pvalue(expected):
+        exp = expected * draws
+        big = exp >= 5
+        obs = torch.cat([counts[big], counts[~big].sum()[None]])
+        exp = torch.cat([exp[big], exp[~big].sum()[None]])
+        return chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue
+
+    assert pvalue(distribution(temperature)) > 0.01
+    assert pvalue(distribution(1.6)) < 1e-6  # the test sees a wrong distribution
+
+
+def _tiny_llama_setup():
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    return target, drafter, weaver
+
+
+QUICK = dict(calibration_reps=1, calibration_context=8, sizes=(0, 4, 8))
+
+
+def test_calibration_cache_is_keyed_and_read_back(tmp_path, monkeypatch):
+    target, drafter, weaver = _tiny_llama_setup()
+    ids = prompts(2)[1]
+    expected = reference(target, ids, 16)
+
+    def run(policy, mode="weaver", model=target):
+        got, stats = speculative_generate(model, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget="auto",
+                                          max_new_tokens=16, return_stats=True, budget_policy=policy)
+        return got, stats.calibration["costs"]
+
+    got, measured = run(BudgetPolicy(cache_dir=str(tmp_path), **QUICK))
+    assert torch.equal(got, expected) and measured["source"] == "measured"
+    entries = json.loads((tmp_path / CACHE_FILE).read_text())
+    assert len(entries) == 1
+    fields = next(iter(entries.values()))["fields"]
+    assert fields["step"] == "eager" and fields["target"] == "LlamaForCausalLM" and fields["dtype"] == "torch.float32"
+    assert fields["mode"] == "weaver" and fields["sizes"] == [0, 4, 8] and fields["device"].startswith("cpu: ")
+    assert set(measured["verify_ms"]) == {"0", "4", "8"} and measured["propose_ms"] > 0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(budget_module, "measure_costs", refuse)
+    got, cached = run(BudgetPolicy(cache_dir=str(tmp_path), **QUICK))  # a new policy instance reads the file
+    assert torch.equal(got, expected) and cached["source"] == "cache"
+    assert cached["verify_ms"] == measured["verify_ms"] and cached["fields"] == measured["fields"]
+    monkeypatch.undo()
+
+    # another mode, another target config, other module types: other keys, the first entry kept
+    _, other = run(BudgetPolicy(cache_dir=str(tmp_path), **QUICK), mode="ddtree")
+    assert other["source"] == "measured"
+    other_config = TINY_TARGETS["llama"]()
+    other_config.config.rms_norm_eps *= 2
+    _, third = run(BudgetPolicy(cache_dir=str(tmp_path), **QUICK), model=other_config)
+    assert third["source"] == "measured" and third["fields"]["target_signature"] != fields["target_signature"]
+    assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 3
+    # recalibrate measures again and replaces its own entry only
+    _, again = run(BudgetPolicy(cache_dir=str(tmp_path), recalibrate=True, **QUICK))
+    assert again["source"] == "measured" and len(json.loads((tmp_path / CACHE_FILE).read_text())) == 3
+
+
+def test_calibration_cache_survives_a_restart(tmp_path):
+    """A new process (same setup) reads the table this one measured, without measuring."""
+    target, drafter, weaver = _tiny_llama_setup()
+    policy = BudgetPolicy(cache_dir=str(tmp_path), **QUICK)
+    runner = DFlashRunner(drafter, target)
+    table = step_costs(target, runner, weaver, "weaver", policy.sizes, TreePolicy(), StepOptions(), policy)
+    assert table.source == "measured"
+    script = f"""
+import sys
+sys.path[:0] = {[str(Path(__file__).parent)]!r}
+from tiny_targets import TINY_TARGETS
+from test_generate import make_drafters
+from modeling_weaver import BudgetPolicy
+from modeling_weaver.decoding import budget
+from modeling_weaver.decoding.drafting import DFlashRunner
+from modeling_weaver.options import StepOptions, TreePolicy
+import torch
+torch.set_num_threads(1)
+def refuse(*args, **kwargs):
+    raise SystemExit("measured again")
+budget.measure_costs = refuse
+target = TINY_TARGETS["llama"]()
+drafter, weaver = make_drafters(target)
+policy = BudgetPolicy(cache_dir={str(tmp_path)!r}, **{QUICK!r})
+table = budget.step_costs(target, DFlashRunner(drafter, target), weaver, "weaver", policy.sizes, TreePolicy(),
+                          StepOptions(), policy)
+print(table.source, table.verify_ms, table.propose_ms)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cached = CostTable.from_dict(table.as_dict(), "cache")  # (as stored: rounded to 0.1 µs)
+    assert done.stdout.strip() == f"cache {cached.verify_ms} {cached.propose_ms}"
+
+
+def test_cost_table_interpolates():
+    assert MIXED.verify(6) == pytest.approx(11.5) and MIXED.verify(64) == 18.0
+    assert MIXED.step_ms(0) == 10.0 and MIXED.step_ms(4) == 13.0
+    assert CostTable.from_dict(MIXED.as_dict(), "cache").verify_ms == MIXED.verify_ms
+
+
+def test_cli_takes_auto(tmp_path, capsys):
+    from modeling_weaver.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--tree-budget", "auto", "--recalibrate"])
+    assert args.tree_budget == "auto" and args.recalibrate
+    assert build_parser().parse_args(["demo", "--tree-budget", "12"]).tree_budget == 12
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--tree-budget", "0"])
+    args = build_parser("bench").parse_args(["bench", "--budgets", "16", "auto", "--no-plot", "--target-step", "static",
+                                      "--drafter", str(tmp_path), "--modes", "ddtree"])
+    assert args.budgets == [16, "auto"]
+    from modeling_weaver.lab.benchmark import build_methods, run_benchmark
+
+    assert [m.label for m in build_methods(["ddtree"], [8, "auto"], [0.0])] == ["ar", "ddtree@8", "ddtree@auto"]
+    assert run_benchmark(args) != 0  # (a one-line error before anything loads)
+    assert "eager-only" in capsys.readouterr().err
