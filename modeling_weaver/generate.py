@@ -17,6 +17,7 @@ from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorLi
 from .decoding.drafting import DFlashRunner
 from .decoding.loop import PHASES, TARGET_STEPS, PhaseTimer, SpeculativeStats, _decode
 from .options import BudgetPolicy, StepOptions, TreePolicy
+from .packed import generation_packing
 from .validation import (LENGTH_PROCESSORS, MODES, REFUSED, ROW_WISE_PROCESSORS, VERIFICATIONS, check_call,
                          check_processors, check_room, check_settings, prepare_settings, refuse)
 
@@ -102,7 +103,7 @@ def speculative_generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
     options = step_options or StepOptions()
-    with options.packing(input_ids.device, [m for m in (target, drafter, weaver) if m is not None]):
+    with generation_packing(options, input_ids.device, [m for m in (target, drafter, weaver) if m is not None]):
         ids, stats = _decode(
             target, input_ids[0], runner=DFlashRunner(drafter, target, options), weaver=weaver, mode=mode,
             tree_budget=tree_budget, max_new_tokens=config.max_length - input_ids.shape[1], processors=processors,
@@ -160,7 +161,7 @@ def generate(
         streamer = tree_streamer
         streamer.put(input_ids.cpu())
     options = step_options or StepOptions()
-    with options.packing(input_ids.device, [m for m in (model, drafter, weaver) if m is not None]):
+    with generation_packing(options, input_ids.device, [m for m in (model, drafter, weaver) if m is not None]):
         ids, _ = _decode(
             model, input_ids[0], runner=DFlashRunner(drafter, model, options), weaver=weaver, mode=mode,
             tree_budget=tree_budget, max_new_tokens=generation_config.max_length - input_ids.shape[1],

@@ -8,7 +8,6 @@ other setting with ``dataclasses.replace``. Nothing here is read from a module g
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -58,7 +57,7 @@ class StepOptions:
             fewer, or a Neumann solve at half the padded size).
         neumann: the GDN tree verify gets the caller's depth bound, which lets it take the Neumann form.
         packed_linears: on CPU, the models' linears run on prepacked oneDNN weights during the generation
-            (:func:`~modeling_weaver.packed.packed_cpu_linears`: MKL re-packs a weight on every call, most of a
+            (:func:`~modeling_weaver.packed.generation_packing`: MKL re-packs a weight on every call, most of a
             decoding GEMM's time); the packed copies stay on the modules for the next call. None: on, when they fit in
             a quarter of the available memory (:func:`~modeling_weaver.packed.packing_fits`).
     """
@@ -69,15 +68,6 @@ class StepOptions:
     peel_root: bool = True
     neumann: bool = True
     packed_linears: bool | None = None
-
-    def packing(self, device, models) -> contextlib.AbstractContextManager:
-        """The block a generation on ``device`` runs its ``models`` in: packed CPU linears, or nothing."""
-        from .packed import packed_cpu_linears, packing_fits
-
-        on = self.packed_linears
-        if torch.device(device).type != "cpu" or on is False or (on is None and not packing_fits(*models)):
-            return contextlib.nullcontext()
-        return packed_cpu_linears(*models)
 
     def int8_head_on(self, device) -> bool:
         """Whether drafters on ``device`` project with the int8 head."""

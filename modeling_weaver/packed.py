@@ -144,6 +144,15 @@ def packing_fits(*models: torch.nn.Module) -> bool:
     return new == 0 or (free is not None and new <= PACKED_MEMORY_SHARE * free)
 
 
+def generation_packing(options, device, models) -> contextlib.AbstractContextManager:
+    """The block a generation on ``device`` runs its ``models`` in, as ``options.packed_linears``
+    (:class:`~modeling_weaver.options.StepOptions`) says: packed CPU linears, or nothing."""
+    on = options.packed_linears
+    if torch.device(device).type != "cpu" or on is False or (on is None and not packing_fits(*models)):
+        return contextlib.nullcontext()
+    return packed_cpu_linears(*models)
+
+
 @contextlib.contextmanager
 def packed_cpu_linears(*models: torch.nn.Module):
     """Route the CPU linears of ``models`` through prepacked weights inside the block only; yields how many.

@@ -46,6 +46,7 @@ from ..generate import PHASES, TARGET_STEPS, PhaseTimer, speculative_generate
 from ..modeling_dflash import DFlashDraftModel
 from ..modeling_weaver import WeaverModel
 from ..output_dir import check_output, written_output
+from ..packed import generation_packing
 from .smollm2 import load_target, resolve_device, resolve_drafter_dtype, resolve_dtype
 from ..target import TargetAdapter
 from ..tree import Tree
@@ -115,7 +116,7 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
     Returns:
         ``[1, T + new]`` ids (greedy output equals ``target.generate(do_sample=False)``).
     """
-    with step_options.packing(input_ids.device, [target]):  # (as the speculative loop runs: a fair baseline)
+    with generation_packing(step_options, input_ids.device, [target]):  # (as the speculative loop runs: fair)
         return _autoregressive(target, input_ids, max_new_tokens, temperature, eos_token_id, generator, target_step,
                                streamer, step_options)
 
