@@ -18,6 +18,7 @@ from .decoding.drafting import DFlashRunner
 from .decoding.loop import PHASES, TARGET_STEPS, PhaseTimer, SpeculativeStats, _decode
 from .options import BudgetPolicy, StepOptions, TreePolicy
 from .packed import generation_packing
+from .tree import default_tree_budget
 from .validation import (LENGTH_PROCESSORS, MODES, REFUSED, ROW_WISE_PROCESSORS, VERIFICATIONS, check_call,
                          check_processors, check_room, check_settings, prepare_settings, refuse)
 
@@ -29,7 +30,7 @@ def speculative_generate(
     drafter,
     weaver=None,
     mode: str = "weaver",
-    tree_budget: int | str = 64,
+    tree_budget: int | str | None = None,
     max_new_tokens: int | None = None,
     do_sample: bool = False,
     temperature: float = 1.0,
@@ -61,7 +62,8 @@ def speculative_generate(
         mode: ``"weaver"`` (Weaver best-first tree), ``"ddtree"`` (best-first over DFlash marginals) or
             ``"chain"`` (plain DFlash).
         tree_budget: draft nodes per tree (the root/bonus token is extra), at most
-            :func:`~modeling_weaver.tree.max_tree_budget`; or ``"auto"`` (eager steps only): each step verifies the
+            :func:`~modeling_weaver.tree.max_tree_budget`; default :func:`~modeling_weaver.tree.default_tree_budget`
+            (16 on CPU, 64 elsewhere); or ``"auto"`` (eager steps only): each step verifies the
             size that maximises expected tokens per second, AR steps included, from step costs measured once and
             cached and the drafter's confidence (docs/DESIGN.md §12; ``stats.size_histogram``, ``stats.calibration``).
         max_new_tokens: default: ``generation_config``'s ``max_new_tokens`` or ``max_length``, else 128.
@@ -89,6 +91,8 @@ def speculative_generate(
     Returns:
         ``[1, T + new]`` token ids, and a :class:`SpeculativeStats` when ``return_stats=True``.
     """
+    if tree_budget is None:  # (the device's default; an explicit budget is checked as given)
+        tree_budget = default_tree_budget(getattr(input_ids, "device", "cpu"))
     check_call(target, input_ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=tree_budget,
                verification=verification, do_sample=do_sample, temperature=temperature, eos_token_id=eos_token_id,
                attention_mask=generation_kwargs.pop("attention_mask", None), max_new_tokens=max_new_tokens)
@@ -125,7 +129,7 @@ def generate(
     drafter=None,
     weaver=None,
     mode: str = "weaver",
-    tree_budget: int | str = 64,
+    tree_budget: int | str | None = None,
     verification: str | None = None,
     tree_streamer=None,
     target_step: str = "eager",
@@ -150,6 +154,8 @@ def generate(
     # (first: transformers has already widened input_ids for num_beams / num_return_sequences)
     check_settings(generation_config, assistant_model=model_kwargs.get("assistant_model"))
     do_sample = bool(generation_config.do_sample)
+    if tree_budget is None:  # (the device's default; an explicit budget is checked as given)
+        tree_budget = default_tree_budget(getattr(input_ids, "device", "cpu"))
     check_call(model, input_ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=tree_budget,
                verification=verification, do_sample=do_sample, attention_mask=model_kwargs.get("attention_mask"))
     check_processors(logits_processor)

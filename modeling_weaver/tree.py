@@ -509,6 +509,12 @@ def _free_memory(device: torch.device) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def default_tree_budget(device) -> int:
+    """The tree budget a generation on ``device`` uses when none is given: 16 on CPU, where a step's verify grows with
+    its nodes (a 17-node tree costs ~1.3 AR steps on two cores), 64 on accelerators, where 65 nodes cost about one."""
+    return 16 if torch.device(device).type == "cpu" else 64
+
+
 def max_tree_budget(target, device=None) -> int:
     """The largest ``tree_budget`` a step of ``target`` takes on ``device`` (default: the target's).
 
