@@ -596,6 +596,7 @@ def test_gdn_tree_raw_gates_interpreter(ik, impl):
     _assert_errs(err, torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gdn_tree_peeled_root_interpreter(ik, dtype):
     """T = 16n + 1: the fused kernel runs node 0 as a recurrent step when it is an ancestor of every node (n row
@@ -616,6 +617,7 @@ def test_gdn_tree_peeled_root_interpreter(ik, dtype):
         assert torch.equal(whole, peeled) == (parents is forest), parents
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gdn_tree_neumann_peeled_root_interpreter(ik, dtype, monkeypatch):
     """T = 2^n + 1 with peel_root: the Neumann form runs node 0 as a recurrent step folded into the rows that descend
