@@ -596,6 +596,7 @@ def test_gdn_tree_raw_gates_interpreter(ik, impl):
     _assert_errs(err, torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gdn_tree_peeled_root_interpreter(ik, dtype):
     """T = 16n + 1: the fused kernel runs node 0 as a recurrent step when it is an ancestor of every node (n row
@@ -604,7 +605,8 @@ def test_gdn_tree_peeled_root_interpreter(ik, dtype):
     forest = [-1, -1] + [rng.randrange(i) for i in range(2, 17)]
     for parents in (chain_parents(17), best_first_parents(33, rng), star_parents(17), forest):
         for raw_gates in (False, True) if dtype == torch.float32 else (False,):
-            err = check_gdn_tree(ik.chunk, parents, 2, 1, 2, 16, 32, dtype, True, seed=len(parents), BV=16,
+            B = 2 if parents is forest or len(parents) == 33 else 1  # (a batch of two where both paths run)
+            err = check_gdn_tree(ik.chunk, parents, B, 1, 2, 16, 32, dtype, True, seed=len(parents), BV=16,
                                  impl="fused", raw_gates=raw_gates, peel_root=True)
             _assert_errs(err, dtype)
         # which path ran: the root step rounds differently (rooted trees), the forest takes the same solve bitwise
@@ -615,6 +617,7 @@ def test_gdn_tree_peeled_root_interpreter(ik, dtype):
         assert torch.equal(whole, peeled) == (parents is forest), parents
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gdn_tree_neumann_peeled_root_interpreter(ik, dtype, monkeypatch):
     """T = 2^n + 1 with peel_root: the Neumann form runs node 0 as a recurrent step folded into the rows that descend
@@ -626,7 +629,8 @@ def test_gdn_tree_neumann_peeled_root_interpreter(ik, dtype, monkeypatch):
     monkeypatch.setattr(ik.chunk, "verify_neumann", lambda *a: (peels.append(a[-1]), real(*a)))
     for parents in (chain_parents(17), best_first_parents(33, rng), star_parents(17), forest, chain_parents(20)):
         for raw_gates in (False, True) if dtype == torch.float32 else (False,):
-            err = check_gdn_tree(ik.chunk, parents, 2, 1, 2, 16, 32, dtype, True, seed=len(parents), BV=16,
+            B = 2 if parents is forest or len(parents) == 33 else 1  # (a batch of two where both paths run)
+            err = check_gdn_tree(ik.chunk, parents, B, 1, 2, 16, 32, dtype, True, seed=len(parents), BV=16,
                                  impl="neumann", raw_gates=raw_gates, peel_root=True)
             _assert_errs(err, dtype)
     assert peels == [1] * (len(peels) - len(peels) // 5) + [0] * (len(peels) // 5), peels
@@ -637,8 +641,12 @@ def test_gdn_tree_neumann_by_depth_bound_interpreter(ik, monkeypatch):
     depth by NEUMANN_MAX_DEPTH, and the row-block forms otherwise."""
     from weaver_kernels.gdn_tree import dispatch
 
-    taken = []
+    taken, row_blocks = [], []
     monkeypatch.setattr(ik.chunk, "verify_neumann", lambda args, *rest: taken.append((args[12], rest[-1])))
+    # only the choice is checked here: the row-block forms record their T instead of running (tested on their own)
+    for form in ("fused", "resident"):
+        monkeypatch.setattr(ik.chunk, f"verify_{form}",
+                            lambda args, *rest, form=form: row_blocks.append((form, args[12])))
     x = gdn_inputs(1, 129, 1, 2, 16, 16, torch.float32, "cpu", 0, True)
     for T, depth, peel in ((48, 15, False), (49, 15, False), (33, 15, True), (64, 15, True), (65, 15, True),
                            (80, 15, False), (97, 15, False), (128, 31, False), (129, 15, True), (129, 15, False),
@@ -647,6 +655,8 @@ def test_gdn_tree_neumann_by_depth_bound_interpreter(ik, monkeypatch):
         ik.chunk.gdn_tree_verify_triton(*(t[:, :T] for t in x[:5]), x[5], M, use_qk_l2norm_in_kernel=True,
                                         max_depth=depth, peel_root=peel)
     assert taken == [(49, 0), (64, 0), (65, 1), (97, 0), (128, 0), (129, 1)], taken
+    assert row_blocks == [("fused", 48), ("fused", 33), ("fused", 80), ("fused", 129), ("resident", 64),
+                          ("resident", 64)], row_blocks
     assert dispatch.NEUMANN_MAX_DEPTH == 31
     assert list(dispatch.NEUMANN_NODES) == [*range(49, 65), *range(97, 129)]
 
@@ -696,14 +706,21 @@ def test_gdn_chain_matches_recurrence_interpreter(ik):
     assert rel_rms(o, ro) <= 1e-5 and rel_rms(S, rS) <= 1e-5
 
 
-@pytest.mark.parametrize("chunk", [16, 32, 64])
-def test_gdn_commit_path_chunks_interpreter(ik, chunk):
-    """The commit's loop over ``chunk`` path entries per step gives the recurrence's final state on a 40-node chain
-    (three steps of 16, two of 32, one of 64)."""
+@pytest.fixture(scope="module")
+def chain40(ik):
+    """A 40-node chain's inputs and its verify's u and gamma (one interpreted verify shared by the commit tests)."""
     T, B, H, HV, K, V = 40, 1, 2, 4, 16, 16
     q, k, v, g, beta, S0 = gdn_inputs(B, T, H, HV, K, V, torch.float32, seed=4)
     _, u, gm = ik.chunk.gdn_tree_verify_triton(q, k, v, g, beta, S0, ancestor_mask(chain_parents(T)),
                                                use_qk_l2norm_in_kernel=True)
+    return T, q, k, v, g, beta, S0, u, gm
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+def test_gdn_commit_path_chunks_interpreter(ik, chain40, chunk):
+    """The commit's loop over ``chunk`` path entries per step gives the recurrence's final state on a 40-node chain
+    (three steps of 16, two of 32, one of 64)."""
+    T, q, k, v, g, beta, S0, u, gm = chain40
     S = S0.clone()
     ik.chunk.gdn_tree_commit_triton(S, k, u, gm, torch.arange(T), use_qk_l2norm_in_kernel=True, chunk=chunk)
     _, rS = gdn_recurrent_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), S0.double(),
@@ -767,7 +784,7 @@ def test_gdn_tree_random_search_interpreter(ik):
     """Seeded random search over tree shapes, sizes, head grouping, dims, dtypes and l2norm (property test)."""
     rng = random.Random(2024)
     kinds = ["chain", "star", "deep", "random", "shuffled", "best_first"]
-    for trial in range(24):
+    for trial in range(12):  # (slow under the interpreter; the parametrised cases cover each form and tree kind)
         T = rng.randint(1, 24)
         H = rng.choice([1, 2])
         HV = H * rng.choice([1, 2, 3])

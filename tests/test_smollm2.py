@@ -65,6 +65,7 @@ def smollm2():
         pytest.skip(f"SmolLM2 not cached at {default_cache_dir()} and cannot be fetched/converted here: {exc}")
 
 
+@pytest.mark.slow
 def test_real_smollm2(smollm2):
     model, tokenizer = smollm2
     assert is_cached()
@@ -86,6 +87,7 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.", "G
            "Explain what a hash table is."]
 
 
+@pytest.mark.slow
 def test_shipped_drafters_on_real_smollm2(smollm2):
     """The shipped pair on the real target: greedy output identical to ``model.generate`` and mean accepted lengths
     above floors ~12 % below the values measured for the shipped pair on these 3 prompts (48 tokens, budget 16, fp32
