@@ -4,7 +4,7 @@
 # call compare). The reference is another commit's code, unpacked here into the ignored .oldk and carried:
 #
 #   git archive <commit> -- modeling_weaver kernels scripts hub_configs | (rm -rf .oldk; mkdir .oldk; tar x -C .oldk)
-#   run                        bash scripts/gpu_check.sh suite [pytest args]     # e.g. a part of the GPU suite
+#   run                        bash scripts/gpu_check.sh suite [pytest args]     # a part (README: GPU tests)
 #   run carry=[".oldk"]        bash scripts/gpu_check.sh kernels                 # ≈ 3 min
 #   run carry=[".oldk"]        bash scripts/gpu_check.sh replay                  # ≈ 8 min
 #
@@ -18,7 +18,7 @@ in_tree() {  # run "$2..." with the code of tree $1 (this repo: .) on the path
 }
 case ${1:?suite|kernels|replay} in
   suite) shift
-    timeout ${SUITE_S:-540} python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-suite.xml" "$@" \
+    timeout ${SUITE_S:-540} python3 -m pytest -n 0 -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-suite.xml" "$@" \
       2>&1 | tail -40 ;;
   kernels)  # the default-form GDN verify + commit at the 27B layer shape (BENCHMARKS.md, Kernels)
     [ -d "$REF/kernels" ] || { echo "no reference tree in $REF" >&2; exit 2; }
