@@ -18,7 +18,7 @@ in_tree() {  # run "$2..." with the code of tree $1 (this repo: .) on the path
 }
 case ${1:?suite|kernels|replay} in
   suite) shift
-    timeout ${SUITE_S:-540} python3 -m pytest -n 0 -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-suite.xml" "$@" \
+    timeout ${SUITE_S:-540} python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-suite.xml" "$@" \
       2>&1 | tail -40 ;;
   kernels)  # the default-form GDN verify + commit at the 27B layer shape (BENCHMARKS.md, Kernels)
     [ -d "$REF/kernels" ] || { echo "no reference tree in $REF" >&2; exit 2; }
