@@ -107,7 +107,8 @@ def speculative_generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
     options = step_options or StepOptions()
-    with generation_packing(options, input_ids.device, [m for m in (target, drafter, weaver) if m is not None]):
+    models = [m for m in (target, drafter, weaver) if m is not None]
+    with generation_packing(options, input_ids.device, models, target_step):
         ids, stats = _decode(
             target, input_ids[0], runner=DFlashRunner(drafter, target, options), weaver=weaver, mode=mode,
             tree_budget=tree_budget, max_new_tokens=config.max_length - input_ids.shape[1], processors=processors,
@@ -167,7 +168,8 @@ def generate(
         streamer = tree_streamer
         streamer.put(input_ids.cpu())
     options = step_options or StepOptions()
-    with generation_packing(options, input_ids.device, [m for m in (model, drafter, weaver) if m is not None]):
+    models = [m for m in (model, drafter, weaver) if m is not None]
+    with generation_packing(options, input_ids.device, models, target_step):
         ids, _ = _decode(
             model, input_ids[0], runner=DFlashRunner(drafter, model, options), weaver=weaver, mode=mode,
             tree_budget=tree_budget, max_new_tokens=generation_config.max_length - input_ids.shape[1],

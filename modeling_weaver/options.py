@@ -57,9 +57,9 @@ class StepOptions:
             fewer, or a Neumann solve at half the padded size).
         neumann: the GDN tree verify gets the caller's depth bound, which lets it take the Neumann form.
         packed_linears: on CPU, the models' linears run on prepacked oneDNN weights during the generation
-            (:func:`~modeling_weaver.packed.generation_packing`: MKL re-packs a weight on every call, most of a
-            decoding GEMM's time); the packed copies stay on the modules for the next call. None: on, when they fit in
-            a quarter of the available memory (:func:`~modeling_weaver.packed.packing_fits`).
+            (:func:`~modeling_weaver.packed.generation_packing`; not in compiled steps): MKL re-packs a weight on
+            every call, most of a decoding GEMM's time. The packed copies are kept aside for the next call. None: on,
+            when they fit in a quarter of the available memory (:func:`~modeling_weaver.packed.packing_fits`).
     """
 
     int8_head: bool | None = None

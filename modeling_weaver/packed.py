@@ -144,11 +144,13 @@ def packing_fits(*models: torch.nn.Module) -> bool:
     return new == 0 or (free is not None and new <= PACKED_MEMORY_SHARE * free)
 
 
-def generation_packing(options, device, models) -> contextlib.AbstractContextManager:
+def generation_packing(options, device, models, target_step: str = "eager") -> contextlib.AbstractContextManager:
     """The block a generation on ``device`` runs its ``models`` in, as ``options.packed_linears``
-    (:class:`~modeling_weaver.options.StepOptions`) says: packed CPU linears, or nothing."""
+    (:class:`~modeling_weaver.options.StepOptions`) says: packed CPU linears, or nothing. Compiled steps trace the
+    plain linears (the packed call's weight-version check is data-dependent for the compiler)."""
     on = options.packed_linears
-    if torch.device(device).type != "cpu" or on is False or (on is None and not packing_fits(*models)):
+    if (torch.device(device).type != "cpu" or target_step == "compiled" or on is False
+            or (on is None and not packing_fits(*models))):
         return contextlib.nullcontext()
     return packed_cpu_linears(*models)
 

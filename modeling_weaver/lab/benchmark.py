@@ -116,7 +116,7 @@ def autoregressive_generate(target, input_ids: torch.Tensor, max_new_tokens: int
     Returns:
         ``[1, T + new]`` ids (greedy output equals ``target.generate(do_sample=False)``).
     """
-    with generation_packing(step_options, input_ids.device, [target]):  # (as the speculative loop runs: fair)
+    with generation_packing(step_options, input_ids.device, [target], target_step):  # (as the tree loop runs)
         return _autoregressive(target, input_ids, max_new_tokens, temperature, eos_token_id, generator, target_step,
                                streamer, step_options)
 
