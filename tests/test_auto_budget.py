@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_generate import BLOCK, OracleRunner, make_drafters, prompts, reference
+from test_generate import (BLOCK, OracleRunner, make_drafters, prompts, reference, three_token_distribution,
+                           toy_vocab_pair)
 from tiny_targets import TINY_TARGETS, VOCAB
 from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
-from modeling_weaver import BudgetPolicy, DFlashConfig, DFlashDraftModel, WeaverModel
+from modeling_weaver import BudgetPolicy, WeaverModel
 from modeling_weaver.decoding import budget as budget_module
 from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, expected_length,
                                              expected_lengths, pick_size, reach_sums, step_costs)
@@ -208,26 +209,13 @@ def test_sampling_with_auto_is_exact_in_distribution():
     before) follow the processed target distribution; negative control: the same counts reject the distribution
     at another temperature."""
     from scipy.stats import chisquare
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab, temperature, draws = 4, 0.8, 600
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, initializer_range=0.3, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-    )).eval()
-    drafter = DFlashDraftModel(DFlashConfig.from_target_config(
-        target.config, num_hidden_layers=1, block_size=4, target_layer_ids=[0])).eval()
+    target, drafter = toy_vocab_pair(vocab)
     prompt = torch.tensor([[1, 3, 2]])
 
     def distribution(temp):
-        with torch.no_grad():  # exact p(x1, x2, x3) by enumeration
-            seqs = torch.cartesian_prod(*[torch.arange(vocab)] * 2)
-            p1 = (target(prompt).logits[0, -1] / temp).softmax(-1)
-            p2 = (target(torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)).logits[:, -1]
-                  / temp).softmax(-1)
-            p3 = (target(torch.cat([prompt.expand(vocab * vocab, -1), seqs], 1)).logits[:, -1] / temp).softmax(-1)
-        return (p1[:, None, None] * p2[:, :, None] * p3.view(vocab, vocab, vocab)).flatten().double()
+        return three_token_distribution(target, prompt, lambda logits: (logits / temp).softmax(-1))
 
     # costs where a tree pays only when the drafter is sure (and the calibration agrees): AR and tree steps both
     costs = CostTable(((0, 10.0), (1, 11.0), (2, 12.0), (3, 13.0)), 4.0)

@@ -388,16 +388,10 @@ def test_bad_inputs_raise_clear_errors():
         speculative_generate(target, ids, drafter=drafter, weaver=narrow, max_new_tokens=4)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode,verification,spine", [("weaver", None, False), ("weaver", None, True),
-                                                     ("ddtree", None, False), ("ddtree", "traversal", False)])
-def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification, spine, monkeypatch):
-    """End to end on a tiny vocabulary: the first three sampled tokens — across a commit and a second step — follow
-    the processed target distribution (Weaver trees also as spine trees)."""
-    from scipy.stats import chisquare
+def toy_vocab_pair(vocab: int):
+    """A tiny Llama over ``vocab`` tokens and a 1-layer DFlash drafter for it (seeded): the χ² tests' models."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    vocab, temperature, top_k, draws = 6, 0.7, 3, 3000
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(
         vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -405,6 +399,30 @@ def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification, 
     )).eval()
     drafter = DFlashDraftModel(DFlashConfig.from_target_config(
         target.config, num_hidden_layers=1, block_size=4, target_layer_ids=[0])).eval()
+    return target, drafter
+
+
+def three_token_distribution(target, prompt: torch.Tensor, processed) -> torch.Tensor:
+    """Exact p(x1, x2, x3) after ``prompt`` by enumeration, each step's logits through ``processed`` → probs."""
+    vocab = target.config.vocab_size
+    with torch.no_grad():
+        seqs = torch.cartesian_prod(*[torch.arange(vocab)] * 2)  # [V², 2]
+        p1 = processed(target(prompt).logits[0, -1])
+        p2 = processed(target(torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)).logits[:, -1])
+        p3 = processed(target(torch.cat([prompt.expand(vocab * vocab, -1), seqs], 1)).logits[:, -1])
+    return (p1[:, None, None] * p2[:, :, None] * p3.view(vocab, vocab, vocab)).flatten().double()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,verification,spine", [("weaver", None, False), ("weaver", None, True),
+                                                     ("ddtree", None, False), ("ddtree", "traversal", False)])
+def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification, spine, monkeypatch):
+    """End to end on a tiny vocabulary: the first three sampled tokens — across a commit and a second step — follow
+    the processed target distribution (Weaver trees also as spine trees)."""
+    from scipy.stats import chisquare
+
+    vocab, temperature, top_k, draws = 6, 0.7, 3, 3000
+    target, drafter = toy_vocab_pair(vocab)
     weaver = WeaverModel(WeaverConfig.from_target_config(
         target.config, drafter.config, d_rank=16, num_heads=2, mlp_dim=32, candidate_pool_size=5)).eval()
     prompt = torch.tensor([[1, 5, 2]])
@@ -414,12 +432,7 @@ def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification, 
         top[top < top.topk(top_k).values[..., -1:]] = float("-inf")
         return top.softmax(-1)
 
-    with torch.no_grad():  # exact p(x1, x2, x3) by enumeration
-        seqs = torch.cartesian_prod(*[torch.arange(vocab)] * 2)  # [V², 2]
-        p1 = processed(target(prompt).logits[0, -1])
-        p2 = processed(target(torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)).logits[:, -1])
-        p3 = processed(target(torch.cat([prompt.expand(vocab * vocab, -1), seqs], 1)).logits[:, -1])
-    expected = (p1[:, None, None] * p2[:, :, None] * p3.view(vocab, vocab, vocab)).flatten().double()
+    expected = three_token_distribution(target, prompt, processed)
 
     gen = torch.Generator().manual_seed(123)
     counts = torch.zeros(vocab**3, dtype=torch.float64)
