@@ -1,0 +1,55 @@
+#!/usr/bin/env python
+"""Our default ``speculative_generate`` against ``target.generate`` (HF defaults), greedy, on SmolLM2 with the shipped
+pair: tokens/s of each per prompt, identical output checked (issue #28's comparison; CPU by default).
+
+    PYTHONPATH=$PWD:$PWD/kernels python scripts/speed_vs_hf.py --per-dataset 4 --max-new-tokens 128 --mode weaver
+"""
+
+import argparse
+import time
+
+import torch
+from transformers import AutoModel
+
+from modeling_weaver import speculative_generate
+from modeling_weaver.cli import DEFAULT_SHIPPED_DRAFTERS
+from modeling_weaver.lab import smollm2
+from modeling_weaver.lab.data import chat_prompt_ids, load_eval_prompts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--per-dataset", type=int, default=8, help="first N MT-Bench and N HumanEval prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--mode", default="weaver", choices=("weaver", "ddtree", "chain"))
+    ap.add_argument("--dtype", default="float32", help="of the target, drafter and Weaver")
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    target, tokenizer = smollm2.load_target("smollm2", dtype=dtype, device=torch.device("cpu"))
+    shipped = DEFAULT_SHIPPED_DRAFTERS
+    drafter = AutoModel.from_pretrained(shipped / "dflash", trust_remote_code=True, dtype=dtype)
+    weaver = AutoModel.from_pretrained(shipped / "weaver", trust_remote_code=True, dtype=dtype)
+    warm = torch.tensor([chat_prompt_ids(tokenizer, "Hello")])  # one-time costs (packing, allocations) untimed
+    target.generate(warm, max_new_tokens=4, do_sample=False)
+    speculative_generate(target, warm, drafter=drafter, weaver=weaver, mode=args.mode, max_new_tokens=4)
+    ratios, hf_total, ours_total = [], 0.0, 0.0
+    for dataset, items in load_eval_prompts().items():
+        for p in items[:args.per_dataset]:
+            ids = torch.tensor([chat_prompt_ids(tokenizer, p.text)])
+            start = time.perf_counter()
+            ref = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+            hf = time.perf_counter() - start
+            start = time.perf_counter()
+            out, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=args.mode,
+                                              max_new_tokens=args.max_new_tokens, return_stats=True)
+            ours = time.perf_counter() - start
+            n = ref.shape[1] - ids.shape[1]
+            ratios.append(hf / ours)
+            hf_total, ours_total = hf_total + hf, ours_total + ours
+            print(f"{dataset} {p.id}: {n} tokens, HF {n / hf:.2f} tok/s, ours {n / ours:.2f} tok/s = {hf / ours:.2f}x,"
+                  f" MAL {stats.mean_accepted_length:.2f}, identical {torch.equal(out, ref)}", flush=True)
+    print(f"overall {hf_total / ours_total:.2f}x (time-weighted), per prompt {min(ratios):.2f}-{max(ratios):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
