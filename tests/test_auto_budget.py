@@ -140,10 +140,10 @@ class AlternatingOracle(OracleRunner):
         super().__init__(*args, **kwargs)
         self.calls, self.last = 0, 0
 
-    def draft(self, bonus, context, n):
+    def draft(self, bonus, context, n, depths=None):
         assert context.shape[0] == n - self.last, (context.shape, n, self.last)
         self.calls, self.last = self.calls + 1, n
-        hidden, logits = super().draft(bonus, context, n)
+        hidden, logits = super().draft(bonus, context, n, depths)
         return hidden, logits if self.calls % 3 else torch.zeros_like(logits)
 
 

@@ -59,7 +59,7 @@ class OracleRunner:
         self.gen = torch.Generator().manual_seed(seed)
         self.feature_layer_ids = [0, 1]
 
-    def draft(self, bonus, context, n):
+    def draft(self, bonus, context, n, depths=None):  # (every depth: trees use the first ``depths``)
         assert bonus == self.ref[n], "the loop's bonus token must be the target's own choice"
         depth, vocab = self.block_size - 1, self.vocab
         logits = 0.1 * torch.randn(depth, vocab, generator=self.gen)

@@ -1047,6 +1047,37 @@ def test_custom_ops_opcheck():
     torch.library.opcheck(torch.ops.weaver.int8_linear.default, int8_linear_inputs(5, 24, 16, torch.float32)[:3])
 
 
+def test_public_ops_skip_the_dispatcher_on_cpu_but_not_in_a_trace():
+    """On CPU tensors outside a trace a public op runs its function directly (the dispatcher's per-call cost is most
+    of a small op's time in a CPU decoding step), with the op's result; in a trace it stays one opaque op."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(func.namespace)
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(2, 3, 40), torch.randn(40)
+    with Seen() as seen:
+        got = wk.rms_norm(x, w, 1e-6, wk.RMS_ONE_PLUS)
+    assert "weaver" not in seen.ops and "aten" in seen.ops
+    assert torch.equal(got, torch.ops.weaver.rms_norm(x, w, None, 1e-6, wk.RMS_ONE_PLUS))
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(lambda t: wk.rms_norm(t, w, 1e-6, wk.RMS_ONE_PLUS), fullgraph=True, backend=backend)(x)
+    assert torch.equal(out, got)
+    assert any(node.target is torch.ops.weaver.rms_norm.default for node in graphs[0].graph.nodes)
+
+
 def test_public_ops_match_references_cpu():
     a = _op_inputs()
     o, u, gm = wk.gdn_tree_verify(a.q, a.k, a.v, a.g, a.beta, a.S0, a.M, use_qk_l2norm_in_kernel=True)

@@ -176,6 +176,43 @@ def test_generation_on_cpu_packs_inside_the_call_only(monkeypatch):
     unpack_cpu_linears(target, drafter, weaver)
 
 
+@needs_onednn
+def test_drafts_project_through_the_packed_lm_head_for_the_depths_a_tree_can_use(monkeypatch):
+    """A drafter in the target's dtype projects through the target's lm_head module (so through its packed weight
+    in a CPU generation), and only for the depths a tree of the budget can reach; the output stays AR's."""
+    from test_generate import BLOCK
+
+    from modeling_weaver import packed as packed_module
+    from modeling_weaver.decoding.drafting import DFlashRunner
+
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    head = target.get_output_embeddings()
+    rows = []
+    real = packed_module._packed_forward
+
+    def spy(module, state):  # records the rows of each packed lm_head call
+        forward = real(module, state)
+        return (lambda x: rows.append(x.shape[-2]) or forward(x)) if module is head else forward
+
+    monkeypatch.setattr(packed_module, "_packed_forward", spy)
+    ids = prompts(1)[0]
+    for mode in ("ddtree", "weaver"):
+        rows.clear()
+        got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=3,
+                                   max_new_tokens=12)
+        assert torch.equal(got, reference(target, ids, 12)), mode
+        assert 3 in rows and max(rows) >= 4, rows  # the drafts' 3 depths; the verify's 4 nodes and the prompt
+        assert BLOCK - 1 not in rows, rows  # never the whole block
+    unpack_cpu_linears(target, drafter, weaver)
+    width = len(drafter.config.target_layer_ids) * target.config.hidden_size
+    context = torch.randn(5, width, generator=torch.Generator().manual_seed(0))
+    hidden, logits = DFlashRunner(drafter, target).draft(3, context, 5)
+    cut_hidden, cut = DFlashRunner(drafter, target).draft(3, context, 5, depths=2)
+    assert logits.shape[0] == BLOCK - 1 and cut.shape[0] == 2 and torch.equal(cut_hidden, hidden)
+    torch.testing.assert_close(cut, logits[:2])
+
+
 def test_bf16_linears_are_packed_only_where_the_cpu_has_bf16_kernels(monkeypatch):
     from modeling_weaver import packed as packed_module
 

@@ -44,11 +44,14 @@ class DraftHead:
     the drafting cost), or with ``int8`` int8 rows with one scale each through ``weaver_kernels.int8_linear``: half of
     bf16's bytes for the draft's largest read, at a small error on the logits (an e4m3 copy was tried: larger error,
     less acceptance, and slower; BENCHMARKS.md).
-    ``weight`` is the target's own weight, held weakly: a cached copy must not keep the target alive.
+    ``weight`` is the target's own weight, held weakly: a cached copy must not keep the target alive. ``module``: the
+    lm_head itself, called when no copy is needed (so a drafter projects as the target does: through its packed CPU
+    weight inside a generation, ``StepOptions.packed_linears``).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, int8: bool = False):
-        self._weight, self.dtype, self.int8 = weakref.ref(weight), dtype, int8
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, int8: bool = False,
+                 module: torch.nn.Module | None = None):
+        self._weight, self.dtype, self.int8, self.module = weakref.ref(weight), dtype, int8, module
         cast = (lambda t: t if t is None or t.dtype == dtype else t.detach().to(dtype))
         self.cast_bias = cast(bias)
         self.cast_weight = None if int8 else cast(weight)
@@ -59,6 +62,8 @@ class DraftHead:
         return self._weight()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.module is not None:
+            return self.module(hidden.to(self.dtype))
         if not self.int8:
             return F.linear(hidden.to(self.dtype), self.cast_weight, self.cast_bias)
         return weaver_kernels.int8_linear(hidden.to(self.dtype), self.quantised, self.scale, self.cast_bias)
@@ -72,7 +77,7 @@ def draft_head(target, dtype: torch.dtype, int8: bool | None = None) -> DraftHea
     weight, bias = head.weight, head.bias
     int8 = StepOptions(int8_head=int8).int8_head_on(weight.device)
     if not int8 and weight.dtype == dtype:  # the weight itself: nothing to cache
-        return DraftHead(weight, bias, dtype)
+        return DraftHead(weight, bias, dtype, module=head)
     key = (id(weight), dtype, int8)
     cached = _DRAFT_HEADS.get(key)
     if cached is None or cached[0] != weight._version or cached[1].weight is not weight:
@@ -99,10 +104,12 @@ class DFlashRunner:
         self.head = draft_head(target, self.dtype, options.int8_head)
         self.cache = drafter.new_cache()
 
-    def draft(self, bonus: int, context: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, bonus: int, context: torch.Tensor, n: int, depths: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One block ``[bonus, MASK…]`` at positions ``n..n+B-1``, reading ``context [C, n_layers·H]``: the target
         features of the positions ``n-C..n-1`` not yet in the drafter's cache. Returns the drafter's hidden states
-        and marginal logits for depths ``1..B-1`` (``[B-1, H]``, ``[B-1, V]``)."""
+        and marginal logits for depths ``1..B-1`` (``[B-1, H]``, ``[B-1, V]``); logits for the first ``depths``
+        depths only when given (a tree of budget b uses no deeper ones: the lm_head is most of a draft's cost)."""
         device = self.head.weight.device
         block = self.drafter.block_embeddings(torch.tensor([bonus], device=device), self.embed_tokens).to(self.dtype)
         position_ids = torch.arange(n - context.shape[0], n + self.block_size, device=device)[None]
@@ -111,7 +118,7 @@ class DFlashRunner:
             past_key_values=self.cache, use_cache=True,
         )[0, 1:]
         self.drafter.crop_cache(self.cache, n)  # block K/V never persist
-        return hidden, self.head(hidden)
+        return hidden, self.head(hidden if depths is None else hidden[:depths])
 
 
 class Proposal(NamedTuple):
@@ -149,7 +156,7 @@ class EagerProposer(Proposer):
     def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor,
                 timed=untimed) -> Proposal:
         with timed("draft"):
-            hidden, logits = self.runner.draft(bonus, context, n)
+            hidden, logits = self.runner.draft(bonus, context, n, depths=self.budget)
         with timed("tree"):
             tree = with_root(bonus, tree_drafts(self.mode, bonus, hidden, logits, self.budget, self.weaver,
                                                 last_hidden, self.embed_tokens, self.lm_head.weight,

@@ -138,8 +138,8 @@ class PlantedRunner:
         self.runner, self.planter = runner, planter
         self.feature_layer_ids, self.block_size = runner.feature_layer_ids, runner.block_size
 
-    def draft(self, bonus, context, n):
-        hidden, logits = self.runner.draft(bonus, context, n)
+    def draft(self, bonus, context, n, depths=None):
+        hidden, logits = self.runner.draft(bonus, context, n, depths)
         return hidden, self.planter(logits)
 
 
