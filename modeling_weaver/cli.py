@@ -169,11 +169,11 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
                                       f"{DEFAULT_SHIPPED_DRAFTERS.relative_to(SOURCE_ROOT)}/ in a source checkout)")
     p.add_argument("--mode", choices=("weaver", "ddtree", "chain"), default="weaver", help="tree policy (default: "
                                                                                            "weaver)")
-    p.add_argument("--tree-budget", type=tree_budget_value, default=16,
+    p.add_argument("--tree-budget", type=tree_budget_value, default=None,
                    help="draft nodes per tree, or 'auto': each step's size chosen from step costs measured once "
-                        "(cached) and the drafter's confidence, AR steps included (default: 16 — a small target's "
-                        "tree pass is overhead-bound, so larger trees cost more than their extra acceptance brings; "
-                        "BENCHMARKS.md)")
+                        "(cached) and the drafter's confidence, AR steps included (default: the device's, 8 on CPU "
+                        "and 64 on CUDA — on a CPU a tree pass grows with its nodes, so larger trees cost more than "
+                        "their extra acceptance brings; BENCHMARKS.md)")
     p.add_argument("--recalibrate", action="store_true",
                    help="with --tree-budget auto: measure the step costs again and replace the cached table")
     p.add_argument("--max-new-tokens", type=positive_int, default=None,
@@ -262,6 +262,7 @@ def run_demo(args) -> int:
     from .lab.benchmark import autoregressive_generate
     from .generate import speculative_generate
     from .options import BudgetPolicy
+    from .tree import default_tree_budget
 
     target, drafter, weaver, tokenizer, prompts = _tiny_setup() if args.tiny else _real_setup(args)
     packed = 0
@@ -322,7 +323,8 @@ def run_demo(args) -> int:
             asked = (args.prompt or _DEMO_PROMPTS)[0] if not args.tiny else str(ids[0].tolist())
     label = "tiny random target" if args.tiny else "target"
     linears = f", {packed} linears packed" if packed else ""
-    print(f"[{label}, {args.mode} trees, budget {args.tree_budget}{linears}] first prompt and output:\n"
+    budget = args.tree_budget or default_tree_budget(prompts[0].device)
+    print(f"[{label}, {args.mode} trees, budget {budget}{linears}] first prompt and output:\n"
           f"> {asked}\n{shown}\n")
     ar_rate, spec_rate = ar_tokens / max(ar_time, 1e-9), spec_tokens / max(spec_time, 1e-9)
     hf_rate = hf_tokens / max(hf_time, 1e-9)

@@ -20,7 +20,9 @@ class TreePolicy:
     Attributes:
         spine: start from DFlash's top-1 chain, stepped with the root in one round, then ``spine_rounds`` rounds
             (False: the paper's best-first rounds, one per depth at least).
-        spine_rounds: rounds after the spine; a path leaves the spine for at most ``spine_rounds + 1`` Weaver tokens.
+        spine_rounds: rounds after the spine; a path leaves the spine for at most ``spine_rounds + 1`` Weaver tokens
+            (None: 4 on CUDA, 2 elsewhere — on a CPU each round costs ~4 ms of small ops, more than its acceptance
+            brings).
         spine_width: frontier entries per round after the spine (None: ``ceil(budget / 8)``).
         children_per_node: pool candidates each stepped node publishes to the frontier (the expand kernel picks
             them one by one: more costs time per round).
@@ -31,11 +33,17 @@ class TreePolicy:
     """
 
     spine: bool = True
-    spine_rounds: int = 4
+    spine_rounds: int | None = None
     spine_width: int | None = None
     children_per_node: int = 8
     root_children: int | None = None
     fused_node_attention: bool | None = None
+
+    def rounds_on(self, device) -> int:
+        """Rounds after the spine on ``device``."""
+        if self.spine_rounds is not None:
+            return self.spine_rounds
+        return 4 if torch.device(device).type == "cuda" else 2
 
     def node_attention_on(self, device) -> bool:
         """Whether Weaver node steps on ``device`` use the fused node attention op."""

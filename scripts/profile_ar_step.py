@@ -239,7 +239,7 @@ def main():
     if args.spine_ab is not None:
         with fresh_steps(target):
             line = f"best-first {weaver_graph_ms(TreePolicy(spine=False)):.3f}"
-        for item in args.spine_ab or [str(TreePolicy().spine_rounds)]:
+        for item in args.spine_ab or [str(TreePolicy().rounds_on("cuda"))]:
             rounds, _, width = item.partition(",")
             width = int(width) if width else TreePolicy().spine_width
             with fresh_steps(target):

@@ -30,6 +30,7 @@ ALLOWED = {
     "_SCRATCH": "kernels' scratch buffers per device and shape",
     "_PACKED_COPIES": "packed CPU weights kept between generations, per module (weak keys), each following its weight",
     "_SMS": "SM count per device",
+    "_BODIES": "each kernel custom op's Python function, filled at import (direct CPU calls, ops._call)",
     "REFUSED": "the refused settings and why (read-only table, README lists it)",
     "_PROCESSOR_SETTING": "processor class name → the refused setting that builds it (read-only table)",
     "INTERPRET": "a kernel module copy's mode, fixed when it is executed (load_interpreted makes interpreted copies)",
