@@ -211,6 +211,20 @@ def test_bench_tiny(tmp_path, capsys):
     assert (tmp_path / "bench" / "table.md").exists()
 
 
+
+def test_bench_budgets_default_to_the_devices():
+    """No --budgets: 16 32 64 on CUDA, the device's default budget on a CPU (where larger trees cost more)."""
+    import torch
+
+    from modeling_weaver.cli import build_parser
+    from modeling_weaver.lab.benchmark import default_budgets
+    from modeling_weaver.tree import default_tree_budget
+
+    assert build_parser("bench").parse_args(["bench"]).budgets is None
+    assert default_budgets("cpu") == [default_tree_budget("cpu")] == [8]
+    assert default_budgets(torch.device("cuda", 0)) == [16, 32, 64]
+
+
 def test_unavailable_module_fails_in_one_line(capsys, monkeypatch):
     monkeypatch.setitem(LAZY_COMMANDS, "bench", ("modeling_weaver._no_such_module",) + LAZY_COMMANDS["bench"][1:])
     code, _, err = run(capsys, "bench", "--anything")

@@ -62,8 +62,9 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--subset", type=positive_int, default=None, help="first N prompts of each dataset")
     parser.add_argument("--modes", nargs="+", default=list(TREE_MODES), choices=TREE_MODES,
                         help="tree modes (AR always runs as the baseline)")
-    parser.add_argument("--budgets", type=tree_budget_value, nargs="+", default=[16, 32, 64],
-                        help="tree budgets (draft nodes), or 'auto' (each step's size chosen; eager target steps)")
+    parser.add_argument("--budgets", type=tree_budget_value, nargs="+", default=None,
+                        help="tree budgets (draft nodes), or 'auto' (each step's size chosen; eager target steps); "
+                             "default: 16 32 64 on CUDA, the device's default budget elsewhere (8 on CPU)")
     parser.add_argument("--recalibrate", action="store_true",
                         help="with budget auto: measure the step costs again (in each method's warm-up) and replace "
                              "the cached tables")

@@ -47,6 +47,7 @@ from ..modeling_dflash import DFlashDraftModel
 from ..modeling_weaver import WeaverModel
 from ..output_dir import check_output, written_output
 from ..packed import generation_packing
+from ..tree import default_tree_budget
 from .smollm2 import load_target, resolve_device, resolve_drafter_dtype, resolve_dtype
 from ..target import TargetAdapter
 from ..tree import Tree
@@ -386,6 +387,12 @@ def run_benchmark_suite(target, tokenizer, drafter, weaver, prompts: dict[str, l
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def default_budgets(device) -> list[int]:
+    """``--budgets`` when none are given: 16, 32 and 64 on CUDA; elsewhere the device's default budget only (larger
+    trees cost more than they bring on a CPU, :func:`~modeling_weaver.tree.default_tree_budget`)."""
+    return [16, 32, 64] if torch.device(device).type == "cuda" else [default_tree_budget(device)]
+
+
 @cli_entry
 def run_benchmark(args) -> int:
     if not args.no_plot:
@@ -394,13 +401,14 @@ def run_benchmark(args) -> int:
         raise ValueError("--drafter is required for the chain/ddtree/weaver modes")
     if "weaver" in args.modes and args.weaver is None:
         raise ValueError("--weaver is required for the weaver mode (or drop it from --modes)")
-    if "auto" in args.budgets and args.target_step != "eager":
+    if args.budgets and "auto" in args.budgets and args.target_step != "eager":
         raise ValueError("--budgets auto is eager-only for now: use --target-step eager, or fixed budgets")
     require_dir(args.drafter, "--drafter")
     require_dir(args.weaver, "--weaver")
     inputs = [args.target, args.drafter, args.weaver, args.prompts]
     out = check_output(args.out, inputs, args.overwrite)  # before loading anything
     device = resolve_device(args.device)
+    args.budgets = budgets = args.budgets or default_budgets(device)  # (results.json records what ran)
     dtype = resolve_dtype(args.dtype, device)
     prompts = load_prompt_file(args.prompts) if args.prompts else load_eval_prompts(args.datasets)
     if args.subset:
@@ -410,7 +418,7 @@ def run_benchmark(args) -> int:
     drafter = (DFlashDraftModel.from_pretrained(args.drafter, dtype=drafter_dtype).to(device).eval()
                if args.drafter else None)
     weaver = WeaverModel.from_pretrained(args.weaver, dtype=dtype).to(device).eval() if args.weaver else None
-    methods = build_methods(args.modes, args.budgets, args.temperatures, args.sampling_verifications,
+    methods = build_methods(args.modes, budgets, args.temperatures, args.sampling_verifications,
                             args.hf_baseline)
     datasets = list(prompts)
     info = (f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), dtype "
