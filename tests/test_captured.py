@@ -273,7 +273,7 @@ def test_compiled_tree_steps_are_exact_and_compile_once_per_tree_size():
     from modeling_weaver import speculative_generate
     from modeling_weaver.lab.benchmark import autoregressive_generate
 
-    torch._dynamo.reset()  # clears dynamo's caches but not its counters, which other tests in this process may have moved
+    torch._dynamo.reset()  # clears dynamo's caches, not its counters (other tests in this process may have moved them)
     before = counters["stats"]["unique_graphs"]
     target = TINY_TARGETS["qwen3_5"]()
     drafter, weaver = make_drafters(target, mask_token_id=None)

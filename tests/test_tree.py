@@ -70,3 +70,31 @@ def test_trees_from_builders_never_wait_for_the_device():
     assert len(tree) == 16 and int(tree.parents[0]) == -1
     with pytest.raises(ValueError, match="node 0 must be the root"):
         Tree(torch.tensor([1, 2]), torch.tensor([1, -1]), torch.zeros(2))
+
+
+def test_rounds_after_the_spine_follow_the_device(monkeypatch):
+    """TreePolicy.spine_rounds None: 4 rounds after the spine on CUDA, 2 elsewhere (each round is ~4 ms of small ops
+    on a CPU); a value given is used everywhere. A CPU build steps the spine round and then that many rounds."""
+    from test_generate import make_drafters
+    from tiny_targets import TINY_TARGETS
+
+    from modeling_weaver.options import TreePolicy
+    from modeling_weaver.tree import weaver_tree_tensors
+
+    assert TreePolicy().rounds_on("cpu") == 2 and TreePolicy().rounds_on(torch.device("cuda", 0)) == 4
+    assert TreePolicy(spine_rounds=3).rounds_on("cpu") == 3 == TreePolicy(spine_rounds=3).rounds_on("cuda")
+    target = TINY_TARGETS["llama"]()
+    _, weaver = make_drafters(target)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, target.config.hidden_size, generator=gen)
+    logits = torch.randn(7, target.config.vocab_size, generator=gen)
+    prompt = weaver.encode_prompt(torch.randn(1, target.config.hidden_size, generator=gen), hidden[None])
+    steps = []
+    real = weaver.step
+    monkeypatch.setattr(weaver, "step", lambda *a, **k: steps.append(1) or real(*a, **k))
+    for policy, rounds in ((TreePolicy(), 2), (TreePolicy(spine_rounds=4), 4)):
+        steps.clear()
+        with torch.no_grad():
+            weaver_tree_tensors(3, weaver, prompt, logits, target.get_input_embeddings(),
+                                target.get_output_embeddings().weight, 16, policy=policy)
+        assert len(steps) == 1 + rounds, (policy, steps)

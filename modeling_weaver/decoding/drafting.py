@@ -92,7 +92,8 @@ class DFlashRunner:
     """Drives a DFlash drafter across steps: its KV cache of projected context, block inputs and the target's lm_head.
 
     Any object with the same ``draft`` method, ``block_size`` and ``feature_layer_ids`` can stand in for it in an
-    :class:`EagerProposer` (tests plant drafts through this seam).
+    :class:`EagerProposer` (tests plant drafts through this seam; a stand-in may return logits for more depths than
+    ``depths`` asks for).
     """
 
     def __init__(self, drafter, target, options: StepOptions = StepOptions()):
@@ -327,8 +328,10 @@ class StaticDraft:
         return self._steps[key]
 
     @torch.no_grad()
-    def draft(self, bonus: int, context: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`DFlashRunner.draft`: block ``[bonus, MASK…]`` at ``n..``, new ``context`` of ``n-C..n-1``."""
+    def draft(self, bonus: int, context: torch.Tensor, n: int, depths: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`DFlashRunner.draft`: block ``[bonus, MASK…]`` at ``n..``, new ``context`` of ``n-C..n-1``
+        (logits for every depth: the shapes are fixed, ``depths`` is only what the caller needs)."""
         self.load(bonus, context, n)
         return self.run(self._forward)
 
