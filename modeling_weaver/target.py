@@ -10,8 +10,9 @@ Every tensor op of ``verify`` and ``commit`` has a fixed shape for a fixed tree 
 from a device tensor, so both can be captured in CUDA graphs (pad trees with :meth:`Tree.padded`, attend over the
 whole buffer with ``bound=max_length``); eager calls attend over the used rows only.
 
-Supported: Llama, Qwen2, Qwen3 (attention only) and Qwen3.5/3.6 (hybrid GDN + gated attention), either as
-``*ForCausalLM`` or as the text model inside ``Qwen3_5ForConditionalGeneration``.
+Supported: Llama, Qwen2, Qwen3, Qwen3-MoE (attention only; a MoE block routes each tree node as a token of its batch)
+and Qwen3.5/3.6 (hybrid GDN + gated attention), either as ``*ForCausalLM`` or as the text model inside
+``Qwen3_5ForConditionalGeneration``.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ import weaver_kernels
 from .options import StepOptions
 from .tree import Tree, ancestor_mask_of
 
-ATTENTION_ONLY = ("llama", "qwen2", "qwen3")
+ATTENTION_ONLY = ("llama", "qwen2", "qwen3", "qwen3_moe")
 HYBRID_GDN = ("qwen3_5", "qwen3_5_text")
 SUPPORTED = ATTENTION_ONLY + HYBRID_GDN
 SUPPORTED_CLASSES = (
-    "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration"
+    "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, "
+    "Qwen3_5ForConditionalGeneration"
 )
 
 
@@ -66,7 +68,7 @@ def fused_norm(module: torch.nn.Module, dtype: torch.dtype):
     name = type(module).__name__
     kind = (weaver_kernels.RMS_GATED if name.endswith("RMSNormGated") else
             weaver_kernels.RMS_ONE_PLUS if name == "Qwen3_5RMSNorm" else
-            weaver_kernels.RMS_WEIGHT if name in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm") else None)
+            weaver_kernels.RMS_WEIGHT if name in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm") else None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     weight = getattr(module, "weight", None)
     if kind is None or eps is None or weight is None or weight.dtype != dtype:  # (mixed dtypes would promote)
@@ -187,7 +189,7 @@ class SharedInputLinears:
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
-GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP")  # down(act(gate(x)) * up(x))
+GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP")  # down(act(gate(x)) * up(x))
 
 
 def mlp_forward(mlp: torch.nn.Module):

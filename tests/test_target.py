@@ -286,7 +286,8 @@ def test_unknown_norm_keeps_the_module():
 
 def _shared_groups(model):
     for layer in model.model.layers:
-        yield [layer.mlp.gate_proj, layer.mlp.up_proj]
+        if hasattr(layer.mlp, "gate_proj"):  # (a MoE block's experts run as the model runs them)
+            yield [layer.mlp.gate_proj, layer.mlp.up_proj]
         if hasattr(layer, "linear_attn"):
             g = layer.linear_attn
             yield [g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a]

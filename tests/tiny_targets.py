@@ -10,6 +10,8 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 VOCAB = 97
@@ -56,4 +58,16 @@ def tiny_qwen3_5(seed: int = 0, vocab: int = VOCAB) -> Qwen3_5ForCausalLM:
     return model
 
 
-TINY_TARGETS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5}
+def tiny_qwen3_moe(seed: int = 0, vocab: int = VOCAB) -> Qwen3MoeForCausalLM:
+    """Attention + MoE: 4 experts, top-2 routing, in layers 0 and 2; layer 1 a dense MLP (``mlp_only_layers``)."""
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None, initializer_range=0.2,
+    )
+    return Qwen3MoeForCausalLM(config).eval()
+
+
+TINY_TARGETS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5, "qwen3_moe": tiny_qwen3_moe}
