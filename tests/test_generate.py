@@ -388,15 +388,20 @@ def test_bad_inputs_raise_clear_errors():
         speculative_generate(target, ids, drafter=drafter, weaver=narrow, max_new_tokens=4)
 
 
-def toy_vocab_pair(vocab: int):
-    """A tiny Llama over ``vocab`` tokens and a 1-layer DFlash drafter for it (seeded): the χ² tests' models."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def toy_vocab_pair(vocab: int, family: str = "llama"):
+    """A tiny Llama (or Qwen3-MoE: 4 experts, top-2) over ``vocab`` tokens and a 1-layer DFlash drafter for it
+    (seeded): the χ² tests' models."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(
-        vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, initializer_range=0.3, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-    )).eval()
+    shape = dict(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, initializer_range=0.3, eos_token_id=None, bos_token_id=None,
+                 pad_token_id=None)
+    if family == "qwen3_moe":
+        target = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, head_dim=8, moe_intermediate_size=8, num_experts=4,
+                                                    num_experts_per_tok=2)).eval()
+    else:
+        target = LlamaForCausalLM(LlamaConfig(**shape)).eval()
     drafter = DFlashDraftModel(DFlashConfig.from_target_config(
         target.config, num_hidden_layers=1, block_size=4, target_layer_ids=[0])).eval()
     return target, drafter
@@ -414,15 +419,16 @@ def three_token_distribution(target, prompt: torch.Tensor, processed) -> torch.T
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode,verification,spine", [("weaver", None, False), ("weaver", None, True),
-                                                     ("ddtree", None, False), ("ddtree", "traversal", False)])
-def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification, spine, monkeypatch):
+@pytest.mark.parametrize("mode,verification,spine,family", [
+    ("weaver", None, False, "llama"), ("weaver", None, True, "llama"), ("ddtree", None, False, "llama"),
+    ("ddtree", "traversal", False, "llama"), ("weaver", None, True, "qwen3_moe")])
+def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification, spine, family, monkeypatch):
     """End to end on a tiny vocabulary: the first three sampled tokens — across a commit and a second step — follow
-    the processed target distribution (Weaver trees also as spine trees)."""
+    the processed target distribution (Weaver trees also as spine trees; a MoE target too)."""
     from scipy.stats import chisquare
 
     vocab, temperature, top_k, draws = 6, 0.7, 3, 3000
-    target, drafter = toy_vocab_pair(vocab)
+    target, drafter = toy_vocab_pair(vocab, family)
     weaver = WeaverModel(WeaverConfig.from_target_config(
         target.config, drafter.config, d_rank=16, num_heads=2, mlp_dim=32, candidate_pool_size=5)).eval()
     prompt = torch.tensor([[1, 5, 2]])
