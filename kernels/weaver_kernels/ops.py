@@ -49,10 +49,11 @@ def _op(name: str, mutates_args=()):
     return register
 
 
-def _call(op, lead: Tensor, *args):
-    """``op(*args)``; for CPU tensors outside a trace, the op's own function called directly: the same code, without
-    the dispatcher's per-call cost (tens of µs, most of a small op's time in a CPU decoding step)."""
-    if lead.device.type == "cpu" and not torch.compiler.is_compiling():
+def _call(op, *args):
+    """``op(*args)``; for CPU tensors (``args[0]``'s device) outside a trace, the op's own function called directly:
+    the same code, without the dispatcher's per-call cost (tens of µs, most of a small op's time in a CPU decoding
+    step)."""
+    if args[0].device.type == "cpu" and not torch.compiler.is_compiling():
         return _BODIES[op](*args)
     return op(*args)
 
@@ -310,7 +311,7 @@ def gdn_tree_verify(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     depth = -1 if max_depth is None else int(max_depth)
-    return _call(_gdn_tree_verify_op, q, q, k, v, g, beta, initial_state, tree_mask, float(scale),
+    return _call(_gdn_tree_verify_op, q, k, v, g, beta, initial_state, tree_mask, float(scale),
                  bool(use_qk_l2norm_in_kernel), A_log, dt_bias, bool(peel_root), depth)
 
 
@@ -318,7 +319,7 @@ def gdn_tree_commit(
     state: Tensor, k: Tensor, u: Tensor, gamma: Tensor, path: Tensor, use_qk_l2norm_in_kernel: bool = False
 ) -> Tensor:
     """Advance ``state`` in place along the accepted ``path`` (root..leaf, may be right-padded with -1); returns it."""
-    _call(_gdn_tree_commit_op, state, state, k, u, gamma, path, bool(use_qk_l2norm_in_kernel))
+    _call(_gdn_tree_commit_op, state, k, u, gamma, path, bool(use_qk_l2norm_in_kernel))
     return state
 
 
@@ -348,14 +349,14 @@ def gdn_decode(
         raise ValueError("gdn_decode: A_log and dt_bias go together")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _call(_gdn_decode_op, q, q, k, v, g, beta, state, norm_weight, gate, float(scale), float(eps),
+    return _call(_gdn_decode_op, q, k, v, g, beta, state, norm_weight, gate, float(scale), float(eps),
                                        bool(use_qk_l2norm_in_kernel), A_log, dt_bias)
 
 
 def conv_decode(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None = "silu"
                 ) -> Tensor:
     """One committed token ``x [B, 1, C]``: conv1d output, the window slid in place (CUDA: one launch)."""
-    return _call(_conv_decode_op, x, x, window, weight, bias, activation)
+    return _call(_conv_decode_op, x, window, weight, bias, activation)
 
 
 def conv_tree(
@@ -367,12 +368,12 @@ def conv_tree(
     activation: str | None = "silu",
 ) -> Tensor:
     """Depthwise causal conv1d over the tree (+ SiLU); reads the committed window. See ``conv_tree.naive``."""
-    return _call(_conv_tree_op, x, x, window, weight, bias, parents, activation)
+    return _call(_conv_tree_op, x, window, weight, bias, parents, activation)
 
 
 def conv_tree_commit(window: Tensor, x: Tensor, path: Tensor) -> Tensor:
     """Slide the committed window in place along ``path`` (may be right-padded with -1); returns it."""
-    _call(_conv_tree_commit_op, window, window, x, path)
+    _call(_conv_tree_commit_op, window, x, path)
     return window
 
 
@@ -384,7 +385,7 @@ def tree_attention(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, l
     CUDA: a split-KV Triton kernel whose cost follows ``length``, not ``bound``; elsewhere masked SDPA."""
     if window < 0:
         raise ValueError(f"tree_attention: window must be >= 0, got {window}")
-    return _call(_tree_attention_op, q, q, keys, values, tree_mask, length, int(bound), float(scale), int(window))
+    return _call(_tree_attention_op, q, keys, values, tree_mask, length, int(bound), float(scale), int(window))
 
 
 def pool_scores(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: Tensor, weight: Tensor) -> Tensor:
@@ -395,7 +396,7 @@ def pool_scores(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: Tens
         raise ValueError(f"pool_scores: query [M, d], rows [M], pool_ids / pool_logits [D, P] and weight [V, d]; got "
                          f"{tuple(query.shape)}, {tuple(rows.shape)}, {tuple(pool_ids.shape)}, "
                          f"{tuple(pool_logits.shape)}, {tuple(weight.shape)}")
-    return _call(_pool_scores_op, query, query, rows, pool_ids, pool_logits, weight)
+    return _call(_pool_scores_op, query, rows, pool_ids, pool_logits, weight)
 
 
 def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -408,7 +409,7 @@ def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Tensor | None = None)
         raise ValueError(f"int8_linear: x [..., K] (fp32, bf16 or fp16), q int8 [N, K] and scale [N], on one device; "
                          f"got {tuple(x.shape)} {x.dtype} {x.device}, {tuple(q.shape)} {q.dtype} {q.device}, "
                          f"{tuple(scale.shape)} {scale.device}")
-    out = _call(_int8_linear_op, x, x, q, scale.float())  # (the op makes q and scale contiguous for the kernel)
+    out = _call(_int8_linear_op, x, q, scale.float())  # (the op makes q and scale contiguous for the kernel)
     return out if bias is None else out + bias
 
 
@@ -418,7 +419,7 @@ def node_attention(qkv: Tensor, positions: Tensor, prompt_k: Tensor, prompt_v: T
     (``weaver_tree.naive.node_attention_ref``): RoPE at ``positions``, K/V written into node slots ``lo..``, attention
     over the prompt ``[H, P, D]`` and the node slots ``[H, n, D]`` their ``mask [M, n]`` rows allow; ``[M, H·D]``.
     CUDA: one Triton launch instead of ~10 small kernels."""
-    return _call(_node_attention_op, qkv, qkv, positions, prompt_k, prompt_v, node_k, node_v, mask, int(lo),
+    return _call(_node_attention_op, qkv, positions, prompt_k, prompt_v, node_k, node_v, mask, int(lo),
                                            float(rope_base), float(scale))
 
 
@@ -445,7 +446,7 @@ def weaver_expand(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: Tenso
     if not 1 <= max_depth <= pool_ids.shape[0] or mask.shape != (n, n):
         raise ValueError(f"weaver_expand: max_depth {max_depth} needs that many pool rows (have {pool_ids.shape[0]}) "
                          f"and the mask [{n}, {n}], got {tuple(mask.shape)}")
-    _call(_weaver_expand_op, cand, cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
+    _call(_weaver_expand_op, cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
                                    int(lo), int(hi), int(take), int(max_depth), int(spine))
 
 
@@ -454,4 +455,4 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, kind: int, gate: Tensor | No
     2 gated Qwen3.5 with ``gate``); output in x's dtype. CUDA: one Triton launch instead of the module's 6–9."""
     if (kind == GATED) != (gate is not None):
         raise ValueError("rms_norm: a gate goes with kind 2 (gated) and only with it")
-    return _call(_rms_norm_op, x, x, weight, gate, float(eps), int(kind))
+    return _call(_rms_norm_op, x, weight, gate, float(eps), int(kind))
