@@ -91,8 +91,7 @@ def speculative_generate(
     Returns:
         ``[1, T + new]`` token ids, and a :class:`SpeculativeStats` when ``return_stats=True``.
     """
-    if tree_budget is None:  # (the device's default; an explicit budget is checked as given)
-        tree_budget = default_tree_budget(getattr(input_ids, "device", "cpu"))
+    tree_budget = _budget_or_default(tree_budget, input_ids)
     check_call(target, input_ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=tree_budget,
                verification=verification, do_sample=do_sample, temperature=temperature, eos_token_id=eos_token_id,
                attention_mask=generation_kwargs.pop("attention_mask", None), max_new_tokens=max_new_tokens)
@@ -106,16 +105,13 @@ def speculative_generate(
     config, processors, stopping = prepare_settings(target, input_ids, generation_config, max_new_tokens, settings)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    options = step_options or StepOptions()
-    models = [m for m in (target, drafter, weaver) if m is not None]
-    with generation_packing(options, input_ids.device, models, target_step):
-        ids, stats = _decode(
-            target, input_ids[0], runner=DFlashRunner(drafter, target, options), weaver=weaver, mode=mode,
-            tree_budget=tree_budget, max_new_tokens=config.max_length - input_ids.shape[1], processors=processors,
-            do_sample=do_sample, verification=verification, stopping_criteria=stopping, streamer=streamer,
-            generator=generator, target_step=target_step, timer=timer, tree_policy=tree_policy or TreePolicy(),
-            step_options=options, budget_policy=budget_policy,
-        )
+    ids, stats = _run(
+        target, input_ids, drafter=drafter, weaver=weaver, step_options=step_options, target_step=target_step,
+        mode=mode, tree_budget=tree_budget, max_new_tokens=config.max_length - input_ids.shape[1],
+        processors=processors, do_sample=do_sample, verification=verification, stopping_criteria=stopping,
+        streamer=streamer, generator=generator, timer=timer, tree_policy=tree_policy or TreePolicy(),
+        budget_policy=budget_policy,
+    )
     return (ids, stats) if return_stats else ids
 
 
@@ -155,8 +151,7 @@ def generate(
     # (first: transformers has already widened input_ids for num_beams / num_return_sequences)
     check_settings(generation_config, assistant_model=model_kwargs.get("assistant_model"))
     do_sample = bool(generation_config.do_sample)
-    if tree_budget is None:  # (the device's default; an explicit budget is checked as given)
-        tree_budget = default_tree_budget(getattr(input_ids, "device", "cpu"))
+    tree_budget = _budget_or_default(tree_budget, input_ids)
     check_call(model, input_ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=tree_budget,
                verification=verification, do_sample=do_sample, attention_mask=model_kwargs.get("attention_mask"))
     check_processors(logits_processor)
@@ -167,19 +162,32 @@ def generate(
             raise ValueError("give the streamer once: streamer= or tree_streamer=, not both")
         streamer = tree_streamer
         streamer.put(input_ids.cpu())
-    options = step_options or StepOptions()
-    models = [m for m in (model, drafter, weaver) if m is not None]
-    with generation_packing(options, input_ids.device, models, target_step):
-        ids, _ = _decode(
-            model, input_ids[0], runner=DFlashRunner(drafter, model, options), weaver=weaver, mode=mode,
-            tree_budget=tree_budget, max_new_tokens=generation_config.max_length - input_ids.shape[1],
-            processors=logits_processor, do_sample=do_sample, verification=verification,
-            stopping_criteria=stopping_criteria, streamer=streamer, generator=None, target_step=target_step,
-            tree_policy=tree_policy or TreePolicy(), step_options=options, budget_policy=budget_policy,
-        )
+    ids, _ = _run(
+        model, input_ids, drafter=drafter, weaver=weaver, step_options=step_options, target_step=target_step,
+        mode=mode, tree_budget=tree_budget, max_new_tokens=generation_config.max_length - input_ids.shape[1],
+        processors=logits_processor, do_sample=do_sample, verification=verification,
+        stopping_criteria=stopping_criteria, streamer=streamer, generator=None, tree_policy=tree_policy or TreePolicy(),
+        budget_policy=budget_policy,
+    )
     if generation_config.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=ids)
     return ids
+
+
+def _budget_or_default(tree_budget, input_ids):
+    """The device's default budget when none is given; an explicit budget is checked as given."""
+    return default_tree_budget(getattr(input_ids, "device", "cpu")) if tree_budget is None else tree_budget
+
+
+def _run(target, input_ids: torch.Tensor, *, drafter, weaver, step_options: StepOptions | None, target_step: str,
+         **loop):
+    """What both entry points run once the call is checked: the DFlash runner and the loop, with the models' linears
+    packed for the generation where the device gains from it."""
+    options = step_options or StepOptions()
+    models = [m for m in (target, drafter, weaver) if m is not None]
+    with generation_packing(options, input_ids.device, models, target_step):
+        return _decode(target, input_ids[0], runner=DFlashRunner(drafter, target, options), weaver=weaver,
+                       target_step=target_step, step_options=options, **loop)
 
 
 def _in_transformers(frame) -> bool:
