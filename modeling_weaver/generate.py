@@ -63,8 +63,7 @@ def speculative_generate(
             ``"chain"`` (plain DFlash).
         tree_budget: draft nodes per tree (the root/bonus token is extra), at most
             :func:`~modeling_weaver.tree.max_tree_budget`; default :func:`~modeling_weaver.tree.default_tree_budget`
-            (8 on CPU, 64 elsewhere); or ``"auto"`` (eager steps only): each step verifies the
-            size that maximises expected tokens per second, AR steps included, from step costs measured once and
+            (8 on CPU, 64 elsewhere); or ``"auto"``: each step verifies the size that maximises expected tokens per second, AR steps included, from step costs measured once and
             cached and the drafter's confidence (docs/DESIGN.md §12; ``stats.size_histogram``, ``stats.calibration``).
         max_new_tokens: default: ``generation_config``'s ``max_new_tokens`` or ``max_length``, else 128.
         do_sample, temperature, top_k, top_p: this function's own (greedy unless ``do_sample``; they override

@@ -84,7 +84,7 @@ class StepOptions:
 
 @dataclass(frozen=True)
 class BudgetPolicy:
-    """How ``tree_budget="auto"`` picks each eager step's tree size (docs/DESIGN.md §12).
+    """How ``tree_budget="auto"`` picks each step's tree size (docs/DESIGN.md §12).
 
     Attributes:
         sizes: the candidate draft counts; 0 is a plain AR step (no speculation). Capped by ``max_size``.

@@ -18,12 +18,14 @@ from transformers.generation import LogitsProcessorList, MaxLengthCriteria, Stop
 
 from modeling_weaver import BudgetPolicy, WeaverModel
 from modeling_weaver.decoding import budget as budget_module
+from modeling_weaver.decoding import step_cache
+from modeling_weaver.decoding.verify import BucketedTarget
 from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, expected_length,
                                              expected_lengths, pick_size, reach_sums, step_costs)
 from modeling_weaver.decoding.drafting import DFlashRunner
 from modeling_weaver.generate import _decode, generate, speculative_generate
 from modeling_weaver.options import StepOptions, TreePolicy
-from modeling_weaver.target import text_config
+from modeling_weaver.target import TargetAdapter, text_config
 from modeling_weaver.tree import Tree, ddtree, subtree, weaver_tree
 
 SIZES = (0, 4, 8, 16, 32)
@@ -188,13 +190,67 @@ def test_custom_generate_with_auto():
     assert torch.equal(got, reference(target, ids, 24))
 
 
-def test_auto_is_eager_only_and_checked():
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_greedy_identity_with_auto_in_fixed_shape_steps(name):
+    """target_step="static" (the code of CUDA-graph steps, uncaptured): each step verifies in the bucket of its size
+    and commits through it; token-identical to target.generate, with AR steps and trees of several sizes."""
+    target = TINY_TARGETS[name]()
+    drafter, weaver = make_drafters(target)
+    with torch.no_grad():
+        oracle_weaver = WeaverModel(weaver.config).eval()
+        oracle_weaver.load_state_dict(weaver.state_dict())
+        oracle_weaver.lm_head_query_in.weight.zero_()
+    new, ids = 40, prompts(2)[1]
+    expected = reference(target, ids, new)
+    got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget="auto", max_new_tokens=new,
+                               target_step="static", budget_policy=BudgetPolicy(costs=MIXED))
+    assert torch.equal(got, expected)
+    runner = AlternatingOracle(reference(target, ids, new + 2 * BLOCK), text_config(target.config).hidden_size, seed=1)
+    got, stats = _decode(target, ids[0], runner=runner, weaver=oracle_weaver, mode="weaver", tree_budget="auto",
+                         max_new_tokens=new, processors=LogitsProcessorList(), do_sample=False, verification=None,
+                         generator=None, streamer=None, budget_policy=BudgetPolicy(costs=STEEP),
+                         target_step="static",
+                         stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + new)]))
+    assert torch.equal(got, expected), "oracle"
+    histogram = stats.size_histogram
+    assert histogram.get(0, 0) > 0 and max(histogram) >= 4, histogram
+    buckets = next(v for k, v in step_cache._STATIC_TARGETS[target].items() if k[0] == "buckets")
+    assert isinstance(buckets, BucketedTarget) and len(buckets.steps) >= 2  # (made on first use: the sizes run)
+    assert set(buckets.steps) <= {s + 1 for s in SIZES}
+
+
+def test_bucketed_target_verifies_like_the_adapter():
+    """Trees of several sizes through one BucketedTarget: logits as the eager adapter's on every node, each commit
+    through the step that verified, the committed length shared; misuse refused."""
+    target = TINY_TARGETS["qwen3_5"]()
+    ids = prompts(1)[0][0]
+    eager = TargetAdapter(target, max_length=256)
+    buckets = BucketedTarget(TargetAdapter(target, max_length=256), [1, 5, 9], capture=False)
+    eager.prefill(ids)
+    buckets.prefill(ids)
+    generator = torch.Generator().manual_seed(0)
+    for size, path in ((3, [0, 1]), (1, [0]), (9, [0, 2, 5]), (5, [0, 1, 3])):
+        parents = [-1] + [int(torch.randint(0, i, (), generator=generator)) for i in range(1, size)]
+        tree = Tree.from_lists(torch.randint(0, VOCAB, (size,), generator=generator).tolist(), parents)
+        want, got = eager.verify(tree).logits, buckets.verify(tree).logits
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-5), size
+        assert buckets._verified is buckets.steps[next(s for s in (1, 5, 9) if s >= size)]
+        path = [p for p in path if p < size]
+        eager.commit(path)
+        buckets.commit(path)
+        assert buckets.length == eager.length
+    with pytest.raises(ValueError, match="does not fit"):
+        buckets.verify(Tree.from_lists([1] * 10, [-1] + list(range(9))))
+    with pytest.raises(RuntimeError, match="follow verify"):
+        buckets.commit([0])
+    with pytest.raises(ValueError, match="root included"):
+        BucketedTarget(eager, [0, 4])
+
+
+def test_auto_is_checked():
     target = TINY_TARGETS["llama"]()
     drafter, weaver = make_drafters(target)
     ids = prompts(1)[0]
-    for step in ("static", "graph", "compiled"):
-        with pytest.raises(ValueError, match="eager-only"):
-            speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget="auto", target_step=step)
     with pytest.raises(ValueError, match="budget_policy"):
         speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget=8, budget_policy=BudgetPolicy())
     with pytest.raises(TypeError, match="tree_budget"):
@@ -293,6 +349,13 @@ def test_calibration_cache_is_keyed_and_read_back(tmp_path, monkeypatch):
     # recalibrate measures again and replaces its own entry only
     _, again = run(BudgetPolicy(cache_dir=str(tmp_path), recalibrate=True, **QUICK))
     assert again["source"] == "measured" and len(json.loads((tmp_path / CACHE_FILE).read_text())) == 3
+    # fixed-shape steps are timed through their own steps, under a key of their own
+    got, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget="auto",
+                                      max_new_tokens=16, return_stats=True, target_step="static",
+                                      budget_policy=BudgetPolicy(cache_dir=str(tmp_path), **QUICK))
+    static = stats.calibration["costs"]
+    assert torch.equal(got, expected) and static["source"] == "measured" and static["fields"]["step"] == "static"
+    assert len(json.loads((tmp_path / CACHE_FILE).read_text())) == 4
 
 
 def test_calibration_cache_survives_a_restart(tmp_path):
@@ -335,7 +398,7 @@ def test_cost_table_interpolates():
     assert CostTable.from_dict(MIXED.as_dict(), "cache").verify_ms == MIXED.verify_ms
 
 
-def test_cli_takes_auto(tmp_path, capsys):
+def test_cli_takes_auto(tmp_path):
     from modeling_weaver.cli import build_parser
 
     args = build_parser().parse_args(["demo", "--tree-budget", "auto", "--recalibrate"])
@@ -345,9 +408,7 @@ def test_cli_takes_auto(tmp_path, capsys):
         build_parser().parse_args(["demo", "--tree-budget", "0"])
     args = build_parser("bench").parse_args(["bench", "--budgets", "16", "auto", "--no-plot", "--target-step", "static",
                                       "--drafter", str(tmp_path), "--modes", "ddtree"])
-    assert args.budgets == [16, "auto"]
-    from modeling_weaver.lab.benchmark import build_methods, run_benchmark
+    assert args.budgets == [16, "auto"] and args.target_step == "static"
+    from modeling_weaver.lab.benchmark import build_methods
 
     assert [m.label for m in build_methods(["ddtree"], [8, "auto"], [0.0])] == ["ar", "ddtree@8", "ddtree@auto"]
-    assert run_benchmark(args) != 0  # (a one-line error before anything loads)
-    assert "eager-only" in capsys.readouterr().err

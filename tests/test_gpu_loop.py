@@ -162,6 +162,29 @@ def test_graphs_are_captured_once_per_tree_size_across_prompt_lengths():
     assert len(graphs[0]) == 1 and all(g[0] is graphs[0][0] for g in graphs)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_auto_budget_in_graph_steps_on_gpu(name):
+    """tree_budget="auto" with CUDA-graph steps: a bucket per size, each captured once on first use, replayed by the
+    next generation (another prompt length, the same capacity bucket); token-identical to AR."""
+    from modeling_weaver import BudgetPolicy
+    from modeling_weaver.decoding.budget import CostTable
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
+
+    target = TINY_TARGETS[name]().cuda()
+    drafter, weaver = (m.cuda() for m in make_drafters(target))
+    mixed = CostTable(((0, 10.0), (4, 11.0), (8, 12.0), (16, 14.0), (32, 18.0)), 2.0)
+    captures = []
+    for length in (9, 40):
+        ids = torch.randint(0, 97, (1, length), device="cuda")
+        got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget="auto",
+                                   max_new_tokens=40, target_step="graph", budget_policy=BudgetPolicy(costs=mixed))
+        assert torch.equal(got, reference(target, ids, 40)), length
+        buckets = next(v for k, v in _STATIC_TARGETS[target].items() if k[0] == "buckets")
+        assert buckets.capture and all(step.captures == 1 for step in buckets.steps.values())
+        captures.append(buckets.captures)
+    assert captures[1] >= captures[0] >= 1
+
+
 def test_graph_steps_allocate_nothing_per_step_and_capture_once():
     """After warm-up, a long graph-mode generation neither grows memory nor captures again (the fused step's graph —
     draft + tree, verify, accept and commit in one — stays the same object)."""

@@ -1,7 +1,7 @@
-"""``tree_budget="auto"``: each eager step verifies the tree size that maximises expected tokens per second
+"""``tree_budget="auto"``: each step verifies the tree size that maximises expected tokens per second
 (docs/DESIGN.md §12).
 
-- **Cost** (:class:`CostTable`, :func:`step_costs`): milliseconds of an eager step's verify + accept + commit against
+- **Cost** (:class:`CostTable`, :func:`step_costs`): milliseconds of a step's verify + accept + commit against
   the number of draft nodes (0: a plain AR step), and of draft + tree build at the largest size. Measured once on
   dummy inputs with the generation's own target, drafter and tree mode, then cached as JSON under the cache folder,
   keyed by the device, the target (class, config, dtype, module types), the step kind and the drafting setup.
@@ -39,6 +39,7 @@ from ..output_dir import cache_root
 from ..target import TargetAdapter
 from ..tree import Tree, max_tree_budget, subtree
 from .drafting import DFlashRunner, EagerProposer
+from .step_cache import capture_flags, static_buckets, static_draft
 
 CACHE_FILE = "step_costs.json"
 CALIBRATION_VERSION = "1"  # (bump when what is timed changes: older entries are then measured again)
@@ -46,7 +47,7 @@ CALIBRATION_VERSION = "1"  # (bump when what is timed changes: older entries are
 
 @dataclass(frozen=True)
 class CostTable:
-    """Measured milliseconds of one eager step's parts.
+    """Measured milliseconds of one step's parts.
 
     Attributes:
         verify_ms: ``(drafts, ms)`` pairs, ascending: verify + greedy accept + commit of a tree of that many draft
@@ -148,7 +149,7 @@ def candidate_sizes(policy: BudgetPolicy, target, device) -> tuple[int, ...]:
 
 
 class AutoBudget:
-    """One generation's adaptive tree size, the seam the eager loop calls each step: :meth:`drafts` (draft this
+    """One generation's adaptive tree size, the seam the split steps call each step: :meth:`drafts` (draft this
     step?), :meth:`choose` (cut the tree built at the largest size to the chosen prefix), :meth:`observe` (the
     accepted length, for the calibration). :meth:`report` says what it used."""
 
@@ -251,11 +252,33 @@ def _dummy_tree(drafts: int, depth: int, vocab: int, device, generator: torch.Ge
     return Tree.from_lists(tokens, parents, device=device)
 
 
+def _step_parts(target, runner: DFlashRunner, weaver, mode: str, sizes: tuple[int, ...], tree_policy: TreePolicy,
+                step_options: StepOptions, max_length: int, step: str):
+    """The verifier and the largest size's proposer that a generation of ``step`` (a loop ``target_step``) runs:
+    eager ones on fresh caches, or the fixed-shape steps the generation itself will use (kept per model: a later
+    generation resets them, and on CUDA the graphs captured here are the ones it replays)."""
+    depth = runner.block_size - 1
+    if step == "eager":
+        verifier = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids,
+                                 max_tree_depth=depth, options=step_options)
+        proposer = EagerProposer(DFlashRunner(runner.drafter, target, step_options), mode, max(sizes), weaver, target,
+                                 tree_policy)
+        return verifier, proposer
+    flags = capture_flags(step, next(target.parameters()).device)
+    verifier = static_buckets(target, max_length, [s + 1 for s in sizes], runner.feature_layer_ids, **flags,
+                              max_tree_depth=depth, options=step_options)
+    proposer = static_draft(runner.drafter, target, max_length, flags["capture"], options=step_options).proposer(
+        mode, max(sizes), weaver if mode == "weaver" else None, compile=flags["compile"], policy=tree_policy)
+    return verifier, proposer
+
+
 @torch.no_grad()
 def measure_costs(target, runner: DFlashRunner, weaver, mode: str, sizes: tuple[int, ...], tree_policy: TreePolicy,
-                  step_options: StepOptions, policy: BudgetPolicy) -> tuple[tuple[tuple[int, float], ...], float]:
-    """Time an eager step's parts on dummy inputs: verify + accept + commit at each size, draft + tree at the
-    largest (fresh caches: the generation's own are untouched). Returns ``(verify_ms pairs, propose_ms)``.
+                  step_options: StepOptions, policy: BudgetPolicy,
+                  step: str = "eager") -> tuple[tuple[tuple[int, float], ...], float]:
+    """Time a step's parts on dummy inputs, with the verifier and proposer of ``step`` (a loop ``target_step``):
+    verify + accept + commit at each size, draft + tree at the largest (the generation's own caches are untouched,
+    or reset before it starts). Returns ``(verify_ms pairs, propose_ms)``.
 
     Round-robin over the parts, one warm-up round, then the median of ``policy.calibration_reps`` rounds: a slow
     spell of a shared machine slows every part alike. Noise only adds time, so a size's cost is the least measured
@@ -266,11 +289,9 @@ def measure_costs(target, runner: DFlashRunner, weaver, mode: str, sizes: tuple[
     vocab = target.get_input_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     rounds = reps + 1
-    adapter = TargetAdapter(target, max_length=context + rounds * len(sizes) + max(sizes) + 2,
-                            feature_layer_ids=runner.feature_layer_ids, max_tree_depth=depth, options=step_options)
+    adapter, proposer = _step_parts(target, runner, weaver, mode, sizes, tree_policy, step_options,
+                                    context + rounds * len(sizes) + max(sizes) + 2, step)
     prefilled = adapter.prefill(torch.randint(0, vocab, (context,), generator=generator).to(device))
-    proposer = EagerProposer(DFlashRunner(runner.drafter, target, step_options), mode, max(sizes), weaver, target,
-                             tree_policy)
     features, last = prefilled.features, prefilled.hidden[-1]
     proposer.propose(0, features, context, last)  # the prompt's context, once
     drafted = iter(range(1, rounds + 1))
@@ -308,16 +329,17 @@ def _read(path: Path) -> dict:
 
 
 def step_costs(target, runner, weaver, mode: str, sizes: tuple[int, ...], tree_policy: TreePolicy,
-               step_options: StepOptions, policy: BudgetPolicy) -> CostTable:
-    """The :class:`CostTable` of this generation's setup: ``policy.costs`` if given; else the cached one (file
-    :data:`CACHE_FILE` in ``policy.cache_dir`` or the cache folder) unless ``policy.recalibrate``; else measured
-    (:func:`measure_costs`, seconds) and cached. Entries of other setups in the file are kept."""
+               step_options: StepOptions, policy: BudgetPolicy, step: str = "eager") -> CostTable:
+    """The :class:`CostTable` of this generation's setup (``step``: its ``target_step``): ``policy.costs`` if given;
+    else the cached one (file :data:`CACHE_FILE` in ``policy.cache_dir`` or the cache folder) unless
+    ``policy.recalibrate``; else measured (:func:`measure_costs`, seconds) and cached. Entries of other setups in the
+    file are kept."""
     if policy.costs is not None:
         return policy.costs
     if not isinstance(runner, DFlashRunner):
         raise ValueError('tree_budget="auto" measures its costs with a DFlash drafter: with another drafting runner, '
                          "give BudgetPolicy(costs=CostTable(...))")
-    fields = cost_fields(target, runner, weaver, mode, sizes, tree_policy, step_options, policy)
+    fields = cost_fields(target, runner, weaver, mode, sizes, tree_policy, step_options, policy, step)
     key = _digest(fields)
     path = Path(policy.cache_dir) if policy.cache_dir is not None else cache_root()
     path = path / CACHE_FILE
@@ -327,7 +349,7 @@ def step_costs(target, runner, weaver, mode: str, sizes: tuple[int, ...], tree_p
             return CostTable.from_dict(entry, "cache")
         except (KeyError, TypeError, ValueError):
             pass  # (a damaged entry: measured again)
-    verify, propose = measure_costs(target, runner, weaver, mode, sizes, tree_policy, step_options, policy)
+    verify, propose = measure_costs(target, runner, weaver, mode, sizes, tree_policy, step_options, policy, step)
     table = CostTable(verify, propose, tuple(sorted(fields.items())), "measured")
     path.parent.mkdir(parents=True, exist_ok=True)
     entries = _read(path)  # (again: another process may have added entries meanwhile)

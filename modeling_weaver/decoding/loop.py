@@ -27,8 +27,8 @@ from ..validation import row_wise
 from .budget import AutoBudget, candidate_sizes, step_costs
 from .drafting import DFlashRunner, EagerProposer, Proposer, StaticProposer, untimed
 from .fused import FusedGreedyStep
-from .step_cache import capture_flags, fused_step, static_draft, static_target
-from .verify import StaticTarget
+from .step_cache import capture_flags, fused_step, static_buckets, static_draft, static_target
+from .verify import BucketedTarget, StaticTarget
 
 
 @dataclass
@@ -228,7 +228,7 @@ class FusedSteps:
 class Plan:
     """What one generation runs, chosen once before the loop: the verifier and the steps (proposer inside)."""
 
-    verifier: TargetAdapter | StaticTarget
+    verifier: TargetAdapter | StaticTarget | BucketedTarget
     steps: SplitSteps | FusedSteps  # each: arm(bonus, context, last_hidden), then run(ahead) yields the steps
     sizer: AutoBudget | None = None  # tree_budget="auto"
 
@@ -249,16 +249,25 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
     """The factory: the verifier of ``target_step``, the proposer for ``runner`` (a :class:`~.drafting.Proposer` as
     it is; a :class:`~.drafting.DFlashRunner` at fixed shapes when the target's steps are; any other drafting runner
     eager), and fused steps when greedy decoding needs nothing from the host (no processors, device acceptance).
-    With ``auto`` (``tree_budget="auto"``, eager), ``tree_budget`` is the largest of ``sizes`` and each step's size is
-    chosen among them (:class:`~.budget.AutoBudget`)."""
+    With ``auto`` (``tree_budget="auto"``), ``tree_budget`` is the largest of ``sizes`` and each step's size is
+    chosen among them (:class:`~.budget.AutoBudget`); fixed-shape steps then verify in a step of each size
+    (:class:`~.verify.BucketedTarget`)."""
     depth = runner.block_size - 1  # every tree drafts within one block: the bound picks the GDN verify kernel
+    sizer = None
+    if auto is not None:  # (first: a fixed-shape calibration runs the generation's own steps, which are reset below)
+        costs = step_costs(target, runner, weaver, mode, sizes, tree_policy, step_options, auto, target_step)
+        sizer = AutoBudget(auto, costs, sizes, depth)
     if target_step == "eager":
         verifier = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids,
                                  max_tree_depth=depth, options=step_options)
     else:  # kept per target and drafter: later generations replay the same graphs
         flags = capture_flags(target_step, device)
-        verifier = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, **flags,
-                                 max_tree_depth=depth, options=step_options)
+        if sizer is not None:
+            verifier = static_buckets(target, max_length, [s + 1 for s in sizes], runner.feature_layer_ids, **flags,
+                                      max_tree_depth=depth, options=step_options)
+        else:
+            verifier = static_target(target, max_length, tree_budget + 1, runner.feature_layer_ids, **flags,
+                                     max_tree_depth=depth, options=step_options)
     if verifier.max_tree_nodes is not None and tree_budget + 1 > verifier.max_tree_nodes:
         raise ValueError(f"tree_budget {tree_budget} is too large for this hybrid target on {verifier.device}: the "
                          f"GDN tree kernel verifies at most {verifier.max_tree_nodes} nodes (budget + root)")
@@ -270,12 +279,9 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
     else:
         proposer = EagerProposer(runner, mode, tree_budget, weaver, target, tree_policy)
     on_device = accept is None or isinstance(accept, DeviceAcceptance)
-    if isinstance(proposer, StaticProposer) and not scores.do_sample and not scores.processors and on_device:
+    fusable = isinstance(proposer, StaticProposer) and sizer is None  # (auto: the host picks each step's size)
+    if fusable and not scores.do_sample and not scores.processors and on_device:
         return Plan(verifier, FusedSteps(fused_step(proposer, verifier, accept), timed))
-    sizer = None
-    if auto is not None:
-        costs = step_costs(target, runner, weaver, mode, sizes, tree_policy, step_options, auto)
-        sizer = AutoBudget(auto, costs, sizes, depth)
     rule = acceptance_rule(accept, scores.do_sample, verification, generator)
     return Plan(verifier, SplitSteps(proposer, verifier, rule, scores, timed, sizer), sizer)
 
@@ -295,9 +301,6 @@ def _decode(target, prompt: torch.Tensor, *, runner, weaver, mode: str, tree_bud
         raise ValueError(f"target_step must be one of {TARGET_STEPS}, got {target_step!r}")
     sizes: tuple[int, ...] = ()
     if tree_budget == "auto":
-        if target_step != "eager":
-            raise ValueError(f'tree_budget="auto" is eager-only for now (target_step="eager"), got target_step='
-                             f'{target_step!r}: give a fixed tree_budget for fixed-shape steps')
         budget_policy = budget_policy or BudgetPolicy()
         sizes = candidate_sizes(budget_policy, target, prompt.device)
         tree_budget = max(sizes)

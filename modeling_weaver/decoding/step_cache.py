@@ -14,7 +14,7 @@ from ..options import StepOptions
 from ..target import TargetAdapter, weights_key
 from .drafting import StaticDraft, StaticProposer
 from .fused import FusedGreedyStep
-from .verify import StaticTarget
+from .verify import BucketedTarget, StaticTarget
 
 
 _STATIC_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -64,6 +64,27 @@ def static_target(model, max_length: int, num_nodes: int, feature_layer_ids=(), 
         if compile:
             adapter.compile_tree_step()
         return StaticTarget(adapter, num_nodes, capture=capture)
+
+    step = _kept(steps, key, lambda: weights_key(model), build)
+    step.adapter.reset()
+    return step
+
+
+def static_buckets(model, max_length: int, sizes, feature_layer_ids=(), capture: bool | None = None,
+                   compile: bool = False, max_tree_depth: int | None = None,
+                   options: StepOptions = StepOptions()) -> BucketedTarget:
+    """The :class:`~.verify.BucketedTarget` of ``model`` with steps of ``sizes`` nodes, kept and reset as
+    :func:`static_target` keeps its steps (the same capacity buckets)."""
+    capacity = cache_bucket(max_length)
+    steps = _STATIC_TARGETS.setdefault(model, {})
+    sizes = tuple(sorted(set(sizes)))
+    key = ("buckets", capacity, sizes, tuple(feature_layer_ids), capture, compile, max_tree_depth, options)
+
+    def build() -> BucketedTarget:
+        adapter = TargetAdapter(model, capacity, feature_layer_ids, max_tree_depth, options)
+        if compile:
+            adapter.compile_tree_step()
+        return BucketedTarget(adapter, sizes, capture=capture)
 
     step = _kept(steps, key, lambda: weights_key(model), build)
     step.adapter.reset()

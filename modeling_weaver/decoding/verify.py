@@ -9,7 +9,8 @@ attends over the whole cache (``bound = max_length``), every commit takes the ac
 so nothing in either step depends on the prompt or the position: on CUDA each step is one CUDA graph, captured once
 and replayed for any prompt length up to ``max_length``. Elsewhere (or with ``capture=False``) the same static-buffer
 code runs eagerly — what the CPU tests exercise. One :class:`StaticTarget` per tree size (the commit graph reads the
-outputs of its own verify graph); prefill stays eager (chunked, once per prompt).
+outputs of its own verify graph); prefill stays eager (chunked, once per prompt). :class:`BucketedTarget` holds
+several sizes over one adapter, for trees whose size changes from step to step (``tree_budget="auto"``).
 """
 
 from __future__ import annotations
@@ -115,3 +116,54 @@ class StaticTarget:
         commit_graph, _ = graphs.capture_graph(self._commit, pool=verify_graph.pool())
         self._graphs = (verify_graph, out, commit_graph)
         self.captures += 1
+
+
+class BucketedTarget:
+    """One :class:`TargetAdapter` behind fixed-shape steps of several tree sizes (``tree_budget="auto"`` with
+    fixed-shape steps): each verify runs the smallest step that holds the tree, and the commit after it runs through
+    the same step (its graph reads that verify's outputs). Steps are made, and on CUDA captured, on first use; all of
+    them write the one adapter's caches. Same interface as :class:`StaticTarget` for the loop.
+
+    Args:
+        adapter: the target adapter.
+        sizes: the node counts of the steps (draft nodes + the root).
+        capture: capture CUDA graphs (default: when the adapter is on CUDA).
+    """
+
+    def __init__(self, adapter: TargetAdapter, sizes, capture: bool | None = None):
+        self.sizes = tuple(sorted(set(sizes)))
+        if not self.sizes or self.sizes[0] < 1:
+            raise ValueError(f"bucket sizes count nodes (>= 1, the root included), got {sizes!r}")
+        if adapter.max_tree_nodes is not None and self.sizes[-1] > adapter.max_tree_nodes:
+            raise ValueError(f"{self.sizes[-1]} nodes exceed the {adapter.max_tree_nodes} the GDN tree kernel verifies")
+        self.adapter, self.capture = adapter, capture
+        self.steps: dict[int, StaticTarget] = {}
+        self._verified: StaticTarget | None = None
+
+    length = property(lambda self: self.adapter.length)
+    max_length = property(lambda self: self.adapter.max_length)
+    device = property(lambda self: self.adapter.device)
+    max_tree_nodes = property(lambda self: self.adapter.max_tree_nodes)
+    captures = property(lambda self: sum(step.captures for step in self.steps.values()))
+
+    def step(self, nodes: int) -> StaticTarget:
+        """The step of the smallest size that holds ``nodes`` nodes (made on first use)."""
+        size = next((s for s in self.sizes if s >= nodes), None)
+        if size is None:
+            raise ValueError(f"a tree of {nodes} nodes does not fit the largest step ({self.sizes[-1]} nodes)")
+        if size not in self.steps:
+            self.steps[size] = StaticTarget(self.adapter, size, capture=self.capture)
+        return self.steps[size]
+
+    def prefill(self, input_ids: torch.Tensor, chunk_size: int = 128) -> TreeOutput:
+        return self.adapter.prefill(input_ids, chunk_size)
+
+    def verify(self, tree: Tree) -> TreeOutput:
+        self._verified = self.step(len(tree))
+        return self._verified.verify(tree)
+
+    def commit(self, path) -> None:
+        if self._verified is None:
+            raise RuntimeError("commit() must follow verify()")
+        step, self._verified = self._verified, None
+        step.commit(path)

@@ -401,8 +401,6 @@ def run_benchmark(args) -> int:
         raise ValueError("--drafter is required for the chain/ddtree/weaver modes")
     if "weaver" in args.modes and args.weaver is None:
         raise ValueError("--weaver is required for the weaver mode (or drop it from --modes)")
-    if args.budgets and "auto" in args.budgets and args.target_step != "eager":
-        raise ValueError("--budgets auto is eager-only for now: use --target-step eager, or fixed budgets")
     require_dir(args.drafter, "--drafter")
     require_dir(args.weaver, "--weaver")
     inputs = [args.target, args.drafter, args.weaver, args.prompts]
