@@ -1,0 +1,1 @@
+"""Tree Kimi Delta Attention (per-channel gated delta rule): torch references (naive); kernels to follow."""
