@@ -1,0 +1,188 @@
+"""Tree Kimi Delta Attention references (``weaver_kernels.kda_tree.naive``, docs/DESIGN.md §13) against the
+token-by-token recurrence along each node's root path, in fp64; the recurrence against transformers' own KDA."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from weaver_kernels.gdn_tree.naive import gdn_tree_commit_ref, gdn_tree_verify_ref
+from weaver_kernels.kda_tree.naive import kda_gates, kda_recurrent_ref, kda_tree_commit_ref, kda_tree_verify_ref
+from weaver_kernels.testing import (
+    ancestor_mask,
+    best_first_parents,
+    chain_parents,
+    deep_path_parents,
+    depths,
+    forest_parents,
+    kda_inputs,
+    path_to,
+    random_parents,
+    shuffled_topological,
+    star_parents,
+)
+
+F64 = torch.float64
+EXACT = 1e-12  # fp64: the solve and the recurrence agree to rounding
+
+
+def _tree(kind: str, T: int, rng: random.Random) -> list[int]:
+    return {
+        "chain": lambda: chain_parents(T),
+        "star": lambda: star_parents(T),
+        "deep": lambda: deep_path_parents(T, rng),
+        "random": lambda: random_parents(T, rng),
+        "forest": lambda: forest_parents(T, rng),
+        "shuffled": lambda: shuffled_topological(best_first_parents(T, rng), rng),
+    }[kind]()
+
+
+def _path_errors(parents, q, k, v, g, beta, S0, o, u, gamma, l2, nodes=None):
+    """Max |tree − recurrence| over the outputs of each node's root path and over the state committed at that node."""
+    err_o = err_s = 0.0
+    for i in range(len(parents)) if nodes is None else nodes:
+        p = torch.tensor(path_to(parents, i))
+        ro, rS = kda_recurrent_ref(q[:, p], k[:, p], v[:, p], g[:, p], beta[:, p], S0, use_qk_l2norm_in_kernel=l2)
+        err_o = max(err_o, (o[:, p] - ro).abs().max().item())
+        S = kda_tree_commit_ref(S0.clone(), k, u, gamma, p, use_qk_l2norm_in_kernel=l2)
+        err_s = max(err_s, (S - rS).abs().max().item())
+    return err_o, err_s
+
+
+@pytest.mark.parametrize("kind", ["chain", "star", "deep", "random", "forest", "shuffled"])
+@pytest.mark.parametrize("H,HV,l2", [(2, 4, True), (3, 3, False)])
+def test_tree_equals_recurrence_on_every_root_path(kind, H, HV, l2):
+    T = 24
+    parents = _tree(kind, T, random.Random(T + HV))
+    q, k, v, g, beta, S0 = kda_inputs(2, T, H, HV, 8, 6, F64, seed=HV, l2norm_in_kernel=l2)
+    o, u, gamma = kda_tree_verify_ref(q, k, v, g, beta, S0, ancestor_mask(parents), use_qk_l2norm_in_kernel=l2)
+    assert o.shape == v.shape and u.shape == v.shape and gamma.shape == g.shape
+    err_o, err_s = _path_errors(parents, q, k, v, g, beta, S0, o, u, gamma, l2)
+    assert err_o <= EXACT and err_s <= EXACT, (err_o, err_s)
+
+
+def test_commit_of_a_random_accepted_path_equals_sequential_decoding():
+    """The state committed from the verify's u and gamma along a random root→node path (right-padded with −1, as
+    fixed-shape steps pass it) equals decoding that path token by token; an all-padding path changes nothing."""
+    rng = random.Random(7)
+    parents = deep_path_parents(40, rng, depth=15)
+    q, k, v, g, beta, S0 = kda_inputs(2, 40, 2, 4, 16, 8, F64, seed=3)
+    o, u, gamma = kda_tree_verify_ref(q, k, v, g, beta, S0, ancestor_mask(parents), use_qk_l2norm_in_kernel=True)
+    for leaf in rng.sample(range(40), 5):
+        pp = path_to(parents, leaf)
+        S = S0.clone()
+        out = kda_tree_commit_ref(S, k, u, gamma, torch.tensor(pp + [-1] * 4), use_qk_l2norm_in_kernel=True)
+        assert out is S  # in place
+        _, rS = kda_recurrent_ref(q[:, pp], k[:, pp], v[:, pp], g[:, pp], beta[:, pp], S0, use_qk_l2norm_in_kernel=True)
+        assert (S - rS).abs().max().item() <= EXACT
+    S = S0.clone()
+    kda_tree_commit_ref(S, k, u, gamma, torch.full((3,), -1), use_qk_l2norm_in_kernel=True)
+    assert torch.equal(S, S0)
+
+
+def test_forgetting_channels_do_not_overflow_off_path():
+    """A channel that forgets everything (g = −1000 at some nodes) puts Γ_i − Γ_j ≈ +1000 between branches: exp of
+    that is inf even in fp64, so the masking must come before the exp; the tree still equals the recurrence."""
+    parents = random_parents(20, random.Random(5))
+    q, k, v, g, beta, S0 = kda_inputs(1, 20, 2, 2, 8, 4, F64, seed=11)
+    g[:, 3::4, :, 0] = -1000.0
+    o, u, gamma = kda_tree_verify_ref(q, k, v, g, beta, S0, ancestor_mask(parents), use_qk_l2norm_in_kernel=True)
+    assert torch.isfinite(o).all() and torch.isfinite(u).all()
+    err_o, err_s = _path_errors(parents, q, k, v, g, beta, S0, o, u, gamma, True)
+    assert err_o <= EXACT and err_s <= EXACT, (err_o, err_s)
+
+
+def test_scalar_gate_gives_the_gdn_tree():
+    """With the same decay in every channel, KDA is §5's gated delta rule: the GDN references give the same result."""
+    parents = random_parents(16, random.Random(2))
+    q, k, v, g, beta, S0 = kda_inputs(2, 16, 2, 4, 8, 6, F64, seed=4)
+    g1 = g[..., 0]
+    M = ancestor_mask(parents)
+    o, u, gamma = kda_tree_verify_ref(q, k, v, g1[..., None].expand_as(g), beta, S0, M, use_qk_l2norm_in_kernel=True)
+    go, gu, ggamma = gdn_tree_verify_ref(q, k, v, g1, beta, S0, M, use_qk_l2norm_in_kernel=True)
+    assert (o - go).abs().max() <= EXACT and (u - gu).abs().max() <= EXACT
+    assert (gamma - ggamma[..., None]).abs().max() <= EXACT
+    path = torch.tensor(path_to(parents, 15))
+    S = kda_tree_commit_ref(S0.clone(), k, u, gamma, path, True)
+    assert (S - gdn_tree_commit_ref(S0.clone(), k, gu, ggamma, path, True)).abs().max() <= EXACT
+
+
+def test_negative_controls_fail_the_check():
+    """The check can fail: a mask missing one ancestor edge, one perturbed gate channel, or a decay averaged over the
+    channels (a GDN-like scalar gate) each leave errors far above the tolerance."""
+    parents = deep_path_parents(20, random.Random(9), depth=10)
+    q, k, v, g, beta, S0 = kda_inputs(1, 20, 2, 2, 8, 4, F64, seed=5)
+    M = ancestor_mask(parents)
+    deep = max(range(20), key=lambda i: depths(parents)[i])
+    leaf_only = [deep]
+
+    def errs(mask=M, gate=g):
+        o, u, gamma = kda_tree_verify_ref(q, k, v, gate, beta, S0, mask, use_qk_l2norm_in_kernel=True)
+        return _path_errors(parents, q, k, v, g, beta, S0, o, u, gamma, True, nodes=leaf_only)
+
+    assert max(errs()) <= EXACT
+    wrong = M.clone()
+    wrong[deep, parents[parents[deep]]] = False  # the grandparent edge: no longer transitively closed
+    assert min(errs(mask=wrong)) > 1e-4
+    nudged = g.clone()
+    nudged[:, parents[deep], :, 3] += 0.5
+    assert min(errs(gate=nudged)) > 1e-4
+    assert min(errs(gate=g.mean(-1, keepdim=True).expand_as(g))) > 1e-4
+
+
+def test_raw_gates_match_precomputed_gates():
+    """``A_log``/``dt_bias`` make verify form the gates itself from the raw projections (as ``kda_gates``)."""
+    B, T, H, K = 1, 10, 2, 8
+    parents = random_parents(T, random.Random(3))
+    q, k, v, _, _, S0 = kda_inputs(B, T, H, H, K, 4, F64, seed=6)
+    gen = torch.Generator().manual_seed(1)
+    f = torch.randn(B, T, H, K, generator=gen, dtype=F64) * 10
+    b = torch.randn(B, T, H, generator=gen, dtype=F64)
+    A_log, dt_bias = torch.randn(1, 1, H, 1, dtype=F64, generator=gen), torch.randn(H * K, dtype=F64, generator=gen)
+    M = ancestor_mask(parents)
+    got = kda_tree_verify_ref(q, k, v, f, b, S0, M, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    g, beta = kda_gates(f, b, A_log, dt_bias)
+    want = kda_tree_verify_ref(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True)
+    for a, w in zip(got, want):
+        assert torch.equal(a, w)
+
+
+# ----------------------------------------------------------------------------------------------- transformers
+@pytest.fixture(scope="module")
+def kimi():
+    return pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+
+
+def test_gates_equal_transformers_forget_gate(kimi):
+    """``kda_gates`` on the raw projections equals KimiLinear's forget gate bit for bit (softplus both sides of 20)."""
+    H, K, hidden = 3, 8, 16
+    gate = kimi.KimiLinearForgetGate(SimpleNamespace(linear_head_dim=K, linear_num_heads=H, hidden_size=hidden))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in gate.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 3)
+    x = torch.randn(2, 5, hidden, generator=gen)
+    f = gate.f_b_proj(gate.f_a_proj(x)).view(2, 5, H, K)
+    assert (f + gate.dt_bias.view(H, K) > 20).any() and (f + gate.dt_bias.view(H, K) < -20).any()
+    b = torch.randn(2, 5, H, generator=gen)
+    g, beta = kda_gates(f, b, gate.A_log, gate.dt_bias)
+    assert g.dtype == torch.float32 and torch.equal(g, gate(x))
+    assert torch.equal(beta, torch.sigmoid(b))
+
+
+def test_recurrence_equals_transformers_kda(kimi):
+    """The ground truth is the model's: ``kda_recurrent_ref`` against transformers' torch KDA (its recurrent form,
+    the decoding path, and its chunked form, the prefill path), which compute in fp32."""
+    B, T, H, K, V = 2, 20, 3, 16, 16
+    q, k, v, g, beta, S0 = kda_inputs(B, T, H, H, K, V, torch.float32, seed=8)
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    ro, rS = kda_recurrent_ref(q, k, v, g, beta, S0, **kw)
+    o64, S64 = kda_recurrent_ref(*(t.double() for t in (q, k, v, g, beta, S0)), **kw)
+    to, tS = kimi.recurrent_kimi_delta_attention(q, k, v, g, beta, S0.clone(), True, **kw)
+    co, cS = kimi.chunk_kimi_delta_attention(q, k, v, g, beta, chunk_size=8, initial_state=S0.clone(),
+                                             output_final_state=True, **kw)
+    for o, S, tol in ((to, tS, 1e-6), (co, cS, 1e-6), (o64, S64, 1e-5)):
+        assert (o.double() - ro.double()).abs().max() <= tol and (S.double() - rS.double()).abs().max() <= tol
