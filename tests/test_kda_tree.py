@@ -186,3 +186,28 @@ def test_recurrence_equals_transformers_kda(kimi):
                                              output_final_state=True, **kw)
     for o, S, tol in ((to, tS, 1e-6), (co, cS, 1e-6), (o64, S64, 1e-5)):
         assert (o.double() - ro.double()).abs().max() <= tol and (S.double() - rS.double()).abs().max() <= tol
+
+
+# ------------------------------------------------------------------------------------------------ custom ops
+def test_custom_ops_run_the_references():
+    """``weaver::kda_tree_verify`` / ``kda_tree_commit``: the references' results (direct CPU call and through the
+    dispatcher), fake implementations and in-place commit checked by ``opcheck``."""
+    import weaver_kernels as wk
+
+    parents = forest_parents(7, random.Random(0), roots=2)
+    q, k, v, g, beta, S0 = kda_inputs(1, 7, 1, 2, 16, 16, torch.float32, seed=1)
+    M = ancestor_mask(parents)
+    path = torch.tensor(path_to(parents, 6) + [-1])
+    want = kda_tree_verify_ref(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True)
+    got = wk.kda_tree_verify(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True)
+    traced = torch.ops.weaver.kda_tree_verify(q, k, v, g, beta, S0, M, 16**-0.5, True, None, None)
+    for a, b, w in zip(got, traced, want):
+        assert torch.equal(a, w) and torch.equal(b, w)
+    S = S0.clone()
+    assert wk.kda_tree_commit(S, k, got[1], got[2], path, use_qk_l2norm_in_kernel=True) is S
+    assert torch.equal(S, kda_tree_commit_ref(S0.clone(), k, want[1], want[2], path, True))
+    with pytest.raises(ValueError, match="go together"):
+        wk.kda_tree_verify(q, k, v, g, beta, S0, M, A_log=torch.zeros(2))
+
+    torch.library.opcheck(torch.ops.weaver.kda_tree_verify.default, (q, k, v, g, beta, S0, M, 0.25, True, None, None))
+    torch.library.opcheck(torch.ops.weaver.kda_tree_commit.default, (S0.clone(), k, got[1], got[2], path, True))
