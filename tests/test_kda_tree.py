@@ -211,3 +211,65 @@ def test_custom_ops_run_the_references():
 
     torch.library.opcheck(torch.ops.weaver.kda_tree_verify.default, (q, k, v, g, beta, S0, M, 0.25, True, None, None))
     torch.library.opcheck(torch.ops.weaver.kda_tree_commit.default, (S0.clone(), k, got[1], got[2], path, True))
+
+
+# -------------------------------------------------------------------------------------- Triton (interpreter)
+@pytest.fixture(scope="module")
+def ik():
+    pytest.importorskip("triton")
+    from weaver_kernels.utils import load_interpreted
+
+    return SimpleNamespace(fused=load_interpreted("weaver_kernels.kda_tree.fused"),
+                           commit=load_interpreted("weaver_kernels.kda_tree.commit"))
+
+
+def _rel(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item() if torch.isfinite(x).all() else float("inf")
+
+
+KERNEL_CASES = [  # kind, T, H, HV, K, V, dtype, l2, BKC
+    ("chain", 33, 1, 2, 16, 16, torch.float32, True, 16),
+    ("deep", 37, 1, 1, 32, 24, torch.float32, False, 16),
+    ("star", 20, 2, 2, 16, 16, torch.float32, True, 16),
+    ("forest", 24, 1, 2, 40, 16, torch.float32, True, 32),
+    ("shuffled", 30, 1, 1, 16, 8, torch.float32, True, 16),
+    ("random", 18, 1, 2, 32, 16, torch.bfloat16, True, 32),
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-H{c[2]}x{c[3]}-K{c[4]}V{c[5]}-"
+                         f"{str(c[6])[6:]}-l2{int(c[7])}-BKC{c[8]}")
+def test_triton_verify_and_commit_interpreter(ik, case):
+    """The Triton verify and commit against the fp64 references: several row blocks, K not a power of two, V not a
+    multiple of the value block, forests, 16-bit inputs; the commit with a right-padded path."""
+    kind, T, H, HV, K, V, dtype, l2, BKC = case
+    parents = _tree(kind, T, random.Random(T))
+    q, k, v, g, beta, S0 = kda_inputs(1, T, H, HV, K, V, dtype, seed=T, l2norm_in_kernel=l2)
+    g, beta, S0 = g.float(), beta.float(), S0.float()
+    M = ancestor_mask(parents)
+    o, u, gamma = ik.fused.kda_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=l2, BKC=BKC)
+    d = lambda t: t.double()  # noqa: E731
+    ro, ru, rg = kda_tree_verify_ref(d(q), d(k), d(v), d(g), d(beta), d(S0), M, use_qk_l2norm_in_kernel=l2)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3  # bf16: the output's rounding
+    assert o.dtype == dtype and _rel(o, ro) <= tol and _rel(u, ru) <= 1e-5 and _rel(gamma, rg) <= 1e-5
+
+    leaf = max(range(T), key=lambda i: (depths(parents)[i], i))
+    path = torch.tensor(path_to(parents, leaf) + [-1] * 3)
+    S = S0.clone()
+    ik.commit.kda_tree_commit_triton(S, k, u, gamma, path, use_qk_l2norm_in_kernel=l2)
+    assert _rel(S, kda_tree_commit_ref(d(S0), d(k), ru, rg, path, l2)) <= 1e-5
+
+
+def test_triton_forgetting_channels_interpreter(ik):
+    """Off-path Γ differences past the exp's range (a channel with g = −1000) stay masked in the kernels too."""
+    parents = random_parents(20, random.Random(5))
+    q, k, v, g, beta, S0 = kda_inputs(1, 20, 1, 1, 16, 16, torch.float32, seed=11)
+    g[:, 3::4, :, 0] = -1000.0
+    M = ancestor_mask(parents)
+    o, u, gamma = ik.fused.kda_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True)
+    ro, ru, rg = kda_tree_verify_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), S0.double(), M,
+                                     use_qk_l2norm_in_kernel=True)
+    assert _rel(o, ro) <= 1e-5 and _rel(u, ru) <= 1e-5
+    path = torch.tensor(path_to(parents, 19))
+    S = ik.commit.kda_tree_commit_triton(S0.clone(), k, u, gamma, path, use_qk_l2norm_in_kernel=True)
+    assert _rel(S, kda_tree_commit_ref(S0.double(), k.double(), ru, rg, path, True)) <= 1e-5

@@ -1,11 +1,11 @@
 """``torch.library`` custom ops ``weaver::*`` for the tree seams, the one-token decode, tree attention and RMSNorm,
 with fake (meta) implementations.
 
-Dispatch: Triton kernels for CUDA tensors, the plain torch references otherwise (CPU; the KDA ops, which have no
-Triton form yet, on every device). Being custom ops with fake implementations, they trace as single opaque nodes:
-``torch.compile(fullgraph=True)`` of a layer's tree forward has no graph breaks, and the commits are declared as
-in-place mutations (``mutates_args``), so functionalization handles them. Triton is imported only when a CUDA tensor
-arrives (CPU-only installs never need it).
+Dispatch: Triton kernels for CUDA tensors, the plain torch references otherwise (CPU; the KDA ops' on every device,
+until their Triton kernels are checked on a GPU). Being custom ops with fake implementations, they trace as single
+opaque nodes: ``torch.compile(fullgraph=True)`` of a layer's tree forward has no graph breaks, and the commits are
+declared as in-place mutations (``mutates_args``), so functionalization handles them. Triton is imported only when a
+CUDA tensor arrives (CPU-only installs never need it).
 
 The public functions below keep the reference signatures (``weaver_kernels.gdn_tree_verify`` etc.); for CPU tensors
 outside a trace they run the op's function directly (:func:`_call`).
@@ -131,7 +131,7 @@ def _(q, k, v, g, beta, state, norm_weight, gate, scale, eps, use_qk_l2norm_in_k
 
 
 # ---------------------------------------------------------------------------------------------------------- KDA
-# the torch reference on every device: no Triton form yet (docs/DESIGN.md §13)
+# the torch reference on every device: kda_tree's Triton kernels are checked under the interpreter only (DESIGN §13)
 @_op("weaver::kda_tree_verify", mutates_args=())
 def _kda_tree_verify_op(
     q: Tensor,
@@ -413,7 +413,7 @@ def kda_tree_verify(
     See ``kda_tree.naive.kda_tree_verify_ref``. Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32,
     ``gamma [B, T, HV, K]`` fp32. With ``A_log`` (HV entries) and ``dt_bias`` (HV·K), ``g`` and ``beta`` are the raw
     projections f and b (KimiLinear's gates, :func:`~weaver_kernels.kda_gates`). The torch reference on every device
-    for now (no Triton form yet)."""
+    for now (``kda_tree.fused`` is not yet checked on a GPU)."""
     if (A_log is None) != (dt_bias is None):
         raise ValueError("kda_tree_verify: A_log and dt_bias go together")
     if scale is None:
