@@ -273,3 +273,26 @@ def test_triton_forgetting_channels_interpreter(ik):
     path = torch.tensor(path_to(parents, 19))
     S = ik.commit.kda_tree_commit_triton(S0.clone(), k, u, gamma, path, use_qk_l2norm_in_kernel=True)
     assert _rel(S, kda_tree_commit_ref(S0.double(), k.double(), ru, rg, path, True)) <= 1e-5
+
+
+def test_triton_raw_gates_interpreter(ik):
+    """With A_log and dt_bias the kernel forms KimiLinear's gates from the raw projections (both sides of the
+    softplus's 20) and matches the reference fed the same raw inputs; fp32 (the interpreter truncates where the GPU
+    rounds β to 16 bits)."""
+    T, H, K, V = 21, 2, 16, 16
+    parents = random_parents(T, random.Random(4))
+    q, k, v, _, _, S0 = kda_inputs(1, T, H, H, K, V, torch.float32, seed=9)
+    gen = torch.Generator().manual_seed(3)
+    f = torch.randn(1, T, H, K, generator=gen) * 12
+    f[..., 0, 0] = 25.0  # past the softplus's linear switch, with a slow decay there
+    b = torch.randn(1, T, H, generator=gen) * 3
+    A_log, dt_bias = torch.randn(1, 1, H, 1, generator=gen) - 3.0, torch.randn(H * K, generator=gen)
+    M = ancestor_mask(parents)
+    o, u, gamma = ik.fused.kda_tree_verify_triton(q, k, v, f, b, S0, M, use_qk_l2norm_in_kernel=True, A_log=A_log,
+                                                  dt_bias=dt_bias)
+    d = lambda t: t.double()  # noqa: E731
+    g, beta = kda_gates(d(f), d(b), d(A_log), d(dt_bias))
+    ro, ru, rg = kda_tree_verify_ref(d(q), d(k), d(v), g, d(beta), d(S0), M, use_qk_l2norm_in_kernel=True)
+    assert _rel(o, ro) <= 1e-5 and _rel(u, ru) <= 1e-5 and _rel(gamma, rg) <= 1e-5
+    with pytest.raises(ValueError, match="one per channel"):
+        ik.fused.kda_tree_verify_triton(q, k, v, f, b, S0, M, A_log=A_log, dt_bias=dt_bias[:H])

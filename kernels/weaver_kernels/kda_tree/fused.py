@@ -18,11 +18,19 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gdn_tree.common import block_inverse, last_contig
+from ..gdn_tree.common import block_inverse, gate_beta, last_contig
 from ..triton_utils import INTERPRET, fsum, rsum
 from ..utils import launch_ctx, next_pow2
 
 MAX_NODES = 256  # as the GDN verify's limit: a budget of 128 drafts plus the root
+
+
+@triton.jit
+def kda_gate(f, a_log, dt_bias, i_hv, o_k, m_k, K: tl.constexpr):
+    """KimiLinear's g of value head ``i_hv`` from raw projections ``f [N, BK]``: −exp(A_log) · softplus(f + dt_bias)
+    with transformers' softplus, log(1 + exp(x)) up to 20 and x above (:func:`..kda_tree.naive.kda_gates`)."""
+    x = f + tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+    return -tl.exp(tl.load(a_log + i_hv).to(tl.float32)) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
 
 
 @triton.jit
@@ -55,7 +63,7 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
 
 @triton.jit
 def _kda_tree_verify_kernel(
-    q, k, v, g, beta, s0, tmask, o, u, gamma,
+    q, k, v, g, beta, s0, tmask, o, u, gamma, a_log, dt_bias,
     T, scale,
     sq_b, sq_t, sq_h,
     sk_b, sk_t, sk_h,
@@ -64,7 +72,7 @@ def _kda_tree_verify_kernel(
     sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, L2NORM: tl.constexpr, BT: tl.constexpr,
-    LOG2_BT: tl.constexpr,
+    LOG2_BT: tl.constexpr, RAW_GATES: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -105,14 +113,19 @@ def _kda_tree_verify_kernel(
             t_c = c * BT + o_r
             m_c = t_c < T
             M_c = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0)
-            g_c = tl.load(g_base + t_c[:, None] * sg_t + o_k[None, :], mask=m_c[:, None] & m_k[None, :], other=0.0)
-            G_i += tl.dot(M_c.to(tl.float32), g_c.to(tl.float32), input_precision="ieee")
+            m_ck = m_c[:, None] & m_k[None, :]
+            g_c = tl.load(g_base + t_c[:, None] * sg_t + o_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
+            if RAW_GATES:  # g holds the raw projection f (beta: b, below)
+                g_c = tl.where(m_ck, kda_gate(g_c, a_log, dt_bias, i_hv, o_k, m_k, K), 0.0)
+            G_i += tl.dot(M_c.to(tl.float32), g_c, input_precision="ieee")
         tl.store(gm_base + t_r[:, None] * (HV * K) + o_k[None, :], G_i, mask=m_rk)
 
         k_i = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
         q_i = tl.load(q_base + t_r[:, None] * sq_t + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
         v_i = tl.load(v_base + t_r[:, None] * sv_t + o_v[None, :], mask=m_rv, other=0.0).to(tl.float32)
         b_i = tl.load(b_base + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
+        if RAW_GATES:  # β = sigmoid(b) in b's dtype, as the module computes it
+            b_i = tl.where(m_r, gate_beta(b_i, beta.dtype.element_ty), 0.0)
         rk_i = tl.full([BT], 1.0, tl.float32)
         rq_i = tl.full([BT], 1.0, tl.float32)
         if L2NORM:
@@ -165,10 +178,14 @@ def kda_tree_verify_triton(
     BV: int = 16,
     BKC: int = 16,
     num_warps: int = 4,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`~weaver_kernels.kda_tree.naive.kda_tree_verify_ref` (same shapes and outputs) for
     gates already formed (``g [B, T, HV, K]``). ``BV``: value columns per program; ``BKC``: key channels per step of
-    the pairwise scores (their [16, 16, BKC] tile bounds the registers). All dots are IEEE fp32."""
+    the pairwise scores (their [16, 16, BKC] tile bounds the registers). All dots are IEEE fp32. With ``A_log`` (HV
+    entries) and ``dt_bias`` (HV·K), ``g`` and ``beta`` are the raw projections f and b and the kernel forms the gates
+    (:func:`~weaver_kernels.kda_tree.naive.kda_gates`' formula)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if HV % H:
@@ -178,6 +195,12 @@ def kda_tree_verify_triton(
     if tuple(tree_mask.shape) != (T, T) or tuple(g.shape) != (B, T, HV, K):
         raise ValueError(f"tree_mask must be [{T}, {T}] and g [B, T, HV, K] = {(B, T, HV, K)}, got "
                          f"{tuple(tree_mask.shape)} and {tuple(g.shape)}")
+    raw = A_log is not None
+    if raw != (dt_bias is not None):
+        raise ValueError("kda_tree_verify: A_log and dt_bias go together")
+    if raw and (A_log.numel() != HV or dt_bias.numel() != HV * K):
+        raise ValueError(f"kda_tree_verify: A_log must hold {HV} values (one per value head), dt_bias {HV * K} "
+                         "(one per channel)")
     BK = max(16, next_pow2(K))
     if BKC < 16 or BKC & (BKC - 1) or BKC > BK:
         raise ValueError(f"BKC must be a power of two between 16 and {BK}, got {BKC}")
@@ -192,13 +215,14 @@ def kda_tree_verify_triton(
     gamma = torch.empty((B, T, HV, K), dtype=torch.float32, device=v.device)
     with launch_ctx(INTERPRET):
         _kda_tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
-            q, k, v, g, beta, s0, mask, o, u, gamma, T, scale,
+            q, k, v, g, beta, s0, mask, o, u, gamma, A_log.contiguous() if raw else s0,
+            dt_bias.contiguous() if raw else s0, T, scale,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             g.stride(0), g.stride(1), g.stride(2),
             beta.stride(0), beta.stride(1), beta.stride(2),
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BKC=BKC, L2NORM=bool(use_qk_l2norm_in_kernel), BT=16, LOG2_BT=4,
-            num_warps=num_warps, num_stages=1,
+            RAW_GATES=raw, num_warps=num_warps, num_stages=1,
         )
     return o, u, gamma
