@@ -8,6 +8,8 @@ seams:
 - :func:`gdn_tree_commit` — advance the committed state along the accepted path (in place, no re-solve).
 - :func:`conv_tree` — depthwise causal conv1d (+ SiLU) where each node reads its ancestors.
 - :func:`conv_tree_commit` — slide the committed conv window along the accepted path (in place).
+- :func:`kda_tree_verify`, :func:`kda_tree_commit` — the same pair for Kimi Delta Attention (per-channel gates; the
+  torch reference on every device for now).
 
 For the AR step (one token, committed at once), :func:`gdn_decode` and :func:`conv_decode` do verify and commit in
 one launch each (the GDN one with the layer's gated RMSNorm). Then :func:`tree_attention` (a tree's queries over a
@@ -28,8 +30,10 @@ References: ``*.naive``.
 from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_decode_ref, gdn_gates, gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
 from .int8_linear.naive import int8_linear_ref, quantize_rows
+from .kda_tree.naive import kda_gates, kda_recurrent_ref, kda_tree_commit_ref, kda_tree_verify_ref
 from .ops import (conv_decode, conv_tree, conv_tree_commit, gdn_decode, gdn_tree_commit, gdn_tree_verify,
-                  int8_linear, max_tree_nodes, node_attention, pool_scores, rms_norm, tree_attention, weaver_expand)
+                  int8_linear, kda_tree_commit, kda_tree_verify, max_tree_nodes, node_attention, pool_scores,
+                  rms_norm, tree_attention, weaver_expand)
 from .rms_norm.naive import GATED as RMS_GATED
 from .rms_norm.naive import ONE_PLUS as RMS_ONE_PLUS
 from .rms_norm.naive import WEIGHT as RMS_WEIGHT
@@ -72,4 +76,10 @@ __all__ = [
     "gdn_recurrent_ref",
     "conv_tree_ref",
     "conv_tree_commit_ref",
+    "kda_tree_verify",
+    "kda_tree_commit",
+    "kda_gates",
+    "kda_tree_verify_ref",
+    "kda_tree_commit_ref",
+    "kda_recurrent_ref",
 ]

@@ -1,10 +1,11 @@
 """``torch.library`` custom ops ``weaver::*`` for the tree seams, the one-token decode, tree attention and RMSNorm,
 with fake (meta) implementations.
 
-Dispatch: Triton kernels for CUDA tensors, the plain torch references otherwise (CPU). Being custom ops with fake
-implementations, they trace as single opaque nodes: ``torch.compile(fullgraph=True)`` of a layer's tree forward
-has no graph breaks, and the commits are declared as in-place mutations (``mutates_args``), so functionalization
-handles them. Triton is imported only when a CUDA tensor arrives (CPU-only installs never need it).
+Dispatch: Triton kernels for CUDA tensors, the plain torch references otherwise (CPU; the KDA ops' on every device,
+until their Triton kernels are checked on a GPU). Being custom ops with fake implementations, they trace as single
+opaque nodes: ``torch.compile(fullgraph=True)`` of a layer's tree forward has no graph breaks, and the commits are
+declared as in-place mutations (``mutates_args``), so functionalization handles them. Triton is imported only when a
+CUDA tensor arrives (CPU-only installs never need it).
 
 The public functions below keep the reference signatures (``weaver_kernels.gdn_tree_verify`` etc.); for CPU tensors
 outside a trace they run the op's function directly (:func:`_call`).
@@ -18,6 +19,7 @@ from torch import Tensor
 from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_decode_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
 from .int8_linear.naive import int8_linear_ref
+from .kda_tree.naive import kda_tree_commit_ref, kda_tree_verify_ref
 from .rms_norm.naive import GATED, rms_norm_ref
 from .tree_attention.naive import tree_attention_ref
 from .weaver_tree.naive import node_attention_ref, pool_scores_ref, weaver_expand_ref
@@ -126,6 +128,47 @@ def _gdn_decode_op(
 @_gdn_decode_op.register_fake
 def _(q, k, v, g, beta, state, norm_weight, gate, scale, eps, use_qk_l2norm_in_kernel, A_log, dt_bias):
     return v.new_empty(v.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------- KDA
+# the torch reference on every device: kda_tree's Triton kernels are checked under the interpreter only (DESIGN §13)
+@_op("weaver::kda_tree_verify", mutates_args=())
+def _kda_tree_verify_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor,
+    tree_mask: Tensor,
+    scale: float,
+    use_qk_l2norm_in_kernel: bool,
+    A_log: Tensor | None,
+    dt_bias: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    o, u, gamma = kda_tree_verify_ref(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel,
+                                      A_log=A_log, dt_bias=dt_bias)
+    return _contig(o), _contig(u), _contig(gamma)
+
+
+@_kda_tree_verify_op.register_fake
+def _(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel, A_log, dt_bias):
+    B, T, HV, V = v.shape
+    acc = torch.promote_types(v.dtype, torch.float32)
+    return (v.new_empty((B, T, HV, V)), v.new_empty((B, T, HV, V), dtype=acc),
+            v.new_empty((B, T, HV, q.shape[-1]), dtype=acc))
+
+
+@_op("weaver::kda_tree_commit", mutates_args=("state",))
+def _kda_tree_commit_op(
+    state: Tensor, k: Tensor, u: Tensor, gamma: Tensor, path: Tensor, use_qk_l2norm_in_kernel: bool
+) -> None:
+    kda_tree_commit_ref(state, k, u, gamma, path, use_qk_l2norm_in_kernel)
+
+
+@_kda_tree_commit_op.register_fake
+def _(state, k, u, gamma, path, use_qk_l2norm_in_kernel):
+    return None
 
 
 # --------------------------------------------------------------------------------------------------------- conv
@@ -351,6 +394,41 @@ def gdn_decode(
         scale = q.shape[-1] ** -0.5
     return _call(_gdn_decode_op, q, k, v, g, beta, state, norm_weight, gate, float(scale), float(eps),
                                        bool(use_qk_l2norm_in_kernel), A_log, dt_bias)
+
+
+def kda_tree_verify(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor,
+    tree_mask: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Tree Kimi Delta Attention (per-channel gates ``g [B, T, HV, K]``) from the committed state; writes no state.
+    See ``kda_tree.naive.kda_tree_verify_ref``. Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32,
+    ``gamma [B, T, HV, K]`` fp32. With ``A_log`` (HV entries) and ``dt_bias`` (HV·K), ``g`` and ``beta`` are the raw
+    projections f and b (KimiLinear's gates, :func:`~weaver_kernels.kda_gates`). The torch reference on every device
+    for now (``kda_tree.fused`` is not yet checked on a GPU)."""
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("kda_tree_verify: A_log and dt_bias go together")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _call(_kda_tree_verify_op, q, k, v, g, beta, initial_state, tree_mask, float(scale),
+                 bool(use_qk_l2norm_in_kernel), A_log, dt_bias)
+
+
+def kda_tree_commit(
+    state: Tensor, k: Tensor, u: Tensor, gamma: Tensor, path: Tensor, use_qk_l2norm_in_kernel: bool = False
+) -> Tensor:
+    """Advance the KDA ``state`` in place along the accepted ``path`` (root..leaf, may be right-padded with -1) from
+    :func:`kda_tree_verify`'s ``u`` and ``gamma``; returns it."""
+    _call(_kda_tree_commit_op, state, k, u, gamma, path, bool(use_qk_l2norm_in_kernel))
+    return state
 
 
 def conv_decode(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None = "silu"

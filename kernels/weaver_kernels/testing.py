@@ -132,3 +132,27 @@ def gdn_inputs(B, T, H, HV, K, V, dtype, device="cpu", seed=0, l2norm_in_kernel=
     S0 = torch.randn(B, HV, K, V, generator=gen) * 0.5
     cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
     return cast(q), cast(k), cast(v), g.to(device), beta.to(device), S0.to(device)
+
+
+def forest_parents(T: int, rng: random.Random, roots: int = 3) -> list[int]:
+    """Several trees in one topological order: nodes ``0..roots-1`` are roots, later nodes hang under earlier ones."""
+    return [-1] * roots + [rng.randrange(i) for i in range(roots, T)]
+
+
+def kda_inputs(B, T, H, HV, K, V, dtype, device="cpu", seed=0, l2norm_in_kernel=True):
+    """Random KDA inputs in the model's regime: per-channel g = -exp(A)·softplus(·) < 0 (some channels nearly
+    forgetting, some nearly keeping), β = sigmoid(·), q/k unit-ish."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.randn(B, T, H, K, generator=gen)
+    if not l2norm_in_kernel:  # the delta rule expects unit keys; normalise up front when the kernel won't
+        q = torch.nn.functional.normalize(q, dim=-1)
+        k = torch.nn.functional.normalize(k, dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen)
+    g = -torch.exp(torch.randn(HV, 1, generator=gen) * 0.5) * torch.nn.functional.softplus(
+        torch.randn(B, T, HV, K, generator=gen) * 3 - 1.0
+    )
+    beta = torch.sigmoid(torch.randn(B, T, HV, generator=gen))
+    S0 = torch.randn(B, HV, K, V, generator=gen) * 0.5
+    cast = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    return cast(q), cast(k), cast(v), cast(g), cast(beta), cast(S0)

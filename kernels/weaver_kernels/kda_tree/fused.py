@@ -1,0 +1,228 @@
+"""Tree KDA verify in Triton: one launch, left-looking blockwise forward substitution; writes no state.
+
+The system of docs/DESIGN.md §13, ``(I + A) U = β ⊙ (V − (K ⊙ e^Γ) S0)`` and ``O = scale · ((Q ⊙ e^Γ) S0 + P U)``,
+solved over row blocks of 16 nodes as the fused GDN form does (:mod:`..gdn_tree.fused`): for block i,
+``U_i = (I + A_ii)^{-1} (rhs_i − A_{i,<i} U_{<i})``, the diagonal inverse by the nilpotent product of
+:func:`..gdn_tree.common.block_inverse`. The difference is the decay: per channel, so ``A`` and ``P`` are formed
+pairwise, ``Σ_c k_ic k_jc exp(Γ_ic − Γ_jc)`` over [16, 16, BKC] tiles with the ancestor mask applied before the exp
+(the overflow-safe form of §13: every exponent kept is ≤ 0), not as a matmul of decayed keys.
+
+Grid: (V / BV, B·HV). Each program owns one value head and BV value columns, holds its S0 tile ([K, BV]) in
+registers, and recomputes the block's scores (the same in every value block). Γ rows and solved U rows go to the
+``gamma`` and ``u`` outputs, which the later blocks of the same program read back after a CTA barrier.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..gdn_tree.common import block_inverse, gate_beta, last_contig
+from ..triton_utils import INTERPRET, fsum, rsum
+from ..utils import launch_ctx, next_pow2
+
+MAX_NODES = 256  # as the GDN verify's limit: a budget of 128 drafts plus the root
+
+
+@triton.jit
+def kda_gate(f, a_log, dt_bias, i_hv, o_k, m_k, K: tl.constexpr):
+    """KimiLinear's g of value head ``i_hv`` from raw projections ``f [N, BK]``: −exp(A_log) · softplus(f + dt_bias)
+    with transformers' softplus, log(1 + exp(x)) up to 20 and x above (:func:`..kda_tree.naive.kda_gates`)."""
+    x = f + tl.load(dt_bias + i_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)[None, :]
+    return -tl.exp(tl.load(a_log + i_hv).to(tl.float32)) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+
+
+@triton.jit
+def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
+                 HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr):
+    """Raw ``Σ_c k_ic k_jc D_ijc`` and ``Σ_c q_ic k_jc D_ijc`` ([BT, BT]) of rows t_r against columns t_c, with
+    ``D_ijc = exp(Γ_ic − Γ_jc)`` on ancestor-or-self pairs and 0 elsewhere, and the columns' ‖k_j‖² (for the l2
+    norm), over the K channels BKC at a time."""
+    M = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
+    kk = tl.full([BT, BT], 0.0, tl.float32)
+    qk = tl.full([BT, BT], 0.0, tl.float32)
+    ss = tl.full([BT], 0.0, tl.float32)
+    for kc in tl.static_range(0, BK, BKC):
+        o_kc = kc + tl.arange(0, BKC)
+        m_kc = o_kc < K
+        m_rk = m_r[:, None] & m_kc[None, :]
+        m_ck = m_c[:, None] & m_kc[None, :]
+        k_i = tl.load(k_base + t_r[:, None] * sk_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        q_i = tl.load(q_base + t_r[:, None] * sq_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        G_i = tl.load(gm_base + t_r[:, None] * (HV * K) + o_kc[None, :], mask=m_rk, other=0.0)
+        k_c = tl.load(k_base + t_c[:, None] * sk_t + o_kc[None, :], mask=m_ck, other=0.0).to(tl.float32)
+        G_c = tl.load(gm_base + t_c[:, None] * (HV * K) + o_kc[None, :], mask=m_ck, other=0.0)
+        D = tl.exp(tl.where(M[:, :, None], G_i[:, None, :] - G_c[None, :, :], float("-inf")))  # [BT, BT, BKC]
+        kD = k_c[None, :, :] * D
+        kk += fsum(k_i[:, None, :] * kD, axis=2)
+        qk += fsum(q_i[:, None, :] * kD, axis=2)
+        ss += fsum(k_c * k_c, axis=1)
+    return kk, qk, ss
+
+
+@triton.jit
+def _kda_tree_verify_kernel(
+    q, k, v, g, beta, s0, tmask, o, u, gamma, a_log, dt_bias,
+    T, scale,
+    sq_b, sq_t, sq_h,
+    sk_b, sk_t, sk_h,
+    sv_b, sv_t, sv_h,
+    sg_b, sg_t, sg_h,
+    sb_b, sb_t, sb_h,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, L2NORM: tl.constexpr, BT: tl.constexpr,
+    LOG2_BT: tl.constexpr, RAW_GATES: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_r = tl.arange(0, BT)
+
+    i_b64 = i_b.to(tl.int64)
+    q_base = q + i_b64 * sq_b + i_h * sq_h
+    k_base = k + i_b64 * sk_b + i_h * sk_h
+    v_base = v + i_b64 * sv_b + i_hv * sv_h
+    g_base = g + i_b64 * sg_b + i_hv * sg_h
+    b_base = beta + i_b64 * sb_b + i_hv * sb_h
+    s_base = s0 + (i_b64 * HV + i_hv) * K * V
+    # outputs are contiguous [B, T, HV, V] / [B, T, HV, K]
+    o_base = o + i_b64 * T * HV * V + i_hv * V
+    u_base = u + i_b64 * T * HV * V + i_hv * V
+    gm_base = gamma + i_b64 * T * HV * K + i_hv * K
+
+    S = tl.load(s_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    m_vv = m_v[None, :]
+
+    for i in range(0, (T + BT - 1) // BT):
+        t_r = i * BT + o_r
+        m_r = t_r < T
+        m_rk = m_r[:, None] & m_k[None, :]
+        m_rv = m_r[:, None] & m_vv
+
+        # Γ of this block's rows: ancestor-mask rows · g, over the column blocks up to this one (ancestors come first)
+        G_i = tl.full([BT, BK], 0.0, tl.float32)
+        for c in range(0, i + 1):
+            t_c = c * BT + o_r
+            m_c = t_c < T
+            M_c = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0)
+            m_ck = m_c[:, None] & m_k[None, :]
+            g_c = tl.load(g_base + t_c[:, None] * sg_t + o_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
+            if RAW_GATES:  # g holds the raw projection f (beta: b, below)
+                g_c = tl.where(m_ck, kda_gate(g_c, a_log, dt_bias, i_hv, o_k, m_k, K), 0.0)
+            G_i += tl.dot(M_c.to(tl.float32), g_c, input_precision="ieee")
+        tl.store(gm_base + t_r[:, None] * (HV * K) + o_k[None, :], G_i, mask=m_rk)
+
+        k_i = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        q_i = tl.load(q_base + t_r[:, None] * sq_t + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        v_i = tl.load(v_base + t_r[:, None] * sv_t + o_v[None, :], mask=m_rv, other=0.0).to(tl.float32)
+        b_i = tl.load(b_base + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
+        if RAW_GATES:  # β = sigmoid(b) in b's dtype, as the module computes it
+            b_i = tl.where(m_r, gate_beta(b_i, beta.dtype.element_ty), 0.0)
+        rk_i = tl.full([BT], 1.0, tl.float32)
+        rq_i = tl.full([BT], 1.0, tl.float32)
+        if L2NORM:
+            rk_i = tl.rsqrt(rsum(k_i * k_i, axis=1) + 1e-6)
+            rq_i = tl.rsqrt(rsum(q_i * q_i, axis=1) + 1e-6)
+        eG = tl.exp(G_i)
+        rhs = b_i[:, None] * (v_i - rk_i[:, None] * tl.dot(k_i * eG, S, input_precision="ieee"))
+        o_acc = rq_i[:, None] * tl.dot(q_i * eG, S, input_precision="ieee")
+        tl.debug_barrier()  # this block's Γ rows, just stored, are read back by the pair scores
+
+        # ancestors in earlier blocks: rhs -= A[i, c] U[c]; o += P[i, c] U[c]
+        for c in range(0, i):
+            t_c = c * BT + o_r
+            m_c = t_c < T
+            kk, qk, ss = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
+                                      HV, K, BK, BKC, BT)
+            if L2NORM:
+                rk_c = tl.rsqrt(ss + 1e-6)
+                kk = kk * rk_c[None, :]
+                qk = qk * rk_c[None, :]
+            U_c = tl.load(u_base + t_c[:, None] * (HV * V) + o_v[None, :], mask=m_c[:, None] & m_vv, other=0.0)
+            rhs -= tl.dot(kk * (rk_i * b_i)[:, None], U_c, input_precision="ieee")
+            o_acc += tl.dot(qk * rq_i[:, None], U_c, input_precision="ieee")
+
+        # diagonal block: ancestors inside the block (strict for A, inclusive for the output)
+        kk, qk, ss = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_r, m_r, T, sk_t, sq_t,
+                                  HV, K, BK, BKC, BT)
+        if L2NORM:
+            kk = kk * rk_i[:, None] * rk_i[None, :]
+            qk = qk * rq_i[:, None] * rk_i[None, :]
+        P = block_inverse(kk, 1.0, b_i, BT, LOG2_BT, "ieee")
+        U_i = tl.dot(P, rhs, input_precision="ieee")
+        tl.store(u_base + t_r[:, None] * (HV * V) + o_v[None, :], U_i, mask=m_rv)
+        o_acc += tl.dot(qk, U_i, input_precision="ieee")
+        tl.store(o_base + t_r[:, None] * (HV * V) + o_v[None, :], (o_acc * scale).to(o.dtype.element_ty), mask=m_rv)
+        tl.debug_barrier()  # this program's u rows are read back by later blocks: order the stores first
+
+
+def kda_tree_verify_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    tree_mask: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    BV: int = 16,
+    BKC: int = 16,
+    num_warps: int = 4,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`~weaver_kernels.kda_tree.naive.kda_tree_verify_ref` (same shapes and outputs) for
+    gates already formed (``g [B, T, HV, K]``). ``BV``: value columns per program; ``BKC``: key channels per step of
+    the pairwise scores (their [16, 16, BKC] tile bounds the registers). All dots are IEEE fp32. With ``A_log`` (HV
+    entries) and ``dt_bias`` (HV·K), ``g`` and ``beta`` are the raw projections f and b and the kernel forms the gates
+    (:func:`~weaver_kernels.kda_tree.naive.kda_gates`' formula)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if HV % H:
+        raise ValueError(f"value heads ({HV}) must be a multiple of q/k heads ({H})")
+    if T > MAX_NODES:
+        raise ValueError(f"kda_tree_verify_triton supports at most {MAX_NODES} nodes, got {T}")
+    if tuple(tree_mask.shape) != (T, T) or tuple(g.shape) != (B, T, HV, K):
+        raise ValueError(f"tree_mask must be [{T}, {T}] and g [B, T, HV, K] = {(B, T, HV, K)}, got "
+                         f"{tuple(tree_mask.shape)} and {tuple(g.shape)}")
+    raw = A_log is not None
+    if raw != (dt_bias is not None):
+        raise ValueError("kda_tree_verify: A_log and dt_bias go together")
+    if raw and (A_log.numel() != HV or dt_bias.numel() != HV * K):
+        raise ValueError(f"kda_tree_verify: A_log must hold {HV} values (one per value head), dt_bias {HV * K} "
+                         "(one per channel)")
+    BK = max(16, next_pow2(K))
+    if BKC < 16 or BKC & (BKC - 1) or BKC > BK:
+        raise ValueError(f"BKC must be a power of two between 16 and {BK}, got {BKC}")
+    scale = K**-0.5 if scale is None else float(scale)
+    q, k, v, g = last_contig(q), last_contig(k), last_contig(v), last_contig(g)
+    s0 = initial_state.contiguous()
+    mask = tree_mask.contiguous()
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    o = torch.empty((B, T, HV, V), dtype=v.dtype, device=v.device)
+    u = torch.empty((B, T, HV, V), dtype=torch.float32, device=v.device)
+    gamma = torch.empty((B, T, HV, K), dtype=torch.float32, device=v.device)
+    with launch_ctx(INTERPRET):
+        _kda_tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
+            q, k, v, g, beta, s0, mask, o, u, gamma, A_log.contiguous() if raw else s0,
+            dt_bias.contiguous() if raw else s0, T, scale,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            g.stride(0), g.stride(1), g.stride(2),
+            beta.stride(0), beta.stride(1), beta.stride(2),
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BKC=BKC, L2NORM=bool(use_qk_l2norm_in_kernel), BT=16, LOG2_BT=4,
+            RAW_GATES=raw, num_warps=num_warps, num_stages=1,
+        )
+    return o, u, gamma

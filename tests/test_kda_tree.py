@@ -1,0 +1,298 @@
+"""Tree Kimi Delta Attention references (``weaver_kernels.kda_tree.naive``, docs/DESIGN.md §13) against the
+token-by-token recurrence along each node's root path, in fp64; the recurrence against transformers' own KDA."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from weaver_kernels.gdn_tree.naive import gdn_tree_commit_ref, gdn_tree_verify_ref
+from weaver_kernels.kda_tree.naive import kda_gates, kda_recurrent_ref, kda_tree_commit_ref, kda_tree_verify_ref
+from weaver_kernels.testing import (
+    ancestor_mask,
+    best_first_parents,
+    chain_parents,
+    deep_path_parents,
+    depths,
+    forest_parents,
+    kda_inputs,
+    path_to,
+    random_parents,
+    shuffled_topological,
+    star_parents,
+)
+
+F64 = torch.float64
+EXACT = 1e-12  # fp64: the solve and the recurrence agree to rounding
+
+
+def _tree(kind: str, T: int, rng: random.Random) -> list[int]:
+    return {
+        "chain": lambda: chain_parents(T),
+        "star": lambda: star_parents(T),
+        "deep": lambda: deep_path_parents(T, rng),
+        "random": lambda: random_parents(T, rng),
+        "forest": lambda: forest_parents(T, rng),
+        "shuffled": lambda: shuffled_topological(best_first_parents(T, rng), rng),
+    }[kind]()
+
+
+def _path_errors(parents, q, k, v, g, beta, S0, o, u, gamma, l2, nodes=None):
+    """Max |tree − recurrence| over the outputs of each node's root path and over the state committed at that node."""
+    err_o = err_s = 0.0
+    for i in range(len(parents)) if nodes is None else nodes:
+        p = torch.tensor(path_to(parents, i))
+        ro, rS = kda_recurrent_ref(q[:, p], k[:, p], v[:, p], g[:, p], beta[:, p], S0, use_qk_l2norm_in_kernel=l2)
+        err_o = max(err_o, (o[:, p] - ro).abs().max().item())
+        S = kda_tree_commit_ref(S0.clone(), k, u, gamma, p, use_qk_l2norm_in_kernel=l2)
+        err_s = max(err_s, (S - rS).abs().max().item())
+    return err_o, err_s
+
+
+@pytest.mark.parametrize("kind", ["chain", "star", "deep", "random", "forest", "shuffled"])
+@pytest.mark.parametrize("H,HV,l2", [(2, 4, True), (3, 3, False)])
+def test_tree_equals_recurrence_on_every_root_path(kind, H, HV, l2):
+    T = 24
+    parents = _tree(kind, T, random.Random(T + HV))
+    q, k, v, g, beta, S0 = kda_inputs(2, T, H, HV, 8, 6, F64, seed=HV, l2norm_in_kernel=l2)
+    o, u, gamma = kda_tree_verify_ref(q, k, v, g, beta, S0, ancestor_mask(parents), use_qk_l2norm_in_kernel=l2)
+    assert o.shape == v.shape and u.shape == v.shape and gamma.shape == g.shape
+    err_o, err_s = _path_errors(parents, q, k, v, g, beta, S0, o, u, gamma, l2)
+    assert err_o <= EXACT and err_s <= EXACT, (err_o, err_s)
+
+
+def test_commit_of_a_random_accepted_path_equals_sequential_decoding():
+    """The state committed from the verify's u and gamma along a random root→node path (right-padded with −1, as
+    fixed-shape steps pass it) equals decoding that path token by token; an all-padding path changes nothing."""
+    rng = random.Random(7)
+    parents = deep_path_parents(40, rng, depth=15)
+    q, k, v, g, beta, S0 = kda_inputs(2, 40, 2, 4, 16, 8, F64, seed=3)
+    o, u, gamma = kda_tree_verify_ref(q, k, v, g, beta, S0, ancestor_mask(parents), use_qk_l2norm_in_kernel=True)
+    for leaf in rng.sample(range(40), 5):
+        pp = path_to(parents, leaf)
+        S = S0.clone()
+        out = kda_tree_commit_ref(S, k, u, gamma, torch.tensor(pp + [-1] * 4), use_qk_l2norm_in_kernel=True)
+        assert out is S  # in place
+        _, rS = kda_recurrent_ref(q[:, pp], k[:, pp], v[:, pp], g[:, pp], beta[:, pp], S0, use_qk_l2norm_in_kernel=True)
+        assert (S - rS).abs().max().item() <= EXACT
+    S = S0.clone()
+    kda_tree_commit_ref(S, k, u, gamma, torch.full((3,), -1), use_qk_l2norm_in_kernel=True)
+    assert torch.equal(S, S0)
+
+
+def test_forgetting_channels_do_not_overflow_off_path():
+    """A channel that forgets everything (g = −1000 at some nodes) puts Γ_i − Γ_j ≈ +1000 between branches: exp of
+    that is inf even in fp64, so the masking must come before the exp; the tree still equals the recurrence."""
+    parents = random_parents(20, random.Random(5))
+    q, k, v, g, beta, S0 = kda_inputs(1, 20, 2, 2, 8, 4, F64, seed=11)
+    g[:, 3::4, :, 0] = -1000.0
+    o, u, gamma = kda_tree_verify_ref(q, k, v, g, beta, S0, ancestor_mask(parents), use_qk_l2norm_in_kernel=True)
+    assert torch.isfinite(o).all() and torch.isfinite(u).all()
+    err_o, err_s = _path_errors(parents, q, k, v, g, beta, S0, o, u, gamma, True)
+    assert err_o <= EXACT and err_s <= EXACT, (err_o, err_s)
+
+
+def test_scalar_gate_gives_the_gdn_tree():
+    """With the same decay in every channel, KDA is §5's gated delta rule: the GDN references give the same result."""
+    parents = random_parents(16, random.Random(2))
+    q, k, v, g, beta, S0 = kda_inputs(2, 16, 2, 4, 8, 6, F64, seed=4)
+    g1 = g[..., 0]
+    M = ancestor_mask(parents)
+    o, u, gamma = kda_tree_verify_ref(q, k, v, g1[..., None].expand_as(g), beta, S0, M, use_qk_l2norm_in_kernel=True)
+    go, gu, ggamma = gdn_tree_verify_ref(q, k, v, g1, beta, S0, M, use_qk_l2norm_in_kernel=True)
+    assert (o - go).abs().max() <= EXACT and (u - gu).abs().max() <= EXACT
+    assert (gamma - ggamma[..., None]).abs().max() <= EXACT
+    path = torch.tensor(path_to(parents, 15))
+    S = kda_tree_commit_ref(S0.clone(), k, u, gamma, path, True)
+    assert (S - gdn_tree_commit_ref(S0.clone(), k, gu, ggamma, path, True)).abs().max() <= EXACT
+
+
+def test_negative_controls_fail_the_check():
+    """The check can fail: a mask missing one ancestor edge, one perturbed gate channel, or a decay averaged over the
+    channels (a GDN-like scalar gate) each leave errors far above the tolerance."""
+    parents = deep_path_parents(20, random.Random(9), depth=10)
+    q, k, v, g, beta, S0 = kda_inputs(1, 20, 2, 2, 8, 4, F64, seed=5)
+    M = ancestor_mask(parents)
+    deep = max(range(20), key=lambda i: depths(parents)[i])
+    leaf_only = [deep]
+
+    def errs(mask=M, gate=g):
+        o, u, gamma = kda_tree_verify_ref(q, k, v, gate, beta, S0, mask, use_qk_l2norm_in_kernel=True)
+        return _path_errors(parents, q, k, v, g, beta, S0, o, u, gamma, True, nodes=leaf_only)
+
+    assert max(errs()) <= EXACT
+    wrong = M.clone()
+    wrong[deep, parents[parents[deep]]] = False  # the grandparent edge: no longer transitively closed
+    assert min(errs(mask=wrong)) > 1e-4
+    nudged = g.clone()
+    nudged[:, parents[deep], :, 3] += 0.5
+    assert min(errs(gate=nudged)) > 1e-4
+    assert min(errs(gate=g.mean(-1, keepdim=True).expand_as(g))) > 1e-4
+
+
+def test_raw_gates_match_precomputed_gates():
+    """``A_log``/``dt_bias`` make verify form the gates itself from the raw projections (as ``kda_gates``)."""
+    B, T, H, K = 1, 10, 2, 8
+    parents = random_parents(T, random.Random(3))
+    q, k, v, _, _, S0 = kda_inputs(B, T, H, H, K, 4, F64, seed=6)
+    gen = torch.Generator().manual_seed(1)
+    f = torch.randn(B, T, H, K, generator=gen, dtype=F64) * 10
+    b = torch.randn(B, T, H, generator=gen, dtype=F64)
+    A_log, dt_bias = torch.randn(1, 1, H, 1, dtype=F64, generator=gen), torch.randn(H * K, dtype=F64, generator=gen)
+    M = ancestor_mask(parents)
+    got = kda_tree_verify_ref(q, k, v, f, b, S0, M, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    g, beta = kda_gates(f, b, A_log, dt_bias)
+    want = kda_tree_verify_ref(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True)
+    for a, w in zip(got, want):
+        assert torch.equal(a, w)
+
+
+# ----------------------------------------------------------------------------------------------- transformers
+@pytest.fixture(scope="module")
+def kimi():
+    return pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+
+
+def test_gates_equal_transformers_forget_gate(kimi):
+    """``kda_gates`` on the raw projections equals KimiLinear's forget gate bit for bit (softplus both sides of 20)."""
+    H, K, hidden = 3, 8, 16
+    gate = kimi.KimiLinearForgetGate(SimpleNamespace(linear_head_dim=K, linear_num_heads=H, hidden_size=hidden))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in gate.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 3)
+    x = torch.randn(2, 5, hidden, generator=gen)
+    f = gate.f_b_proj(gate.f_a_proj(x)).view(2, 5, H, K)
+    assert (f + gate.dt_bias.view(H, K) > 20).any() and (f + gate.dt_bias.view(H, K) < -20).any()
+    b = torch.randn(2, 5, H, generator=gen)
+    g, beta = kda_gates(f, b, gate.A_log, gate.dt_bias)
+    assert g.dtype == torch.float32 and torch.equal(g, gate(x))
+    assert torch.equal(beta, torch.sigmoid(b))
+
+
+def test_recurrence_equals_transformers_kda(kimi):
+    """The ground truth is the model's: ``kda_recurrent_ref`` against transformers' torch KDA (its recurrent form,
+    the decoding path, and its chunked form, the prefill path), which compute in fp32."""
+    B, T, H, K, V = 2, 20, 3, 16, 16
+    q, k, v, g, beta, S0 = kda_inputs(B, T, H, H, K, V, torch.float32, seed=8)
+    kw = dict(use_qk_l2norm_in_kernel=True)
+    ro, rS = kda_recurrent_ref(q, k, v, g, beta, S0, **kw)
+    o64, S64 = kda_recurrent_ref(*(t.double() for t in (q, k, v, g, beta, S0)), **kw)
+    to, tS = kimi.recurrent_kimi_delta_attention(q, k, v, g, beta, S0.clone(), True, **kw)
+    co, cS = kimi.chunk_kimi_delta_attention(q, k, v, g, beta, chunk_size=8, initial_state=S0.clone(),
+                                             output_final_state=True, **kw)
+    for o, S, tol in ((to, tS, 1e-6), (co, cS, 1e-6), (o64, S64, 1e-5)):
+        assert (o.double() - ro.double()).abs().max() <= tol and (S.double() - rS.double()).abs().max() <= tol
+
+
+# ------------------------------------------------------------------------------------------------ custom ops
+def test_custom_ops_run_the_references():
+    """``weaver::kda_tree_verify`` / ``kda_tree_commit``: the references' results (direct CPU call and through the
+    dispatcher), fake implementations and in-place commit checked by ``opcheck``."""
+    import weaver_kernels as wk
+
+    parents = forest_parents(7, random.Random(0), roots=2)
+    q, k, v, g, beta, S0 = kda_inputs(1, 7, 1, 2, 16, 16, torch.float32, seed=1)
+    M = ancestor_mask(parents)
+    path = torch.tensor(path_to(parents, 6) + [-1])
+    want = kda_tree_verify_ref(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True)
+    got = wk.kda_tree_verify(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True)
+    traced = torch.ops.weaver.kda_tree_verify(q, k, v, g, beta, S0, M, 16**-0.5, True, None, None)
+    for a, b, w in zip(got, traced, want):
+        assert torch.equal(a, w) and torch.equal(b, w)
+    S = S0.clone()
+    assert wk.kda_tree_commit(S, k, got[1], got[2], path, use_qk_l2norm_in_kernel=True) is S
+    assert torch.equal(S, kda_tree_commit_ref(S0.clone(), k, want[1], want[2], path, True))
+    with pytest.raises(ValueError, match="go together"):
+        wk.kda_tree_verify(q, k, v, g, beta, S0, M, A_log=torch.zeros(2))
+
+    torch.library.opcheck(torch.ops.weaver.kda_tree_verify.default, (q, k, v, g, beta, S0, M, 0.25, True, None, None))
+    torch.library.opcheck(torch.ops.weaver.kda_tree_commit.default, (S0.clone(), k, got[1], got[2], path, True))
+
+
+# -------------------------------------------------------------------------------------- Triton (interpreter)
+@pytest.fixture(scope="module")
+def ik():
+    pytest.importorskip("triton")
+    from weaver_kernels.utils import load_interpreted
+
+    return SimpleNamespace(fused=load_interpreted("weaver_kernels.kda_tree.fused"),
+                           commit=load_interpreted("weaver_kernels.kda_tree.commit"))
+
+
+def _rel(x, ref):
+    return ((x.double() - ref).norm() / ref.norm()).item() if torch.isfinite(x).all() else float("inf")
+
+
+KERNEL_CASES = [  # kind, T, H, HV, K, V, dtype, l2, BKC
+    ("chain", 33, 1, 2, 16, 16, torch.float32, True, 16),
+    ("deep", 37, 1, 1, 32, 24, torch.float32, False, 16),
+    ("star", 20, 2, 2, 16, 16, torch.float32, True, 16),
+    ("forest", 24, 1, 2, 40, 16, torch.float32, True, 32),
+    ("shuffled", 30, 1, 1, 16, 8, torch.float32, True, 16),
+    ("random", 18, 1, 2, 32, 16, torch.bfloat16, True, 32),
+]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-H{c[2]}x{c[3]}-K{c[4]}V{c[5]}-"
+                         f"{str(c[6])[6:]}-l2{int(c[7])}-BKC{c[8]}")
+def test_triton_verify_and_commit_interpreter(ik, case):
+    """The Triton verify and commit against the fp64 references: several row blocks, K not a power of two, V not a
+    multiple of the value block, forests, 16-bit inputs; the commit with a right-padded path."""
+    kind, T, H, HV, K, V, dtype, l2, BKC = case
+    parents = _tree(kind, T, random.Random(T))
+    q, k, v, g, beta, S0 = kda_inputs(1, T, H, HV, K, V, dtype, seed=T, l2norm_in_kernel=l2)
+    g, beta, S0 = g.float(), beta.float(), S0.float()
+    M = ancestor_mask(parents)
+    o, u, gamma = ik.fused.kda_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=l2, BKC=BKC)
+    d = lambda t: t.double()  # noqa: E731
+    ro, ru, rg = kda_tree_verify_ref(d(q), d(k), d(v), d(g), d(beta), d(S0), M, use_qk_l2norm_in_kernel=l2)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3  # bf16: the output's rounding
+    assert o.dtype == dtype and _rel(o, ro) <= tol and _rel(u, ru) <= 1e-5 and _rel(gamma, rg) <= 1e-5
+
+    leaf = max(range(T), key=lambda i: (depths(parents)[i], i))
+    path = torch.tensor(path_to(parents, leaf) + [-1] * 3)
+    S = S0.clone()
+    ik.commit.kda_tree_commit_triton(S, k, u, gamma, path, use_qk_l2norm_in_kernel=l2)
+    assert _rel(S, kda_tree_commit_ref(d(S0), d(k), ru, rg, path, l2)) <= 1e-5
+
+
+def test_triton_forgetting_channels_interpreter(ik):
+    """Off-path Γ differences past the exp's range (a channel with g = −1000) stay masked in the kernels too."""
+    parents = random_parents(20, random.Random(5))
+    q, k, v, g, beta, S0 = kda_inputs(1, 20, 1, 1, 16, 16, torch.float32, seed=11)
+    g[:, 3::4, :, 0] = -1000.0
+    M = ancestor_mask(parents)
+    o, u, gamma = ik.fused.kda_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True)
+    ro, ru, rg = kda_tree_verify_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), S0.double(), M,
+                                     use_qk_l2norm_in_kernel=True)
+    assert _rel(o, ro) <= 1e-5 and _rel(u, ru) <= 1e-5
+    path = torch.tensor(path_to(parents, 19))
+    S = ik.commit.kda_tree_commit_triton(S0.clone(), k, u, gamma, path, use_qk_l2norm_in_kernel=True)
+    assert _rel(S, kda_tree_commit_ref(S0.double(), k.double(), ru, rg, path, True)) <= 1e-5
+
+
+def test_triton_raw_gates_interpreter(ik):
+    """With A_log and dt_bias the kernel forms KimiLinear's gates from the raw projections (both sides of the
+    softplus's 20) and matches the reference fed the same raw inputs; fp32 (the interpreter truncates where the GPU
+    rounds β to 16 bits)."""
+    T, H, K, V = 21, 2, 16, 16
+    parents = random_parents(T, random.Random(4))
+    q, k, v, _, _, S0 = kda_inputs(1, T, H, H, K, V, torch.float32, seed=9)
+    gen = torch.Generator().manual_seed(3)
+    f = torch.randn(1, T, H, K, generator=gen) * 12
+    f[..., 0, 0] = 25.0  # past the softplus's linear switch, with a slow decay there
+    b = torch.randn(1, T, H, generator=gen) * 3
+    A_log, dt_bias = torch.randn(1, 1, H, 1, generator=gen) - 3.0, torch.randn(H * K, generator=gen)
+    M = ancestor_mask(parents)
+    o, u, gamma = ik.fused.kda_tree_verify_triton(q, k, v, f, b, S0, M, use_qk_l2norm_in_kernel=True, A_log=A_log,
+                                                  dt_bias=dt_bias)
+    d = lambda t: t.double()  # noqa: E731
+    g, beta = kda_gates(d(f), d(b), d(A_log), d(dt_bias))
+    ro, ru, rg = kda_tree_verify_ref(d(q), d(k), d(v), g, d(beta), d(S0), M, use_qk_l2norm_in_kernel=True)
+    assert _rel(o, ro) <= 1e-5 and _rel(u, ru) <= 1e-5 and _rel(gamma, rg) <= 1e-5
+    with pytest.raises(ValueError, match="one per channel"):
+        ik.fused.kda_tree_verify_triton(q, k, v, f, b, S0, M, A_log=A_log, dt_bias=dt_bias[:H])
