@@ -91,8 +91,8 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.", "G
 def test_shipped_drafters_on_real_smollm2(smollm2):
     """The shipped pair on the real target: greedy output identical to ``model.generate`` and mean accepted lengths
     above floors ~12 % below the values measured for the shipped pair on these 3 prompts (48 tokens, budget 16, fp32
-    target on CPU; the card's CI-check line in checkpoints/smollm2-135m-instruct/README.md, measured with four Weaver
-    rounds after the spine: Weaver 3.34 then, 3.20 with the CPU's default two; DDTree 2.625 either way)."""
+    target on CPU, the CPU's default two Weaver rounds after the spine; the card's CI-check line in
+    checkpoints/smollm2-135m-instruct/README.md: Weaver 3.085 (3.386 with four rounds), DDTree 2.636)."""
     model, tokenizer = smollm2
     drafter = AutoModel.from_pretrained(SHIPPED / "dflash", trust_remote_code=True)
     weaver = AutoModel.from_pretrained(SHIPPED / "weaver", trust_remote_code=True)
@@ -107,4 +107,4 @@ def test_shipped_drafters_on_real_smollm2(smollm2):
             assert torch.equal(out, ref), (mode, prompt)
             lengths += stats.accepted_lengths
     mal = {mode: sum(v) / len(v) for mode, v in accepted.items()}
-    assert mal["weaver"] >= 2.90 and mal["ddtree"] >= 2.31 and mal["weaver"] > mal["ddtree"], mal
+    assert mal["weaver"] >= 2.72 and mal["ddtree"] >= 2.31 and mal["weaver"] > mal["ddtree"], mal
