@@ -5,7 +5,7 @@ import torch
 from tiny_targets import TINY_TARGETS, VOCAB
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from modeling_weaver.target import AttentionLayerCache, GatedDeltaNetLayerCache, TargetAdapter, fused_norm
+from modeling_weaver.target import HYBRID_GDN, AttentionLayerCache, GatedDeltaNetLayerCache, TargetAdapter, fused_norm
 from modeling_weaver.tree import Tree
 
 
@@ -89,7 +89,7 @@ def test_commit_equals_sequential_caches(name):
             assert rel(layer.state, cache.get_recurrent_state(i).float()) < 1e-4
             conv = cache.get_conv_state(i)
             assert rel(layer.window, conv[..., -layer.window.shape[-1]:]) < 1e-5
-    assert saw == ({"kv", "gdn"} if name == "qwen3_5" else {"kv"})
+    assert saw == ({"kv", "gdn"} if model.config.model_type in HYBRID_GDN else {"kv"})
 
 
 def test_token_step_equals_a_one_node_tree_pass_and_commit():
@@ -229,12 +229,14 @@ def test_padded_tree_over_the_whole_cache_equals_the_plain_verify(name):
         static.commit(torch.tensor(path + [-1] * (16 - len(path))), num_accepted=len(path))
         assert static.length == plain.length == int(static.length_t)
     n = plain.length
+    # (a MoE block's experts see the padding nodes too: other GEMM sizes, other rounding, carried to later layers)
+    tol = 1e-5 if any("experts" in dict(layer.mlp.named_children()) for layer in model.model.layers) else 1e-6
     for p_cache, s_cache in zip(plain.layer_caches, static.layer_caches):
         if isinstance(p_cache, AttentionLayerCache):
-            assert rel(s_cache.keys[:, :, :n], p_cache.keys[:, :, :n]) < 1e-6
-            assert rel(s_cache.values[:, :, :n], p_cache.values[:, :, :n]) < 1e-6
+            assert rel(s_cache.keys[:, :, :n], p_cache.keys[:, :, :n]) < tol
+            assert rel(s_cache.values[:, :, :n], p_cache.values[:, :, :n]) < tol
         else:
-            assert rel(s_cache.state, p_cache.state) < 1e-6 and rel(s_cache.window, p_cache.window) < 1e-6
+            assert rel(s_cache.state, p_cache.state) < tol and rel(s_cache.window, p_cache.window) < tol
 
 
 def test_ancestor_mask_and_depths_match_a_parent_walk():
@@ -290,7 +292,8 @@ def _shared_groups(model):
             yield [layer.mlp.gate_proj, layer.mlp.up_proj]
         if hasattr(layer, "linear_attn"):
             g = layer.linear_attn
-            yield [g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a]
+            yield [g.in_proj_qkvz, g.in_proj_ba] if hasattr(g, "in_proj_qkvz") else [
+                g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a]
         else:
             yield [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
 
