@@ -172,17 +172,19 @@ def test_prefill_keeps_no_verify_intermediates():
     assert rel(out.logits[1], ref) < 1e-4
 
 
-def test_multimodal_wrapper_text_model():
-    """Qwen3_5ForConditionalGeneration: trees run through its language model and lm_head."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_multimodal_wrapper_text_model(name):
+    """Qwen3_5(Moe)ForConditionalGeneration: trees run through its language model and lm_head."""
+    import transformers
 
-    text = TINY_TARGETS["qwen3_5"]().config.to_dict()
-    config = Qwen3_5Config(
+    prefix = {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[name]
+    text = TINY_TARGETS[name]().config.to_dict()
+    config = getattr(transformers, f"{prefix}Config")(
         text_config=text,
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32),
     )
     torch.manual_seed(0)
-    model = Qwen3_5ForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
     prompt = torch.arange(5, 12)
     target = TargetAdapter(model, max_length=64)
     target.prefill(prompt)
@@ -190,6 +192,24 @@ def test_multimodal_wrapper_text_model():
     out = target.verify(tree)
     ref = model(torch.cat([prompt, torch.tensor([3, 6])])[None]).logits[0, -1]
     assert rel(out.logits[2], ref) < 1e-4
+
+
+def test_qwen3_next_fused_projections_split_as_the_model_splits_them():
+    """Qwen3-Next's in_proj_qkvz / in_proj_ba are laid out per key head: the GDN inputs gathered from them equal the
+    model's own fix_query_key_value_ordering (q, k, v flat into the conv input; z, b, a per value head)."""
+    model = TINY_TARGETS["qwen3_next"]()
+    target = TargetAdapter(model, max_length=16)
+    h = torch.randn(1, 5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    caches = [c for c in target.layer_caches if isinstance(c, GatedDeltaNetLayerCache)]
+    assert len(caches) >= 2 and all(c.per_key_head for c in caches)
+    for cache in caches:
+        gdn = cache.gdn
+        assert gdn.num_v_heads > gdn.num_k_heads and gdn.head_k_dim != gdn.head_v_dim  # (a mix-up shows)
+        q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(h), gdn.in_proj_ba(h))
+        mixed, z2, b2, a2 = cache._inputs(h)
+        expected = torch.cat([t.reshape(1, 5, -1) for t in (q, k, v)], dim=-1)
+        for got, want in ((mixed, expected), (z2, z), (b2, b), (a2, a)):
+            assert got.shape == want.shape and rel(got, want) < 1e-6
 
 
 def test_unsupported_architecture_is_refused():
