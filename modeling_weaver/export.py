@@ -374,7 +374,8 @@ HUB_SPECS: dict[str, HubSpec] = {
         HubSpec(
             # no published DFlash drafter is known for it: the package's default drafter shape, a learned mask
             # embedding (no mask token of the Qwen3 vocabulary is assumed)
-            folder="qwen3-next-80b-a3b", target_name="Qwen/Qwen3-Next-80B-A3B-Instruct", target=qwen3_next_80b_a3b_config,
+            folder="qwen3-next-80b-a3b", target_name="Qwen/Qwen3-Next-80B-A3B-Instruct",
+            target=qwen3_next_80b_a3b_config,
             dflash=lambda t: DFlashConfig.from_target_config(t, num_hidden_layers=5, block_size=16,
                                                              mask_token_id=None),
             weaver=lambda t, d: WeaverConfig.from_target_config(t, d),

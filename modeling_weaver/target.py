@@ -191,7 +191,8 @@ class SharedInputLinears:
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
-GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3NextMLP")  # down(act(gate(x)) * up(x))
+# down(act(gate(x)) * up(x)); Qwen3NextMLP: the dense layers of Qwen3-Next (``mlp_only_layers``, ``decoder_sparse_step``)
+GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3NextMLP")
 
 
 def mlp_forward(mlp: torch.nn.Module):
