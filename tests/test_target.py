@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_targets import TINY_TARGETS, VOCAB
+from tiny_targets import KEY_TEST_TARGETS, TINY_TARGETS, VOCAB
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from modeling_weaver.target import HYBRID_GDN, AttentionLayerCache, GatedDeltaNetLayerCache, TargetAdapter, fused_norm
@@ -31,9 +31,9 @@ def rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", list(KEY_TEST_TARGETS))
 def test_tree_logits_equal_sequential_along_every_path(name):
-    model = TINY_TARGETS[name]()
+    model = KEY_TEST_TARGETS[name]()
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, VOCAB, (13,), generator=gen)
     last = model.config.num_hidden_layers - 1
@@ -52,10 +52,10 @@ def test_tree_logits_equal_sequential_along_every_path(name):
     assert target.length == len(prompt)  # verify never commits
 
 
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", list(KEY_TEST_TARGETS))
 def test_commit_equals_sequential_caches(name):
     """After several verify/commit rounds on random trees, the committed caches equal HF's sequential caches."""
-    model = TINY_TARGETS[name]()
+    model = KEY_TEST_TARGETS[name]()
     gen = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, VOCAB, (9,), generator=gen)
     target = TargetAdapter(model, max_length=200)
@@ -178,7 +178,7 @@ def test_multimodal_wrapper_text_model(name):
     import transformers
 
     prefix = {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[name]
-    text = TINY_TARGETS[name]().config.to_dict()
+    text = KEY_TEST_TARGETS[name]().config.to_dict()
     config = getattr(transformers, f"{prefix}Config")(
         text_config=text,
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32),
@@ -229,11 +229,11 @@ def test_capacity_and_commit_order_errors():
         TargetAdapter(TINY_TARGETS["llama"](), max_length=8, feature_layer_ids=[7])
 
 
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", list(KEY_TEST_TARGETS))
 def test_padded_tree_over_the_whole_cache_equals_the_plain_verify(name):
     """A captured step's shapes (tree padded with extra roots, attention over all ``max_length`` rows, commit of a
     -1-padded path) give the plain verify's logits on the real nodes and the same committed caches."""
-    model = TINY_TARGETS[name]()
+    model = KEY_TEST_TARGETS[name]()
     gen = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, VOCAB, (6,), generator=gen)
     plain, static = TargetAdapter(model, max_length=80), TargetAdapter(model, max_length=80)
@@ -272,11 +272,11 @@ def test_ancestor_mask_and_depths_match_a_parent_walk():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", list(KEY_TEST_TARGETS))
 def test_every_target_norm_runs_as_one_fused_op(name, dtype):
     """Each RMSNorm of the tiny targets (layer norms, q/k norms, GDN output norms, final norm) is recognised and
     taken over by weaver_kernels.rms_norm, whose result equals the module's bit for bit here (torch reference)."""
-    model = TINY_TARGETS[name]().to(dtype)
+    model = KEY_TEST_TARGETS[name]().to(dtype)
     norms = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "RMSNormGated"))]
     assert norms
     for module in norms:
@@ -318,11 +318,11 @@ def _shared_groups(model):
             yield [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
 
 
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", list(KEY_TEST_TARGETS))
 def test_shared_input_projections_become_one_tensor_with_the_same_values(name, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = TINY_TARGETS[name]()
+    model = KEY_TEST_TARGETS[name]()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     params = {k: id(p) for k, p in model.named_parameters()}
     TargetAdapter(model, max_length=64)
