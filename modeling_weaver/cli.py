@@ -415,7 +415,7 @@ def _add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace --out if it holds an earlier output of ours (never another folder)")
     p.add_argument("--hub-configs", action="store_true",
-                   help="instead: regenerate hub_configs/ (Qwen3.6-27B, Qwen3.5-27B, SmolLM2 pairs) from the "
+                   help="instead: regenerate hub_configs/ (the pairs of export.HUB_SPECS) from the "
                         "package sources")
     p.add_argument("--check", action="store_true", help="with --hub-configs: only report out-of-sync files (exit 1 "
                                                         "if any)")

@@ -267,6 +267,37 @@ def qwen3_6_27b_config():
     )
 
 
+def qwen3_5_35b_a3b_config():
+    """Text part of Qwen3.5-35B-A3B (hybrid MoE): 40 layers = 10 × (3 GDN + 1 gated attention), hidden 2048, 256
+    experts (8 routed + 1 gated shared, 512 wide each). Public-config values as recalled, not read from the Hub here:
+    rope_theta and max positions are assumed equal to the 27B's."""
+    from transformers import Qwen3_5MoeTextConfig
+
+    return Qwen3_5MoeTextConfig(
+        vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25},
+    )
+
+
+def qwen3_next_80b_a3b_config():
+    """Qwen3-Next-80B-A3B (hybrid MoE): 48 layers = 12 × (3 GDN + 1 gated attention), hidden 2048, 512 experts (10
+    routed + 1 gated shared, 512 wide each), Qwen3 vocabulary. Public-config values as recalled, not read from the Hub
+    here; the dense ``intermediate_size`` (5120, used by no layer) is assumed."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=48, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+        num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25},
+    )
+
+
 def smollm2_135m_config():
     """HuggingFaceTB/SmolLM2-135M-Instruct (Llama; docs/DESIGN.md §7 plus its published config.json)."""
     from transformers import LlamaConfig
@@ -330,6 +361,25 @@ HUB_SPECS: dict[str, HubSpec] = {
             weaver=lambda t, d: WeaverConfig.from_target_config(t, d, d_rank=2048, num_layers=1, num_heads=16,
                                                                 mlp_dim=1368, candidate_pool_size=512),
             card=_QWEN_CARD,
+        ),
+        HubSpec(
+            # no published DFlash drafter is known for it: the package's default drafter shape; the Qwen3.5 vocabulary
+            # has the 27B drafters' mask token (assumed to be the same tokenizer)
+            folder="qwen3.5-35b-a3b", target_name="Qwen/Qwen3.5-35B-A3B", target=qwen3_5_35b_a3b_config,
+            dflash=lambda t: DFlashConfig.from_target_config(t, num_hidden_layers=5, block_size=16,
+                                                             mask_token_id=248070),
+            weaver=lambda t, d: WeaverConfig.from_target_config(t, d),
+            card={"status": _CONFIG_ONLY, "target_license": "Apache-2.0"},
+        ),
+        HubSpec(
+            # no published DFlash drafter is known for it: the package's default drafter shape, a learned mask
+            # embedding (no mask token of the Qwen3 vocabulary is assumed)
+            folder="qwen3-next-80b-a3b", target_name="Qwen/Qwen3-Next-80B-A3B-Instruct",
+            target=qwen3_next_80b_a3b_config,
+            dflash=lambda t: DFlashConfig.from_target_config(t, num_hidden_layers=5, block_size=16,
+                                                             mask_token_id=None),
+            weaver=lambda t, d: WeaverConfig.from_target_config(t, d),
+            card={"status": _CONFIG_ONLY, "target_license": "Apache-2.0"},
         ),
         HubSpec(
             folder="smollm2-135m-instruct", target_name="HuggingFaceTB/SmolLM2-135M-Instruct",

@@ -10,9 +10,10 @@ Every tensor op of ``verify`` and ``commit`` has a fixed shape for a fixed tree 
 from a device tensor, so both can be captured in CUDA graphs (pad trees with :meth:`Tree.padded`, attend over the
 whole buffer with ``bound=max_length``); eager calls attend over the used rows only.
 
-Supported: Llama, Qwen2, Qwen3, Qwen3-MoE (attention only; a MoE block routes each tree node as a token of its batch)
-and Qwen3.5/3.6 (hybrid GDN + gated attention), either as ``*ForCausalLM`` or as the text model inside
-``Qwen3_5ForConditionalGeneration``.
+Supported: Llama, Qwen2, Qwen3, Qwen3-MoE (attention only), Qwen3.5/3.6 (hybrid GDN + gated attention), and the hybrid
+MoE families Qwen3.5-MoE and Qwen3-Next (GDN + gated attention + MoE with a gated shared expert); Qwen3.5 and
+Qwen3.5-MoE either as ``*ForCausalLM`` or as the text model inside ``*ForConditionalGeneration``. A MoE block routes
+each tree node as a token of its batch (routing is per token).
 """
 
 from __future__ import annotations
@@ -30,11 +31,11 @@ from .options import StepOptions
 from .tree import Tree, ancestor_mask_of
 
 ATTENTION_ONLY = ("llama", "qwen2", "qwen3", "qwen3_moe")
-HYBRID_GDN = ("qwen3_5", "qwen3_5_text")
+HYBRID_GDN = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 SUPPORTED = ATTENTION_ONLY + HYBRID_GDN
 SUPPORTED_CLASSES = (
     "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, "
-    "Qwen3_5ForConditionalGeneration"
+    "Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM"
 )
 
 
@@ -62,12 +63,13 @@ class FusedNorm:
 def fused_norm(module: torch.nn.Module, dtype: torch.dtype):
     """``module`` (an RMSNorm of the target) as a :class:`FusedNorm`: one launch, called like the module.
 
-    Used when the module is one of the forms the op knows (Llama/Qwen2/Qwen3, Qwen3.5, gated Qwen3.5) and the op's
-    torch reference reproduces it bit for bit on a random input here; anything else keeps the module itself.
+    Used when the module is one of the forms the op knows (Llama/Qwen2/Qwen3; the zero-centred ``1 + weight`` norm of
+    Qwen3.5, Qwen3.5-MoE and Qwen3-Next; their gated GDN output norms) and the op's torch reference reproduces it bit
+    for bit on a random input here; anything else keeps the module itself.
     """
     name = type(module).__name__
     kind = (weaver_kernels.RMS_GATED if name.endswith("RMSNormGated") else
-            weaver_kernels.RMS_ONE_PLUS if name == "Qwen3_5RMSNorm" else
+            weaver_kernels.RMS_ONE_PLUS if name in ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm") else
             weaver_kernels.RMS_WEIGHT if name in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm") else None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     weight = getattr(module, "weight", None)
@@ -189,7 +191,8 @@ class SharedInputLinears:
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
 
-GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP")  # down(act(gate(x)) * up(x))
+# down(act(gate(x)) * up(x)); Qwen3NextMLP: the dense layers of Qwen3-Next (``mlp_only_layers``, ``decoder_sparse_step``)
+GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3NextMLP")
 
 
 def mlp_forward(mlp: torch.nn.Module):
@@ -292,7 +295,10 @@ class GatedDeltaNetLayerCache:
         self.norm = fused_norm(gdn.norm, dtype)
         # the one-token kernel applies the gated norm itself when it is one the op reproduces (as fused_norm found)
         self.norm_in_kernel = isinstance(self.norm, FusedNorm) and self.norm.kind == weaver_kernels.RMS_GATED
-        self.in_proj = SharedInputLinears(gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a)
+        # Qwen3-Next fuses q/k/v/z and b/a into two projections laid out per key head; Qwen3.5 has four, laid out flat
+        self.per_key_head = hasattr(gdn, "in_proj_qkvz")
+        self.in_proj = SharedInputLinears(*((gdn.in_proj_qkvz, gdn.in_proj_ba) if self.per_key_head else
+                                            (gdn.in_proj_qkv, gdn.in_proj_z, gdn.in_proj_b, gdn.in_proj_a)))
         self.state = torch.zeros(1, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, device=device, dtype=torch.float32)
         self.window = torch.zeros(1, gdn.conv_dim, gdn.conv_kernel_size - 1, device=device, dtype=dtype)
         self.pending: tuple[torch.Tensor, ...] | None = None
@@ -300,8 +306,19 @@ class GatedDeltaNetLayerCache:
     def _inputs(self, h: torch.Tensor):
         """``h [1, N, H]`` → conv input ``[1, N, conv_dim]``, gate z ``[1, N, HV, V]``, and the raw gate projections
         b and a ``[1, N, HV]`` (:func:`weaver_kernels.gdn_gates` makes β and g of them)."""
-        mixed, z, b, a = self.in_proj(h)
-        return mixed, z.reshape(1, h.shape[1], -1, self.gdn.head_v_dim), b, a
+        gdn, N = self.gdn, h.shape[1]
+        if not self.per_key_head:
+            mixed, z, b, a = self.in_proj(h)
+            return mixed, z.reshape(1, N, -1, gdn.head_v_dim), b, a
+        # Qwen3-Next (its fix_query_key_value_ordering): for each key head, [q, k, v, z] of the value heads it serves
+        # in qkvz and [b, a] in ba; gathered here into the flat [q | k | v] conv input and value-head-major z, b, a
+        qkvz, ba = self.in_proj(h)
+        group = gdn.num_v_heads // gdn.num_k_heads
+        q, k, v, z = qkvz.view(1, N, gdn.num_k_heads, -1).split(
+            [gdn.head_k_dim, gdn.head_k_dim, group * gdn.head_v_dim, group * gdn.head_v_dim], dim=-1)
+        mixed = torch.cat([q.reshape(1, N, -1), k.reshape(1, N, -1), v.reshape(1, N, -1)], dim=-1)
+        b, a = (t.reshape(1, N, -1) for t in ba.view(1, N, gdn.num_k_heads, -1).split(group, dim=-1))
+        return mixed, z.reshape(1, N, -1, gdn.head_v_dim), b, a
 
     def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """What the GDN ops take for the gates: ``(a, b, {A_log, dt_bias})`` — the raw projections, formed into g and
@@ -365,7 +382,7 @@ class TargetAdapter:
     """A transformers causal LM seen as a tree verifier with committed caches (batch 1).
 
     Args:
-        model: the target (``*ForCausalLM`` or ``Qwen3_5ForConditionalGeneration``). Its values are never modified;
+        model: the target (``*ForCausalLM`` or ``Qwen3_5(Moe)ForConditionalGeneration``). Its values are never modified;
             the weights of linears that read one input are laid out as row blocks of one tensor
             (:class:`SharedInputLinears`).
         max_length: committed cache capacity in tokens (prompt + generated + one tree).
@@ -386,10 +403,11 @@ class TargetAdapter:
                 f"supported targets: {SUPPORTED_CLASSES}"
             )
         decoder = model.model
-        if hasattr(decoder, "language_model"):  # Qwen3_5ForConditionalGeneration
+        if hasattr(decoder, "language_model"):  # Qwen3_5(Moe)ForConditionalGeneration
             decoder = decoder.language_model
         self.model, self.config, self.decoder = model, config, decoder
         self.hybrid = model_type in HYBRID_GDN
+        self.mrope = hasattr(decoder.rotary_emb, "mrope_section")  # Qwen3.5 (+MoE); Qwen3-Next's RoPE is 1-D
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
         self.max_length = max_length
@@ -483,7 +501,7 @@ class TargetAdapter:
             raise ValueError(f"advance takes a one-node tree, not {N} nodes")
         tree_mask = ancestor_mask_of(parents) if tree_mask is None else tree_mask
         positions = (self.length_t + tree_mask.sum(dim=1) - 1)[None]  # committed length + depth
-        if self.hybrid:  # multimodal RoPE: the same text positions on its 3 grids (older transformers want them)
+        if self.mrope:  # multimodal RoPE: the same text positions on its 3 grids (older transformers want them)
             positions = positions[None].expand(3, -1, -1)
         x = self.embed_tokens(tokens[None])
         rope = self.decoder.rotary_emb(x, positions)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_targets import TINY_TARGETS, VOCAB
+from tiny_targets import KEY_TEST_TARGETS, TINY_TARGETS, VOCAB
 from transformers import AutoModel
 
 from modeling_weaver import (
@@ -100,9 +100,9 @@ def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=N
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", list(KEY_TEST_TARGETS))
 def test_greedy_identity_random_drafters(name, mode):
-    target = TINY_TARGETS[name]()
+    target = KEY_TEST_TARGETS[name]()
     drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else VOCAB - 1)
     for ids in prompts():
         expected = reference(target, ids, NEW_TOKENS)
@@ -112,10 +112,10 @@ def test_greedy_identity_random_drafters(name, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", list(KEY_TEST_TARGETS))
 def test_greedy_identity_with_long_accepted_paths(name, mode):
     """A drafter that agrees with the target often: deep commits through every cache type stay exact."""
-    target = TINY_TARGETS[name]()
+    target = KEY_TEST_TARGETS[name]()
     _, weaver = make_drafters(target)
     with torch.no_grad():  # Weaver adds nothing to the planted marginals: its trees follow them
         weaver.lm_head_query_in.weight.zero_()

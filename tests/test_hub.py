@@ -416,6 +416,24 @@ def test_27b_hub_configs_load_and_pair_with_qwen3_6_27b(name):
     assert spec["target_config"]["hidden_size"] == 5120 and spec["generation_defaults"]["mode"] == "weaver"
 
 
+@pytest.mark.parametrize("name", ["qwen3.5-35b-a3b", "qwen3-next-80b-a3b"])
+def test_hybrid_moe_hub_configs_load_and_pair_with_their_targets(name):
+    from transformers import Qwen3_5MoeConfig
+
+    folder = ROOT / "hub_configs" / name
+    dflash, _ = _load(folder / "dflash", meta=True)
+    weaver_config, _ = _load(folder / "weaver", meta=True)
+    target = HUB_SPECS[name].target()
+    layers = {"qwen3.5-35b-a3b": 40, "qwen3-next-80b-a3b": 48}[name]
+    assert target.num_experts_per_tok > 1 and target.layer_types.count("full_attention") == layers // 4
+    assert dflash.hidden_size == weaver_config.d_model == 2048 and dflash.num_target_layers == layers
+    check_pair(target, dflash, weaver_config)
+    if name == "qwen3.5-35b-a3b":
+        check_pair(Qwen3_5MoeConfig(text_config=target.to_dict()), dflash, weaver_config)  # the multimodal wrapper
+    spec = json.loads((folder / "speculative_config.json").read_text())
+    assert spec["target_config"]["model_type"] == target.model_type
+
+
 def test_qwen3_6_hub_config_takes_zlab_weights_unchanged():
     """A z-lab-format Qwen3.6-27B drafter config (their spellings) implies exactly our folder's tensor shapes."""
     from modeling_weaver.convert import _expected_shapes

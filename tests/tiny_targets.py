@@ -7,11 +7,15 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 VOCAB = 97
@@ -70,4 +74,45 @@ def tiny_qwen3_moe(seed: int = 0, vocab: int = VOCAB) -> Qwen3MoeForCausalLM:
     return Qwen3MoeForCausalLM(config).eval()
 
 
-TINY_TARGETS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5, "qwen3_moe": tiny_qwen3_moe}
+# Hybrid GDN + MoE: 2 key / 4 value GDN heads with key dim != value dim (a mixed-up head layout changes the outputs),
+# 4 experts top-2 plus a gated shared expert, gated attention with partial rotary (4 of 16 dims rotated).
+_HYBRID_MOE = dict(
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    shared_expert_intermediate_size=24, max_position_embeddings=512, tie_word_embeddings=False,
+    eos_token_id=None, bos_token_id=None, pad_token_id=None, initializer_range=0.1,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)
+
+
+def _spread_logits(model):
+    # zero-centred norms and small weights leave the logits close together: greedy argmax would be float noise
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+def tiny_qwen3_5_moe(seed: int = 0, vocab: int = VOCAB) -> Qwen3_5MoeForCausalLM:
+    """Qwen3.5-MoE: every layer's MLP a MoE block; separate GDN projections; multimodal (3-grid) RoPE."""
+    torch.manual_seed(seed)
+    config = Qwen3_5MoeTextConfig(**{**_HYBRID_MOE, "vocab_size": vocab})
+    return _spread_logits(Qwen3_5MoeForCausalLM(config).eval())
+
+
+def tiny_qwen3_next(seed: int = 0, vocab: int = VOCAB) -> Qwen3NextForCausalLM:
+    """Qwen3-Next: fused per-key-head GDN projections (in_proj_qkvz / in_proj_ba), 1-D RoPE; layer 1 a dense MLP."""
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(**{**_HYBRID_MOE, "vocab_size": vocab}, intermediate_size=64, decoder_sparse_step=1,
+                             mlp_only_layers=[1], norm_topk_prob=True)
+    return _spread_logits(Qwen3NextForCausalLM(config).eval())
+
+
+TINY_TARGETS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5, "qwen3_moe": tiny_qwen3_moe,
+                "qwen3_next": tiny_qwen3_next}
+# The key per-target tests (greedy identity with random and oracle drafters in every mode, tree vs sequential logits,
+# committed state, the adapter's unit checks) also run Qwen3.5-MoE: its layers are Qwen3.5's with Qwen3-Next's MoE
+# blocks, so the rest of the per-target set would add CI time and no coverage.
+KEY_TEST_TARGETS = {**TINY_TARGETS, "qwen3_5_moe": tiny_qwen3_5_moe}

@@ -142,11 +142,13 @@ class DFlashConfig(Qwen3Config):
         target_layer_ids: list[int] | None = None,
         **overrides,
     ) -> DFlashConfig:
-        """A drafter config shaped for ``target_config`` (Llama, Qwen3, Qwen3.5 text or multimodal wrapper).
+        """A drafter config shaped for ``target_config`` (Llama, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
+        text or multimodal wrapper).
 
         Copies hidden/vocab/FFN sizes, attention heads and head dim, norm eps, RoPE frequencies and maximum positions
-        from the target's decoder config. The target's partial / multimodal RoPE settings are dropped: the drafter
-        rotates its full head dim. ``target_layer_ids`` defaults to ``num_hidden_layers`` layers spread by
+        from the target's decoder config. The drafter is dense: a MoE target gives it its dense ``intermediate_size``
+        where the config has one (Qwen3-MoE, Qwen3-Next), else 4 × hidden (Qwen3.5-MoE has none). The target's
+        partial / multimodal RoPE settings are dropped: the drafter rotates its full head dim. ``target_layer_ids`` defaults to ``num_hidden_layers`` layers spread by
         :func:`dflash_target_layer_ids`. With ``mask_token_id=None`` the drafter gets a learned ``mask_embedding``.
         Any config field can be overridden through ``overrides`` (e.g. z-lab's Qwen3.6-27B drafter uses
         ``num_attention_heads=32, num_key_value_heads=8, head_dim=128`` where the target has 24 / 4 / 256).
