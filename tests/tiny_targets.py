@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen3_5ForCausalLM,
     Qwen3_5TextConfig,
     Qwen3Config,
@@ -70,4 +74,37 @@ def tiny_qwen3_moe(seed: int = 0, vocab: int = VOCAB) -> Qwen3MoeForCausalLM:
     return Qwen3MoeForCausalLM(config).eval()
 
 
-TINY_TARGETS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5, "qwen3_moe": tiny_qwen3_moe}
+# sliding windows shorter than the tests' prompts (up to 40 tokens) and generations: the window cuts
+WINDOW = 8
+
+
+def tiny_mistral(seed: int = 0, vocab: int = VOCAB, sliding_window: int | None = WINDOW) -> MistralForCausalLM:
+    """Every layer on a sliding window of ``sliding_window`` tokens (None: full attention, the same weights)."""
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=sliding_window, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None, initializer_range=0.2,
+    )
+    return MistralForCausalLM(config).eval()
+
+
+def tiny_gemma3(seed: int = 0, vocab: int = VOCAB, sliding_window: int | None = WINDOW) -> Gemma3ForCausalLM:
+    """Sliding, full, sliding layers (local and global RoPE bases), sandwich norms, a query scalar other than the head
+    dim, final logit softcapping (``sliding_window=None``: every layer full, the same weights)."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=16, sliding_window=sliding_window or 512,
+        layer_types=["sliding_attention" if sliding_window else "full_attention", "full_attention",
+                     "sliding_attention" if sliding_window else "full_attention"],
+        final_logit_softcapping=3.0, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None, initializer_range=0.2,
+        # tied to the sqrt(hidden)-scaled embedding the residual stream wins and greedy repeats one token forever
+        tie_word_embeddings=False,
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
+TINY_TARGETS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5, "qwen3_moe": tiny_qwen3_moe,
+                "mistral": tiny_mistral, "gemma3": tiny_gemma3}

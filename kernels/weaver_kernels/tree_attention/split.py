@@ -175,10 +175,11 @@ def split_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tr
     warps = 8 if BM * BD >= 64 * 256 else 4
     with launch_ctx(INTERPRET):
         _split_kernel[(triton.cdiv((H // HKV) * N, BM), HKV, S)](
-            q[0], keys[0], values[0], mask, length.reshape(1), length if depths is None else depths, o_part, lse_part, N, bound, H // HKV, float(scale),
-            int(window),
+            q[0], keys[0], values[0], mask, length.reshape(1), length if depths is None else depths, o_part, lse_part,
+            N, bound, H // HKV, float(scale), int(window),
             q.stride(1), q.stride(2), keys.stride(1), keys.stride(2), values.stride(1), values.stride(2),
             mask.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-            lse_part.stride(1), D=D, BD=BD, BM=BM, BN=BN, SPLIT=SPLIT, DOT_F32=dot_f32, HAS_DEPTHS=depths is not None, num_warps=warps, num_stages=2,
+            lse_part.stride(1), D=D, BD=BD, BM=BM, BN=BN, SPLIT=SPLIT, DOT_F32=dot_f32, HAS_DEPTHS=depths is not None,
+            num_warps=warps, num_stages=2,
         )
     return o_part, lse_part
