@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_targets import TINY_TARGETS, VOCAB
+from tiny_targets import ALL_TARGETS, SLIDING_TARGETS, TINY_TARGETS, VOCAB
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from modeling_weaver.target import AttentionLayerCache, GatedDeltaNetLayerCache, TargetAdapter, fused_norm
@@ -31,9 +31,9 @@ def rel(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", list(ALL_TARGETS))
 def test_tree_logits_equal_sequential_along_every_path(name):
-    model = TINY_TARGETS[name]()
+    model = ALL_TARGETS[name]()
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, VOCAB, (13,), generator=gen)
     last = model.config.num_hidden_layers - 1
@@ -52,10 +52,10 @@ def test_tree_logits_equal_sequential_along_every_path(name):
     assert target.length == len(prompt)  # verify never commits
 
 
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", list(ALL_TARGETS))
 def test_commit_equals_sequential_caches(name):
     """After several verify/commit rounds on random trees, the committed caches equal HF's sequential caches."""
-    model = TINY_TARGETS[name]()
+    model = ALL_TARGETS[name]()
     gen = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, VOCAB, (9,), generator=gen)
     target = TargetAdapter(model, max_length=200)
@@ -153,7 +153,7 @@ def test_hybrid_commit_state_from_verification_only(monkeypatch):
 
 
 def test_prefill_matches_hf_forward():
-    for name, make in TINY_TARGETS.items():
+    for name, make in ALL_TARGETS.items():
         model = make()
         prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
         out = TargetAdapter(model, max_length=64).prefill(prompt, chunk_size=16)
@@ -195,10 +195,40 @@ def test_multimodal_wrapper_text_model():
     assert rel(out.logits[2], ref) < 1e-4
 
 
+@pytest.mark.parametrize("name", list(SLIDING_TARGETS))
+def test_the_window_cuts(name):
+    """The sliding targets' windows are shorter than the prompts: transformers' greedy output differs from the same
+    weights with full attention (else the sliding tests could not fail), and the adapter's layers carry the window."""
+    from test_generate import prompts, reference
+
+    from tiny_targets import WINDOW
+
+    model, full = SLIDING_TARGETS[name](), SLIDING_TARGETS[name](sliding_window=None)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), full.state_dict().values()))
+    ids = prompts()[2]
+    assert ids.shape[1] > WINDOW
+    assert not torch.equal(reference(model, ids, 16), reference(full, ids, 16))
+    windows = [c.sliding_window for c in TargetAdapter(model, max_length=64).layer_caches]
+    assert windows == ([WINDOW] * 3 if name == "mistral" else [WINDOW, 0, WINDOW])
+    assert [c.sliding_window for c in TargetAdapter(full, max_length=64).layer_caches] == [0, 0, 0]
+
+
 def test_unsupported_architecture_is_refused():
+    from transformers import Gemma3TextConfig, GptOssConfig, GptOssForCausalLM
+
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match="supported targets: LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported targets: LlamaForCausalLM"):
         TargetAdapter(model, max_length=16)
+    # sliding + full layers with attention sinks, MoE: not yet
+    oss = GptOssForCausalLM(GptOssConfig(vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=2,
+                                         num_experts_per_tok=1, sliding_window=4))
+    with pytest.raises(ValueError, match="GptOssForCausalLM.*supported targets: .*Gemma3ForCausalLM"):
+        TargetAdapter(oss, max_length=16)
+    bidirectional = SLIDING_TARGETS["gemma3"]().config.to_dict()
+    config = Gemma3TextConfig(**{**bidirectional, "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM with bidirectional attention"):
+        TargetAdapter(type(SLIDING_TARGETS["gemma3"]())(config), max_length=16)
 
 
 def test_capacity_and_commit_order_errors():
@@ -212,11 +242,11 @@ def test_capacity_and_commit_order_errors():
         TargetAdapter(TINY_TARGETS["llama"](), max_length=8, feature_layer_ids=[7])
 
 
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", list(ALL_TARGETS))
 def test_padded_tree_over_the_whole_cache_equals_the_plain_verify(name):
     """A captured step's shapes (tree padded with extra roots, attention over all ``max_length`` rows, commit of a
     -1-padded path) give the plain verify's logits on the real nodes and the same committed caches."""
-    model = TINY_TARGETS[name]()
+    model = ALL_TARGETS[name]()
     gen = torch.Generator().manual_seed(4)
     prompt = torch.randint(0, VOCAB, (6,), generator=gen)
     plain, static = TargetAdapter(model, max_length=80), TargetAdapter(model, max_length=80)
@@ -253,11 +283,11 @@ def test_ancestor_mask_and_depths_match_a_parent_walk():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", list(ALL_TARGETS))
 def test_every_target_norm_runs_as_one_fused_op(name, dtype):
     """Each RMSNorm of the tiny targets (layer norms, q/k norms, GDN output norms, final norm) is recognised and
     taken over by weaver_kernels.rms_norm, whose result equals the module's bit for bit here (torch reference)."""
-    model = TINY_TARGETS[name]().to(dtype)
+    model = ALL_TARGETS[name]().to(dtype)
     norms = [m for m in model.modules() if type(m).__name__.endswith(("RMSNorm", "RMSNormGated"))]
     assert norms
     for module in norms:
