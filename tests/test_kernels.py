@@ -238,7 +238,7 @@ TREE_CASES = [
 
 # ---------------------------------------------------------------------------------------------- tree attention
 def check_tree_attention(split, parents, H, HKV, D, L, length, bound, dtype, device="cpu", plan=None, seed=0,
-                         window=0, tree_mask=None, depths=None):
+                         window=0, tree_mask=None, depths=None, sinks=None):
     """The split-KV kernel (poisoned output) against the fp64 reference; relative RMS error."""
     N = len(parents)
     gen = torch.Generator().manual_seed(seed)
@@ -248,10 +248,10 @@ def check_tree_attention(split, parents, H, HKV, D, L, length, bound, dtype, dev
     depths = None if depths is None else depths.to(device)
     out = torch.full((1, N, H * D), float("nan"), dtype=dtype, device=device)
     got = split.tree_attention_triton(q, k, v, tree_mask, length, bound, D ** -0.5, plan=plan, out=out, window=window,
-                                      depths=depths)
+                                      depths=depths, sinks=None if sinks is None else sinks.to(device))
     assert got is out and not out.isnan().any()
     ref = wk.tree_attention_ref(q.double(), k.double(), v.double(), tree_mask, length, bound, D ** -0.5, window,
-                                depths)
+                                depths, sinks)
     return rel_rms(got, ref)
 
 
@@ -321,6 +321,33 @@ def test_tree_attention_tree_window_interpreter(ik, window):
     err = check_tree_attention(ik.attn, parents, H=4, HKV=2, D=16, L=112, length=70, bound=100,
                                dtype=torch.float32, plan=(16, 16, 16), window=window, depths=depths)
     assert err <= ATTN_TOL[torch.float32], err
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_tree_attention_sinks_interpreter(ik, window):
+    """Attention sinks (a logit per head in each softmax's denominator; some large enough to take most of the mass)
+    in the combine, with many splits, with and without a window."""
+    parents = _tree("random", 13, random.Random(2))
+    sinks = torch.tensor([-1.0, 0.5, 3.0, 8.0])
+    err = check_tree_attention(ik.attn, parents, H=4, HKV=2, D=16, L=96, length=40, bound=80, dtype=torch.float32,
+                               plan=(16, 16, 16), window=window, depths=ancestor_mask(parents).sum(1) - 1, sinks=sinks)
+    assert err <= ATTN_TOL[torch.float32], err
+
+
+def test_tree_attention_sinks_reference():
+    """With sinks the reference is softmax over [scores, sink] with the sink column dropped: the sinkless output
+    scaled by sigmoid(lse − sink) per head and node."""
+    parents = [-1, 0, 1, 1]
+    N, H, D, L, n = len(parents), 2, 8, 12, 5
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, H, N, D, generator=gen), torch.randn(1, H, L, D, generator=gen), \
+        torch.randn(1, H, L, D, generator=gen)
+    tm, sinks = ancestor_mask(parents), torch.tensor([0.3, 2.0])
+    plain = wk.tree_attention_ref(q, k, v, tm, torch.tensor(n), 10, 0.4).view(N, H, D)
+    got = wk.tree_attention_ref(q, k, v, tm, torch.tensor(n), 10, 0.4, sinks=sinks).view(N, H, D)
+    mask = wk.tree_attention_mask(tm, torch.tensor(n), 10)
+    lse = (q[0] @ k[0, :, :10].transpose(-1, -2) * 0.4).masked_fill(~mask, float("-inf")).logsumexp(-1)  # [H, N]
+    torch.testing.assert_close(got, plain * torch.sigmoid(lse - sinks[:, None]).T[..., None])
 
 
 def test_tree_attention_tree_window_reference():

@@ -5,7 +5,8 @@ attends to every committed row and to the tree rows of its ancestors-or-self; ro
 ``bound`` a captured step attends over) are masked. With a sliding ``window`` a row is visible only where the query's
 position minus the row's is below ``window`` (transformers' ``sliding_window_overlay``). Positions: committed row j
 sits at j; query / tree row i at ``length + depths[i]`` (a verified tree), or at ``length + i`` without ``depths``
-(a DFlash drafter's block).
+(a DFlash drafter's block). Attention ``sinks`` (GPT-OSS): one logit per head that joins each softmax's denominator
+and reads no value row.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def tree_attention_mask(tree_mask: Tensor, length: Tensor, bound: int, window: i
 
 
 def tree_attention_ref(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, length: Tensor, bound: int,
-                       scale: float, window: int = 0, depths: Tensor | None = None) -> Tensor:
+                       scale: float, window: int = 0, depths: Tensor | None = None,
+                       sinks: Tensor | None = None) -> Tensor:
     """Attention of the tree's queries over the cache.
 
     Args:
@@ -44,11 +46,19 @@ def tree_attention_ref(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tenso
         window: sliding window (0: none): a row is visible where query position − row position < ``window``.
         depths: ``[N]`` long, each node's depth (its position is ``length + depth``); None: a block, node i at
             ``length + i``. Read only with a window.
+        sinks: ``[H]`` per-head sink logits (None: none).
     Returns:
         ``[1, N, H * D]`` in q's dtype (heads side by side, the o_proj input).
     """
     H, N = q.shape[1], q.shape[2]
     mask = tree_attention_mask(tree_mask, length, bound, window, depths)
-    out = F.scaled_dot_product_attention(q, keys[:, :, :bound], values[:, :, :bound], attn_mask=mask, scale=scale,
-                                         enable_gqa=H != keys.shape[1])
+    if sinks is None:
+        out = F.scaled_dot_product_attention(q, keys[:, :, :bound], values[:, :, :bound], attn_mask=mask, scale=scale,
+                                             enable_gqa=H != keys.shape[1])
+    else:  # (SDPA has no sink column: the softmax written out, as transformers' GPT-OSS eager attention)
+        group = H // keys.shape[1]
+        k, v = (t[:, :, :bound].repeat_interleave(group, dim=1) for t in (keys, values))
+        s = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        s = torch.cat([s, sinks.to(s.dtype).view(1, H, 1, 1).expand(1, H, N, 1)], dim=-1)
+        out = s.softmax(dim=-1)[..., :-1].to(v.dtype) @ v
     return out.transpose(1, 2).reshape(1, N, -1)

@@ -17,7 +17,8 @@ serially on a few dozen SMs, so its cost follows the bound, not the rows in use 
 The visibility rule is the reference's (``naive.tree_attention_mask``): committed rows, plus the tree rows of the
 node's ancestors-or-self; with a sliding ``window``, only rows whose position is within ``window`` of the query's
 (tree rows at ``length + depth``, or at ``length + i`` for a DFlash block without ``depths``), and splits wholly
-before every query's window are skipped. Probabilities are cast to the value dtype before the second dot (as flash
+before every query's window are skipped; attention sinks (one logit per head, no value) join the combine's
+denominator. Probabilities are cast to the value dtype before the second dot (as flash
 attention does); accumulation is fp32; fp32 inputs use IEEE fp32 dots.
 
 Plans (``split_plan``) depend on shapes only, so a captured step keeps one; the bound is any number of rows.
@@ -102,8 +103,8 @@ def _split_kernel(q, k, v, tree_mask, length_ptr, depths, o_part, lse_part, N, b
 
 
 @triton.jit
-def _combine_kernel(o_part, lse_part, out, N, S, so_s, so_h, so_n, sl_s, sl_h, sout_n,
-                    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
+def _combine_kernel(o_part, lse_part, out, sinks, N, S, so_s, so_h, so_n, sl_s, sl_h, sout_n,
+                    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, HAS_SINKS: tl.constexpr):
     pid = tl.program_id(0)
     head, node = pid // N, pid % N
     s = tl.arange(0, BS)
@@ -114,7 +115,10 @@ def _combine_kernel(o_part, lse_part, out, N, S, so_s, so_h, so_n, sl_s, sl_h, s
     live = lse > float("-inf")
     part = tl.load(o_part + s[:, None] * so_s + head * so_h + node * so_n + dcols[None, :],
                    mask=live[:, None] & (dcols < D)[None, :], other=0.0)
-    res = tl.reduce(part * w[:, None], 0, add) / tl.reduce(w, 0, add)
+    den = tl.reduce(w, 0, add)
+    if HAS_SINKS:
+        den = den + tl.exp(tl.load(sinks + head).to(tl.float32) - m)
+    res = tl.reduce(part * w[:, None], 0, add) / den
     tl.store(out + node * sout_n + head * D + dcols, res.to(out.dtype.element_ty), mask=dcols < D)
 
 
@@ -133,7 +137,7 @@ def split_plan(H: int, HKV: int, N: int, bound: int, D: int = 128, fp32: bool = 
 def tree_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree_mask: torch.Tensor,
                           length: torch.Tensor, bound: int, scale: float, plan: tuple[int, int, int] | None = None,
                           out: torch.Tensor | None = None, window: int = 0,
-                          depths: torch.Tensor | None = None) -> torch.Tensor:
+                          depths: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as :func:`..naive.tree_attention_ref`: ``[1, N, H * D]`` in q's dtype (written into ``out``
     when given). ``plan``: ``(BM, BN, SPLIT)`` instead of :func:`split_plan`'s (tests force many splits)."""
     _, H, N, D = q.shape
@@ -142,8 +146,9 @@ def tree_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     out = torch.empty(1, N, H * D, device=q.device, dtype=q.dtype) if out is None else out
     with launch_ctx(INTERPRET):
         _combine_kernel[(H * N,)](
-            o_part, lse_part, out, N, S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-            lse_part.stride(1), out.stride(1), D=D, BD=BD, BS=max(2, next_pow2(S)), num_warps=4 if BD <= 128 else 8,
+            o_part, lse_part, out, lse_part if sinks is None else sinks.contiguous(), N, S, o_part.stride(0),
+            o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1), out.stride(1), D=D, BD=BD,
+            BS=max(2, next_pow2(S)), HAS_SINKS=sinks is not None, num_warps=4 if BD <= 128 else 8,
         )
     return out
 
