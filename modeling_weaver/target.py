@@ -11,9 +11,9 @@ from a device tensor, so both can be captured in CUDA graphs (pad trees with :me
 whole buffer with ``bound=max_length``); eager calls attend over the used rows only.
 
 Supported: Llama, Qwen2, Qwen3, Qwen3-MoE (attention only; a MoE block routes each tree node as a token of its batch),
-Mistral and Gemma3 (attention only, every layer or some on a sliding window; Gemma3's sandwich norms, per-layer-type
-RoPE and final logit softcapping) and Qwen3.5/3.6 (hybrid GDN + gated attention), either as ``*ForCausalLM`` or as
-the text model inside ``Qwen3_5ForConditionalGeneration``.
+Mistral, Gemma3 and GPT-OSS (attention only, every layer or some on a sliding window; Gemma3's sandwich norms,
+per-layer-type RoPE and final logit softcapping; GPT-OSS's attention sinks and MoE) and Qwen3.5/3.6 (hybrid GDN +
+gated attention), either as ``*ForCausalLM`` or as the text model inside ``Qwen3_5ForConditionalGeneration``.
 
 Sliding-window layers keep full committed K/V rows; the window is applied in the attention mask: a node at position
 ``n + depth`` sees a committed row or an ancestor-or-self at position ``j`` only where ``n + depth - j < window``
@@ -36,11 +36,12 @@ from .options import StepOptions
 from .tree import Tree, ancestor_mask_of
 
 ATTENTION_ONLY = ("llama", "qwen2", "qwen3", "qwen3_moe")
-SLIDING_WINDOW = ("mistral", "gemma3_text")  # attention only, with sliding-window layers (the batched sampler has none)
+# attention only, with sliding-window layers (which the batched sampler does not take)
+SLIDING_WINDOW = ("mistral", "gemma3_text", "gpt_oss")
 HYBRID_GDN = ("qwen3_5", "qwen3_5_text")
 SUPPORTED = ATTENTION_ONLY + SLIDING_WINDOW + HYBRID_GDN
 SUPPORTED_CLASSES = (
-    "LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+    "LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
     "Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration"
 )
 
@@ -69,15 +70,16 @@ class FusedNorm:
 def fused_norm(module: torch.nn.Module, dtype: torch.dtype):
     """``module`` (an RMSNorm of the target) as a :class:`FusedNorm`: one launch, called like the module.
 
-    Used when the module is one of the forms the op knows (Llama/Qwen2/Qwen3/Mistral, Qwen3.5/Gemma3, gated Qwen3.5)
-    and the op's torch reference reproduces it bit for bit on a random input here; anything else keeps the module
+    Used when the module is one of the forms the op knows (Llama/Qwen2/Qwen3/Mistral/GPT-OSS, Qwen3.5/Gemma3, gated
+    Qwen3.5) and the op's torch reference reproduces it bit for bit on a random input here (GPT-OSS casts after the
+    weight multiply: in 16-bit dtypes that is another form, which the check finds); anything else keeps the module
     itself.
     """
     name = type(module).__name__
     kind = (weaver_kernels.RMS_GATED if name.endswith("RMSNormGated") else
             weaver_kernels.RMS_ONE_PLUS if name in ("Qwen3_5RMSNorm", "Gemma3RMSNorm") else
             weaver_kernels.RMS_WEIGHT if name in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm",
-                                                  "MistralRMSNorm") else None)
+                                                  "MistralRMSNorm", "GptOssRMSNorm") else None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     weight = getattr(module, "weight", None)
     if kind is None or eps is None or weight is None or weight.dtype != dtype:  # (mixed dtypes would promote)
@@ -202,9 +204,14 @@ GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "
               "Gemma3MLP")  # down(act(gate(x)) * up(x))
 
 
+ROUTER_SCORE_MLPS = ("GptOssMLP",)  # MoE blocks that return (output, router scores)
+
+
 def mlp_forward(mlp: torch.nn.Module):
     """``mlp`` as a callable with gate and up in one GEMM (:class:`SharedInputLinears`) when it is one of the gated
-    MLPs of :data:`GATED_MLPS`; any other MLP is called as it is."""
+    MLPs of :data:`GATED_MLPS`; any other MLP is called as it is (its output alone for :data:`ROUTER_SCORE_MLPS`)."""
+    if type(mlp).__name__ in ROUTER_SCORE_MLPS:
+        return lambda x: mlp(x)[0]
     if type(mlp).__name__ not in GATED_MLPS or _hooked(mlp):
         return mlp
     gate_up = SharedInputLinears(mlp.gate_proj, mlp.up_proj)
@@ -260,6 +267,7 @@ class AttentionLayerCache:
         window = (attn.sliding_window if hasattr(attn, "sliding_window")
                   else getattr(attn.config, "sliding_window", None))
         self.sliding_window = int(window or 0)
+        self.sinks = getattr(attn, "sinks", None)  # GPT-OSS: a logit per head in each softmax's denominator
         # Qwen3.5 packs a per-head output gate next to each query head.
         self.gated = attn.q_proj.out_features == 2 * self.num_heads * self.head_dim
         self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
@@ -293,7 +301,7 @@ class AttentionLayerCache:
         self.keys.index_copy_(2, slots, k.to(self.keys.dtype))
         self.values.index_copy_(2, slots, v.to(self.values.dtype))
         out = weaver_kernels.tree_attention(q, self.keys, self.values, tree_mask, length, bound, attn.scaling,
-                                            self.sliding_window, depths)
+                                            self.sliding_window, depths, self.sinks)
         if self.gated:
             out = out * torch.sigmoid(gate)
         return attn.o_proj(out)

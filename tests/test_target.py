@@ -214,17 +214,15 @@ def test_the_window_cuts(name):
 
 
 def test_unsupported_architecture_is_refused():
-    from transformers import Gemma3TextConfig, GptOssConfig, GptOssForCausalLM
+    from transformers import Gemma3TextConfig, MixtralConfig, MixtralForCausalLM
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported targets: LlamaForCausalLM"):
         TargetAdapter(model, max_length=16)
-    # sliding + full layers with attention sinks, MoE: not yet
-    oss = GptOssForCausalLM(GptOssConfig(vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=2,
-                                         num_experts_per_tok=1, sliding_window=4))
-    with pytest.raises(ValueError, match="GptOssForCausalLM.*supported targets: .*Gemma3ForCausalLM"):
-        TargetAdapter(oss, max_length=16)
+    mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, num_local_experts=2))
+    with pytest.raises(ValueError, match="MixtralForCausalLM.*supported targets: .*GptOssForCausalLM"):
+        TargetAdapter(mixtral, max_length=16)
     bidirectional = SLIDING_TARGETS["gemma3"]().config.to_dict()
     config = Gemma3TextConfig(**{**bidirectional, "use_bidirectional_attention": True})
     with pytest.raises(ValueError, match="Gemma3ForCausalLM with bidirectional attention"):

@@ -6,6 +6,8 @@ import torch
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -106,7 +108,29 @@ def tiny_gemma3(seed: int = 0, vocab: int = VOCAB, sliding_window: int | None = 
     return Gemma3ForCausalLM(config).eval()
 
 
+def tiny_gpt_oss(seed: int = 0, vocab: int = VOCAB, sliding_window: int | None = WINDOW) -> GptOssForCausalLM:
+    """Sliding, full, sliding layers with attention sinks (large enough to matter); MoE of 4 experts, top-2, in every
+    layer (``sliding_window=None``: every layer full, the same weights)."""
+    torch.manual_seed(seed)
+    config = GptOssConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=sliding_window or 512,
+        layer_types=["sliding_attention" if sliding_window else "full_attention", "full_attention",
+                     "sliding_attention" if sliding_window else "full_attention"],
+        max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None, initializer_range=0.2,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 16, "rope_theta": 150000.0},
+    )
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(4) * 2)
+    return model
+
+
 TINY_TARGETS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5, "qwen3_moe": tiny_qwen3_moe}
 # Sliding-window targets: only the key tests (tree logits, commits, greedy identity) take them, for CI time
-SLIDING_TARGETS = {"mistral": tiny_mistral, "gemma3": tiny_gemma3}
+SLIDING_TARGETS = {"mistral": tiny_mistral, "gemma3": tiny_gemma3, "gpt_oss": tiny_gpt_oss}
 ALL_TARGETS = {**TINY_TARGETS, **SLIDING_TARGETS}
