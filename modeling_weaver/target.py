@@ -263,7 +263,7 @@ class AttentionLayerCache:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = attn.head_dim
-        # Mistral's attention reads the window from its config; Gemma3's and Qwen's carry their layer's own (None: full)
+        # Mistral's attention reads the window from its config; the others carry their layer's own (None: full)
         window = (attn.sliding_window if hasattr(attn, "sliding_window")
                   else getattr(attn.config, "sliding_window", None))
         self.sliding_window = int(window or 0)
