@@ -10,14 +10,21 @@ Every tensor op of ``verify`` and ``commit`` has a fixed shape for a fixed tree 
 from a device tensor, so both can be captured in CUDA graphs (pad trees with :meth:`Tree.padded`, attend over the
 whole buffer with ``bound=max_length``); eager calls attend over the used rows only.
 
-Supported: Llama, Qwen2, Qwen3, Qwen3-MoE (attention only), Qwen3.5/3.6 (hybrid GDN + gated attention), and the hybrid
-MoE families Qwen3.5-MoE and Qwen3-Next (GDN + gated attention + MoE with a gated shared expert); Qwen3.5 and
-Qwen3.5-MoE either as ``*ForCausalLM`` or as the text model inside ``*ForConditionalGeneration``. A MoE block routes
-each tree node as a token of its batch (routing is per token).
+Supported: Llama, Qwen2, Qwen3, Qwen3-MoE (attention only), Mistral, Gemma3 and GPT-OSS (attention only, every layer
+or some on a sliding window; Gemma3's sandwich norms, per-layer-type RoPE and final logit softcapping; GPT-OSS's
+attention sinks and MoE), Qwen3.5/3.6 (hybrid GDN + gated attention), and the hybrid MoE families Qwen3.5-MoE and
+Qwen3-Next (GDN + gated attention + MoE with a gated shared expert); Qwen3.5 and Qwen3.5-MoE either as
+``*ForCausalLM`` or as the text model inside ``*ForConditionalGeneration``. A MoE block routes each tree node as a
+token of its batch (routing is per token).
+
+Sliding-window layers keep full committed K/V rows; the window is applied in the attention mask: a node at position
+``n + depth`` sees a committed row or an ancestor-or-self at position ``j`` only where ``n + depth - j < window``
+(transformers' ``sliding_window_overlay``).
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from dataclasses import dataclass
 
@@ -31,11 +38,14 @@ from .options import StepOptions
 from .tree import Tree, ancestor_mask_of
 
 ATTENTION_ONLY = ("llama", "qwen2", "qwen3", "qwen3_moe")
+# attention only, with sliding-window layers (which the batched sampler does not take)
+SLIDING_WINDOW = ("mistral", "gemma3_text", "gpt_oss")
 HYBRID_GDN = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
-SUPPORTED = ATTENTION_ONLY + HYBRID_GDN
+SUPPORTED = ATTENTION_ONLY + SLIDING_WINDOW + HYBRID_GDN
 SUPPORTED_CLASSES = (
-    "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, "
-    "Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM"
+    "LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+    "Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, "
+    "Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM"
 )
 
 
@@ -63,14 +73,17 @@ class FusedNorm:
 def fused_norm(module: torch.nn.Module, dtype: torch.dtype):
     """``module`` (an RMSNorm of the target) as a :class:`FusedNorm`: one launch, called like the module.
 
-    Used when the module is one of the forms the op knows (Llama/Qwen2/Qwen3; the zero-centred ``1 + weight`` norm of
-    Qwen3.5, Qwen3.5-MoE and Qwen3-Next; their gated GDN output norms) and the op's torch reference reproduces it bit
-    for bit on a random input here; anything else keeps the module itself.
+    Used when the module is one of the forms the op knows (Llama/Qwen2/Qwen3/Mistral/GPT-OSS; the zero-centred
+    ``1 + weight`` norm of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and Gemma3; their gated GDN output norms) and the op's torch
+    reference reproduces it bit for bit on a random input here (GPT-OSS casts after the weight multiply: in 16-bit
+    dtypes that is another form, which the check finds); anything else keeps the module itself.
     """
     name = type(module).__name__
     kind = (weaver_kernels.RMS_GATED if name.endswith("RMSNormGated") else
-            weaver_kernels.RMS_ONE_PLUS if name in ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm") else
-            weaver_kernels.RMS_WEIGHT if name in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm") else None)
+            weaver_kernels.RMS_ONE_PLUS if name in ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm",
+                                                    "Gemma3RMSNorm") else
+            weaver_kernels.RMS_WEIGHT if name in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm",
+                                                  "MistralRMSNorm", "GptOssRMSNorm") else None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     weight = getattr(module, "weight", None)
     if kind is None or eps is None or weight is None or weight.dtype != dtype:  # (mixed dtypes would promote)
@@ -192,12 +205,17 @@ class SharedInputLinears:
 
 
 # down(act(gate(x)) * up(x)); Qwen3NextMLP: the dense layers of Qwen3-Next (``mlp_only_layers``, ``decoder_sparse_step``)
-GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3NextMLP")
+GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3NextMLP", "MistralMLP", "Gemma3MLP")
+
+
+ROUTER_SCORE_MLPS = ("GptOssMLP",)  # MoE blocks that return (output, router scores)
 
 
 def mlp_forward(mlp: torch.nn.Module):
     """``mlp`` as a callable with gate and up in one GEMM (:class:`SharedInputLinears`) when it is one of the gated
-    MLPs of :data:`GATED_MLPS`; any other MLP is called as it is."""
+    MLPs of :data:`GATED_MLPS`; any other MLP is called as it is (its output alone for :data:`ROUTER_SCORE_MLPS`)."""
+    if type(mlp).__name__ in ROUTER_SCORE_MLPS:
+        return lambda x: mlp(x)[0]
     if type(mlp).__name__ not in GATED_MLPS or _hooked(mlp):
         return mlp
     gate_up = SharedInputLinears(mlp.gate_proj, mlp.up_proj)
@@ -207,6 +225,17 @@ def mlp_forward(mlp: torch.nn.Module):
         return mlp.down_proj(mlp.act_fn(gate) * up)
 
     return forward
+
+
+def layer_norms(layer: torch.nn.Module, dtype: torch.dtype) -> tuple:
+    """A decoder layer's norms as (attention input, attention output or None, MLP input, MLP output or None), each a
+    :func:`fused_norm`: Gemma3 norms both sublayers' inputs and outputs, Llama-like layers their inputs only."""
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm")
+    else:
+        names = ("input_layernorm", None, "post_attention_layernorm", None)
+    return tuple(None if name is None else fused_norm(getattr(layer, name), dtype) for name in names)
 
 
 @dataclass
@@ -226,9 +255,11 @@ class TreeOutput:
 
 
 class AttentionLayerCache:
-    """Committed K/V of one full-attention layer, and tree attention over prefix + ancestor-or-self.
+    """Committed K/V of one attention layer, and tree attention over prefix + ancestor-or-self.
 
-    Rows ``< n`` are committed; a verified tree's K/V sit in rows ``n .. n+N-1`` until the next commit.
+    Rows ``< n`` are committed; a verified tree's K/V sit in rows ``n .. n+N-1`` until the next commit. A
+    sliding-window layer keeps every row too and masks the rows outside its window (``sliding_window``; 0: none): the
+    split-KV kernel skips whole splits before every node's window, so a step reads about ``window + N`` rows.
     """
 
     def __init__(self, attn: torch.nn.Module, config, max_length: int, device, dtype):
@@ -236,8 +267,11 @@ class AttentionLayerCache:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = attn.head_dim
-        if getattr(attn, "sliding_window", None):
-            raise ValueError("sliding-window attention layers are not supported yet")
+        # Mistral's attention reads the window from its config; the others carry their layer's own (None: full)
+        window = (attn.sliding_window if hasattr(attn, "sliding_window")
+                  else getattr(attn.config, "sliding_window", None))
+        self.sliding_window = int(window or 0)
+        self.sinks = getattr(attn, "sinks", None)  # GPT-OSS: a logit per head in each softmax's denominator
         # Qwen3.5 packs a per-head output gate next to each query head.
         self.gated = attn.q_proj.out_features == 2 * self.num_heads * self.head_dim
         self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
@@ -249,11 +283,11 @@ class AttentionLayerCache:
         self.values = torch.zeros(shape, device=device, dtype=dtype)
 
     def forward_tree(self, h: torch.Tensor, rope, tree_mask: torch.Tensor, length: torch.Tensor, slots: torch.Tensor,
-                     bound: int) -> torch.Tensor:
+                     bound: int, depths: torch.Tensor) -> torch.Tensor:
         """``h [1, N, H]`` → attention output ``[1, N, H]``.
 
         Args:
-            tree_mask: ``[N, N]`` bool ancestor-or-self mask of the tree.
+            tree_mask: ``[N, N]`` bool ancestor-or-self mask of the tree; depths: ``[N]`` each node's depth.
             length: 0-d committed length; slots: ``[N]`` cache rows receiving the tree's K/V (``length + arange(N)``).
             bound: cache rows attended over (the rows past ``length + N`` are masked).
         """
@@ -270,7 +304,8 @@ class AttentionLayerCache:
         q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
         self.keys.index_copy_(2, slots, k.to(self.keys.dtype))
         self.values.index_copy_(2, slots, v.to(self.values.dtype))
-        out = weaver_kernels.tree_attention(q, self.keys, self.values, tree_mask, length, bound, attn.scaling)
+        out = weaver_kernels.tree_attention(q, self.keys, self.values, tree_mask, length, bound, attn.scaling,
+                                            self.sliding_window, depths, self.sinks)
         if self.gated:
             out = out * torch.sigmoid(gate)
         return attn.o_proj(out)
@@ -402,6 +437,9 @@ class TargetAdapter:
                 f"modeling-weaver cannot verify trees on {type(model).__name__} (model_type {model_type!r}); "
                 f"supported targets: {SUPPORTED_CLASSES}"
             )
+        if getattr(config, "use_bidirectional_attention", False):  # (Gemma3 as an encoder: not a causal LM)
+            raise ValueError(f"modeling-weaver cannot verify trees on {type(model).__name__} with bidirectional "
+                             f"attention; supported targets: {SUPPORTED_CLASSES}")
         decoder = model.model
         if hasattr(decoder, "language_model"):  # Qwen3_5(Moe)ForConditionalGeneration
             decoder = decoder.language_model
@@ -433,9 +471,12 @@ class TargetAdapter:
             # the weights' old blocks are too small for the allocator to reuse: give them back (else a large target
             # keeps a large share of the device reserved that nothing uses)
             torch.cuda.empty_cache()
-        self.layer_norms = [(fused_norm(layer.input_layernorm, self.dtype),
-                             fused_norm(layer.post_attention_layernorm, self.dtype)) for layer in decoder.layers]
+        self.layer_norms = [layer_norms(layer, self.dtype) for layer in decoder.layers]
         self.final_norm = fused_norm(decoder.norm, self.dtype)
+        # Gemma3 rotates each layer type with its own RoPE base (one rotary call per type, not per layer)
+        takes_type = "layer_type" in inspect.signature(decoder.rotary_emb.forward).parameters
+        self.rope_types = list(config.layer_types) if takes_type else None
+        self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         # Gated DeltaNet layers verify at most this many nodes at once on this device (None: no limit).
         self.max_tree_nodes = weaver_kernels.max_tree_nodes(self.device) if self.hybrid else None
         # What fixed-shape steps call for a tree pass and a commit (`compile_tree_step` swaps in compiled ones;
@@ -500,21 +541,29 @@ class TargetAdapter:
         if advance and N != 1:
             raise ValueError(f"advance takes a one-node tree, not {N} nodes")
         tree_mask = ancestor_mask_of(parents) if tree_mask is None else tree_mask
-        positions = (self.length_t + tree_mask.sum(dim=1) - 1)[None]  # committed length + depth
+        depths = tree_mask.sum(dim=1) - 1
+        positions = (self.length_t + depths)[None]  # committed length + depth
         if self.mrope:  # multimodal RoPE: the same text positions on its 3 grids (older transformers want them)
             positions = positions[None].expand(3, -1, -1)
         x = self.embed_tokens(tokens[None])
-        rope = self.decoder.rotary_emb(x, positions)
+        if self.rope_types is None:
+            ropes = [self.decoder.rotary_emb(x, positions)] * len(self.layer_caches)
+        else:
+            by_type = {t: self.decoder.rotary_emb(x, positions, t) for t in dict.fromkeys(self.rope_types)}
+            ropes = [by_type[t] for t in self.rope_types]
         slots = self.length_t + torch.arange(N, device=self.device)
         features = {}
-        for i, (mlp, cache, (norm1, norm2)) in enumerate(zip(self.mlps, self.layer_caches, self.layer_norms)):
-            h = norm1(x)
+        layers = zip(self.mlps, self.layer_caches, self.layer_norms, ropes)
+        for i, (mlp, cache, (norm_in, norm_attn_out, norm_mlp_in, norm_mlp_out), rope) in enumerate(layers):
+            h = norm_in(x)
             if isinstance(cache, GatedDeltaNetLayerCache):
-                x = x + (cache.forward_token(h) if advance
-                         else cache.forward_tree(h, tree_mask, parents, self.max_tree_depth))
+                a = (cache.forward_token(h) if advance
+                     else cache.forward_tree(h, tree_mask, parents, self.max_tree_depth))
             else:
-                x = x + cache.forward_tree(h, rope, tree_mask, self.length_t, slots, bound)
-            x = x + mlp(norm2(x))
+                a = cache.forward_tree(h, rope, tree_mask, self.length_t, slots, bound, depths)
+            x = x + (a if norm_attn_out is None else norm_attn_out(a))
+            m = mlp(norm_mlp_in(x))
+            x = x + (m if norm_mlp_out is None else norm_mlp_out(m))
             if i in self.feature_layer_ids:
                 features[i] = x
         hidden = self.final_norm(x)
@@ -522,7 +571,10 @@ class TargetAdapter:
             # transformers' hidden_states[L] (what drafters are trained on) is the final-normed output
             features[len(self.layer_caches) - 1] = hidden
         feats = torch.cat([features[i] for i in self.feature_layer_ids], -1)[0] if features else None
-        return TreeOutput(logits=self.lm_head(hidden)[0], hidden=hidden[0], features=feats)
+        logits = self.lm_head(hidden)[0]
+        if self.logit_softcap is not None:  # (Gemma3ForCausalLM's, in its order of ops)
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return TreeOutput(logits=logits, hidden=hidden[0], features=feats)
 
     def forward_token(self, token: torch.Tensor, bound: int) -> TreeOutput:
         """One AR step, ``token [1]`` verified and committed at once (no host sync): the tree pass and commit of a

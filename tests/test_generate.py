@@ -99,13 +99,27 @@ def run_oracle(target, weaver, ids, mode, budget, max_new_tokens, eos_token_id=N
     )
 
 
+@pytest.fixture(scope="module")
+def references():
+    """``get(key, compute)``: ``compute()`` once per key, so that the modes' cases of one target share its greedy
+    references (the tiny targets are seeded: a name gives the same weights)."""
+    found = {}
+
+    def get(key, compute):
+        if key not in found:
+            found[key] = compute()
+        return found[key]
+
+    return get
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(KEY_TEST_TARGETS))
-def test_greedy_identity_random_drafters(name, mode):
+def test_greedy_identity_random_drafters(name, mode, references):
     target = KEY_TEST_TARGETS[name]()
     drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else VOCAB - 1)
     for ids in prompts():
-        expected = reference(target, ids, NEW_TOKENS)
+        expected = references((name, ids.shape[1], "plain"), lambda: reference(target, ids, NEW_TOKENS))
         got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
                                    max_new_tokens=NEW_TOKENS)
         assert torch.equal(got, expected), (name, mode, ids.shape)
@@ -113,14 +127,14 @@ def test_greedy_identity_random_drafters(name, mode):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(KEY_TEST_TARGETS))
-def test_greedy_identity_with_long_accepted_paths(name, mode):
+def test_greedy_identity_with_long_accepted_paths(name, mode, references):
     """A drafter that agrees with the target often: deep commits through every cache type stay exact."""
     target = KEY_TEST_TARGETS[name]()
     _, weaver = make_drafters(target)
     with torch.no_grad():  # Weaver adds nothing to the planted marginals: its trees follow them
         weaver.lm_head_query_in.weight.zero_()
     for seed, ids in enumerate(prompts()):
-        long, expected = oracle_reference(target, ids, NEW_TOKENS)
+        long, expected = references((name, ids.shape[1], "oracle"), lambda: oracle_reference(target, ids, NEW_TOKENS))
         got, stats = run_oracle(target, weaver, ids, mode, budget=24, max_new_tokens=NEW_TOKENS, seed=seed, ref=long)
         assert torch.equal(got, expected), (name, mode, seed)
         assert stats.num_new_tokens == NEW_TOKENS
@@ -389,9 +403,10 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def toy_vocab_pair(vocab: int, family: str = "llama"):
-    """A tiny Llama (or Qwen3-MoE: 4 experts, top-2) over ``vocab`` tokens and a 1-layer DFlash drafter for it
-    (seeded): the χ² tests' models."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    """A tiny Llama (or Qwen3-MoE: 4 experts, top-2; or Mistral: a sliding window of 2, shorter than the 3-token
+    prompt) over ``vocab`` tokens and a 1-layer DFlash drafter for it (seeded): the χ² tests' models."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3MoeConfig,
+                              Qwen3MoeForCausalLM)
 
     torch.manual_seed(0)
     shape = dict(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -400,6 +415,8 @@ def toy_vocab_pair(vocab: int, family: str = "llama"):
     if family == "qwen3_moe":
         target = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, head_dim=8, moe_intermediate_size=8, num_experts=4,
                                                     num_experts_per_tok=2)).eval()
+    elif family == "mistral":
+        target = MistralForCausalLM(MistralConfig(**shape, sliding_window=2)).eval()
     else:
         target = LlamaForCausalLM(LlamaConfig(**shape)).eval()
     drafter = DFlashDraftModel(DFlashConfig.from_target_config(
@@ -421,10 +438,10 @@ def three_token_distribution(target, prompt: torch.Tensor, processed) -> torch.T
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,verification,spine,family", [
     ("weaver", None, False, "llama"), ("weaver", None, True, "llama"), ("ddtree", None, False, "llama"),
-    ("ddtree", "traversal", False, "llama"), ("weaver", None, True, "qwen3_moe")])
+    ("ddtree", "traversal", False, "llama"), ("weaver", None, True, "qwen3_moe"), ("weaver", None, True, "mistral")])
 def test_sampling_through_the_loop_is_exact_in_distribution(mode, verification, spine, family, monkeypatch):
     """End to end on a tiny vocabulary: the first three sampled tokens — across a commit and a second step — follow
-    the processed target distribution (Weaver trees also as spine trees; a MoE target too)."""
+    the processed target distribution (Weaver trees also as spine trees; a MoE target and a sliding-window one too)."""
     from scipy.stats import chisquare
 
     vocab, temperature, top_k, draws = 6, 0.7, 3, 3000

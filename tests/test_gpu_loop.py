@@ -3,7 +3,7 @@
 import pytest
 import torch
 from test_generate import make_drafters, prompts, reference, run_oracle
-from tiny_targets import TINY_TARGETS
+from tiny_targets import KEY_TEST_TARGETS, TINY_TARGETS
 from transformers.generation import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
 
 from modeling_weaver import int8_linears, speculative_generate
@@ -15,10 +15,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("target_step", ["eager", "graph"])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", list(TINY_TARGETS))
+@pytest.mark.parametrize("name", list(KEY_TEST_TARGETS))
 def test_greedy_identity_on_gpu(name, mode, target_step):
     # fp32 so that the comparison with transformers' own (torch) GDN path is not decided by bf16 rounding
-    target = TINY_TARGETS[name]().cuda()
+    target = KEY_TEST_TARGETS[name]().cuda()
     drafter, weaver = make_drafters(target, mask_token_id=None if name == "qwen3_5" else 96)
     drafter, weaver = drafter.cuda(), weaver.cuda()
     for ids in prompts():

@@ -238,17 +238,20 @@ TREE_CASES = [
 
 # ---------------------------------------------------------------------------------------------- tree attention
 def check_tree_attention(split, parents, H, HKV, D, L, length, bound, dtype, device="cpu", plan=None, seed=0,
-                         window=0, tree_mask=None):
+                         window=0, tree_mask=None, depths=None, sinks=None):
     """The split-KV kernel (poisoned output) against the fp64 reference; relative RMS error."""
     N = len(parents)
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, h, n, D, generator=gen).to(device, dtype) for h, n in ((H, N), (HKV, L), (HKV, L)))
     tree_mask = ancestor_mask(parents, device) if tree_mask is None else tree_mask.to(device)
     length = torch.tensor(length, device=device)
+    depths = None if depths is None else depths.to(device)
     out = torch.full((1, N, H * D), float("nan"), dtype=dtype, device=device)
-    got = split.tree_attention_triton(q, k, v, tree_mask, length, bound, D ** -0.5, plan=plan, out=out, window=window)
+    got = split.tree_attention_triton(q, k, v, tree_mask, length, bound, D ** -0.5, plan=plan, out=out, window=window,
+                                      depths=depths, sinks=None if sinks is None else sinks.to(device))
     assert got is out and not out.isnan().any()
-    ref = wk.tree_attention_ref(q.double(), k.double(), v.double(), tree_mask, length, bound, D ** -0.5, window)
+    ref = wk.tree_attention_ref(q.double(), k.double(), v.double(), tree_mask, length, bound, D ** -0.5, window,
+                                depths, sinks)
     return rel_rms(got, ref)
 
 
@@ -307,6 +310,63 @@ def test_tree_attention_window_interpreter(ik, block, window):
     err = check_tree_attention(ik.attn, list(range(-1, N - 1)), H=4, HKV=2, D=16, L=112, length=70, bound=100,
                                dtype=torch.float32, plan=(16, 16, 16), window=window, tree_mask=tm)
     assert err <= ATTN_TOL[torch.float32], err
+
+
+@pytest.mark.parametrize("window", [1, 3, 9, 200])
+def test_tree_attention_tree_window_interpreter(ik, window):
+    """A tree (nodes at ``length + depth``, depths not in node order) under a sliding window: windows shorter than
+    the tree's depth cut ancestors too, longer ones only committed rows."""
+    parents = _tree("shuffled", 21, random.Random(5))
+    depths = ancestor_mask(parents).sum(1) - 1
+    err = check_tree_attention(ik.attn, parents, H=4, HKV=2, D=16, L=112, length=70, bound=100,
+                               dtype=torch.float32, plan=(16, 16, 16), window=window, depths=depths)
+    assert err <= ATTN_TOL[torch.float32], err
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_tree_attention_sinks_interpreter(ik, window):
+    """Attention sinks (a logit per head in each softmax's denominator; some large enough to take most of the mass)
+    in the combine, with many splits, with and without a window."""
+    parents = _tree("random", 13, random.Random(2))
+    sinks = torch.tensor([-1.0, 0.5, 3.0, 8.0])
+    err = check_tree_attention(ik.attn, parents, H=4, HKV=2, D=16, L=96, length=40, bound=80, dtype=torch.float32,
+                               plan=(16, 16, 16), window=window, depths=ancestor_mask(parents).sum(1) - 1, sinks=sinks)
+    assert err <= ATTN_TOL[torch.float32], err
+
+
+def test_tree_attention_sinks_reference():
+    """With sinks the reference is softmax over [scores, sink] with the sink column dropped: the sinkless output
+    scaled by sigmoid(lse − sink) per head and node."""
+    parents = [-1, 0, 1, 1]
+    N, H, D, L, n = len(parents), 2, 8, 12, 5
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, H, N, D, generator=gen), torch.randn(1, H, L, D, generator=gen), \
+        torch.randn(1, H, L, D, generator=gen)
+    tm, sinks = ancestor_mask(parents), torch.tensor([0.3, 2.0])
+    plain = wk.tree_attention_ref(q, k, v, tm, torch.tensor(n), 10, 0.4).view(N, H, D)
+    got = wk.tree_attention_ref(q, k, v, tm, torch.tensor(n), 10, 0.4, sinks=sinks).view(N, H, D)
+    mask = wk.tree_attention_mask(tm, torch.tensor(n), 10)
+    lse = (q[0] @ k[0, :, :10].transpose(-1, -2) * 0.4).masked_fill(~mask, float("-inf")).logsumexp(-1)  # [H, N]
+    torch.testing.assert_close(got, plain * torch.sigmoid(lse - sinks[:, None]).T[..., None])
+
+
+def test_tree_attention_tree_window_reference():
+    """With depths, node i (position n + depth i) sees committed row j where n + depth_i − j < window, and an
+    ancestor-or-self a where depth_i − depth_a < window (transformers' sliding_window_overlay on positions)."""
+    parents = [-1, 0, 0, 1, 3, 2, 4]
+    N, H, D, L, n, window = len(parents), 2, 8, 24, 6, 3
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, H, N, D, generator=gen), torch.randn(1, H, L, D, generator=gen), \
+        torch.randn(1, H, L, D, generator=gen)
+    tm = ancestor_mask(parents)
+    depths = tm.sum(1) - 1
+    got = wk.tree_attention_ref(q, k, v, tm, torch.tensor(n), 20, 0.3, window, depths)
+    for i in range(N):
+        p = n + int(depths[i])
+        visible = [j for j in range(n) if p - j < window]
+        visible += [n + a for a in range(N) if tm[i, a] and p - (n + int(depths[a])) < window]
+        w = torch.softmax((q[0, :, i, None] @ k[0, :, visible].transpose(-1, -2))[:, 0] * 0.3, -1)
+        torch.testing.assert_close(got[0, i].view(H, D), torch.einsum("ht,htd->hd", w, v[0, :, visible]))
 
 
 def test_tree_attention_window_reference():

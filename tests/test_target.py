@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_targets import KEY_TEST_TARGETS, TINY_TARGETS, VOCAB
+from tiny_targets import KEY_TEST_TARGETS, SLIDING_TARGETS, TINY_TARGETS, VOCAB
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from modeling_weaver.target import HYBRID_GDN, AttentionLayerCache, GatedDeltaNetLayerCache, TargetAdapter, fused_norm
@@ -76,8 +76,11 @@ def test_commit_equals_sequential_caches(name):
     for i, layer in enumerate(target.layer_caches):
         if isinstance(layer, AttentionLayerCache):
             saw.add("kv")
-            assert rel(layer.keys[:, :, :n], cache.layers[i].keys) < 1e-5
-            assert rel(layer.values[:, :, :n], cache.layers[i].values) < 1e-5
+            # a sliding-window layer of transformers keeps its last rows only (we keep all: the window is a mask)
+            m = cache.layers[i].keys.shape[2]
+            assert m == (min(n, layer.sliding_window - 1) if layer.sliding_window else n)
+            assert rel(layer.keys[:, :, n - m:n], cache.layers[i].keys) < 1e-5
+            assert rel(layer.values[:, :, n - m:n], cache.layers[i].values) < 1e-5
             before = layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone()
             target.verify(random_tree(7, gen))  # a tree's K/V go to scratch rows only
             assert torch.equal(layer.keys[:, :, :n], before[0]) and torch.equal(layer.values[:, :, :n], before[1])
@@ -150,7 +153,7 @@ def test_hybrid_commit_state_from_verification_only(monkeypatch):
 
 
 def test_prefill_matches_hf_forward():
-    for name, make in TINY_TARGETS.items():
+    for name, make in KEY_TEST_TARGETS.items():
         model = make()
         prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(3))
         out = TargetAdapter(model, max_length=64).prefill(prompt, chunk_size=16)
@@ -212,10 +215,38 @@ def test_qwen3_next_fused_projections_split_as_the_model_splits_them():
             assert got.shape == want.shape and rel(got, want) < 1e-6
 
 
+@pytest.mark.parametrize("name", list(SLIDING_TARGETS))
+def test_the_window_cuts(name):
+    """The sliding targets' windows are shorter than the prompts: transformers' greedy output differs from the same
+    weights with full attention (else the sliding tests could not fail), and the adapter's layers carry the window."""
+    from test_generate import prompts, reference
+
+    from tiny_targets import WINDOW
+
+    model, full = SLIDING_TARGETS[name](), SLIDING_TARGETS[name](sliding_window=None)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), full.state_dict().values()))
+    ids = prompts()[2]
+    assert ids.shape[1] > WINDOW
+    assert not torch.equal(reference(model, ids, 16), reference(full, ids, 16))
+    windows = [c.sliding_window for c in TargetAdapter(model, max_length=64).layer_caches]
+    assert windows == ([WINDOW] * 3 if name == "mistral" else [WINDOW, 0, WINDOW])
+    assert [c.sliding_window for c in TargetAdapter(full, max_length=64).layer_caches] == [0, 0, 0]
+
+
 def test_unsupported_architecture_is_refused():
+    from transformers import Gemma3TextConfig, MixtralConfig, MixtralForCausalLM
+
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match="supported targets: LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported targets: LlamaForCausalLM"):
         TargetAdapter(model, max_length=16)
+    mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, num_local_experts=2))
+    with pytest.raises(ValueError, match="MixtralForCausalLM.*supported targets: .*GptOssForCausalLM"):
+        TargetAdapter(mixtral, max_length=16)
+    bidirectional = SLIDING_TARGETS["gemma3"]().config.to_dict()
+    config = Gemma3TextConfig(**{**bidirectional, "use_bidirectional_attention": True})
+    with pytest.raises(ValueError, match="Gemma3ForCausalLM with bidirectional attention"):
+        TargetAdapter(type(SLIDING_TARGETS["gemma3"]())(config), max_length=16)
 
 
 def test_capacity_and_commit_order_errors():

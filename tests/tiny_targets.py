@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen3_5ForCausalLM,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeTextConfig,
@@ -110,9 +116,66 @@ def tiny_qwen3_next(seed: int = 0, vocab: int = VOCAB) -> Qwen3NextForCausalLM:
     return _spread_logits(Qwen3NextForCausalLM(config).eval())
 
 
+
+
+# sliding windows shorter than the tests' prompts (up to 40 tokens) and generations: the window cuts
+WINDOW = 8
+
+
+def tiny_mistral(seed: int = 0, vocab: int = VOCAB, sliding_window: int | None = WINDOW) -> MistralForCausalLM:
+    """Every layer on a sliding window of ``sliding_window`` tokens (None: full attention, the same weights)."""
+    torch.manual_seed(seed)
+    config = MistralConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=sliding_window, max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None, initializer_range=0.2,
+    )
+    return MistralForCausalLM(config).eval()
+
+
+def tiny_gemma3(seed: int = 0, vocab: int = VOCAB, sliding_window: int | None = WINDOW) -> Gemma3ForCausalLM:
+    """Sliding, full, sliding layers (local and global RoPE bases), sandwich norms, a query scalar other than the head
+    dim, final logit softcapping (``sliding_window=None``: every layer full, the same weights)."""
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=16, sliding_window=sliding_window or 512,
+        layer_types=["sliding_attention" if sliding_window else "full_attention", "full_attention",
+                     "sliding_attention" if sliding_window else "full_attention"],
+        final_logit_softcapping=3.0, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None, initializer_range=0.2,
+        # tied to the sqrt(hidden)-scaled embedding the residual stream wins and greedy repeats one token forever
+        tie_word_embeddings=False,
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
+def tiny_gpt_oss(seed: int = 0, vocab: int = VOCAB, sliding_window: int | None = WINDOW) -> GptOssForCausalLM:
+    """Sliding, full, sliding layers with attention sinks (large enough to matter); MoE of 4 experts, top-2, in every
+    layer (``sliding_window=None``: every layer full, the same weights)."""
+    torch.manual_seed(seed)
+    config = GptOssConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=sliding_window or 512,
+        layer_types=["sliding_attention" if sliding_window else "full_attention", "full_attention",
+                     "sliding_attention" if sliding_window else "full_attention"],
+        max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None, initializer_range=0.2,
+        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 16, "rope_theta": 150000.0},
+    )
+    model = GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(4) * 2)
+    return model
+
+
 TINY_TARGETS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5, "qwen3_moe": tiny_qwen3_moe,
                 "qwen3_next": tiny_qwen3_next}
+SLIDING_TARGETS = {"mistral": tiny_mistral, "gemma3": tiny_gemma3, "gpt_oss": tiny_gpt_oss}
 # The key per-target tests (greedy identity with random and oracle drafters in every mode, tree vs sequential logits,
-# committed state, the adapter's unit checks) also run Qwen3.5-MoE: its layers are Qwen3.5's with Qwen3-Next's MoE
-# blocks, so the rest of the per-target set would add CI time and no coverage.
-KEY_TEST_TARGETS = {**TINY_TARGETS, "qwen3_5_moe": tiny_qwen3_5_moe}
+# committed state, the adapter's unit checks) also run Qwen3.5-MoE (Qwen3.5's layers with Qwen3-Next's MoE blocks)
+# and the sliding-window targets; the rest of the per-target set would add CI time and little coverage.
+KEY_TEST_TARGETS = {**TINY_TARGETS, "qwen3_5_moe": tiny_qwen3_5_moe, **SLIDING_TARGETS}

@@ -15,10 +15,11 @@ serially on a few dozen SMs, so its cost follows the bound, not the rows in use 
    ``[N, H * D]`` in the query dtype (the o_proj input).
 
 The visibility rule is the reference's (``naive.tree_attention_mask``): committed rows, plus the tree rows of the
-node's ancestors-or-self; with a sliding ``window`` (a block whose query i sits at position ``length + i``, as a
-DFlash drafter's), only rows after ``length + i − window``, and splits wholly before every query's window are
-skipped. Probabilities are cast to the value dtype before the second dot (as flash attention
-does); accumulation is fp32; fp32 inputs use IEEE fp32 dots.
+node's ancestors-or-self; with a sliding ``window``, only rows whose position is within ``window`` of the query's
+(tree rows at ``length + depth``, or at ``length + i`` for a DFlash block without ``depths``), and splits wholly
+before every query's window are skipped; attention sinks (one logit per head, no value) join the combine's
+denominator. Probabilities are cast to the value dtype before the second dot (as flash
+attention does); accumulation is fp32; fp32 inputs use IEEE fp32 dots.
 
 Plans (``split_plan``) depend on shapes only, so a captured step keeps one; the bound is any number of rows.
 """
@@ -36,10 +37,10 @@ _TARGET_PROGRAMS = 264  # two waves' worth of programs on a 132-SM H200, counted
 
 
 @triton.jit
-def _split_kernel(q, k, v, tree_mask, length_ptr, o_part, lse_part, N, bound, G, scale, window,
+def _split_kernel(q, k, v, tree_mask, length_ptr, depths, o_part, lse_part, N, bound, G, scale, window,
                   sq_h, sq_n, sk_h, sk_t, sv_h, sv_t, sm_n, so_s, so_h, so_n, sl_s, sl_h,
                   D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-                  DOT_F32: tl.constexpr):
+                  DOT_F32: tl.constexpr, HAS_DEPTHS: tl.constexpr):
     pid_m, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     length = tl.load(length_ptr).to(tl.int32)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -50,7 +51,7 @@ def _split_kernel(q, k, v, tree_mask, length_ptr, o_part, lse_part, N, bound, G,
     d_ok = dcols < D
     start = split * SPLIT
     stop = tl.minimum(tl.minimum(start + SPLIT, length + N), bound)
-    if window > 0:  # rows at or before length − window are outside every query's window
+    if window > 0:  # rows at or before length − window are outside every query's window (depths are >= 0)
         start = tl.maximum(start, length + 1 - window)
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.full([BM], 0.0, tl.float32)
@@ -74,8 +75,13 @@ def _split_kernel(q, k, v, tree_mask, length_ptr, o_part, lse_part, N, bound, G,
             tm = tl.load(tree_mask + node[:, None] * sm_n + rel[None, :], mask=row_ok[:, None] & in_tree[None, :],
                          other=0)
             visible = (((cols < length) & c_ok)[None, :] | (tm != 0)) & row_ok[:, None]
-            if window > 0:
-                visible = visible & (cols[None, :] > (length + node - window)[:, None])
+            if window > 0:  # positions minus length: committed rows below 0, tree rows at their depth (or index)
+                if HAS_DEPTHS:
+                    q_pos = tl.load(depths + node, mask=row_ok, other=0).to(tl.int32)
+                    k_pos = tl.where(rel < 0, rel, tl.load(depths + rel, mask=in_tree, other=0).to(tl.int32))
+                else:
+                    q_pos, k_pos = node, rel
+                visible = visible & (k_pos[None, :] > (q_pos - window)[:, None])
             s = tl.where(visible, s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.reduce(s, 1, maximum))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -97,8 +103,8 @@ def _split_kernel(q, k, v, tree_mask, length_ptr, o_part, lse_part, N, bound, G,
 
 
 @triton.jit
-def _combine_kernel(o_part, lse_part, out, N, S, so_s, so_h, so_n, sl_s, sl_h, sout_n,
-                    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr):
+def _combine_kernel(o_part, lse_part, out, sinks, N, S, so_s, so_h, so_n, sl_s, sl_h, sout_n,
+                    D: tl.constexpr, BD: tl.constexpr, BS: tl.constexpr, HAS_SINKS: tl.constexpr):
     pid = tl.program_id(0)
     head, node = pid // N, pid % N
     s = tl.arange(0, BS)
@@ -109,7 +115,10 @@ def _combine_kernel(o_part, lse_part, out, N, S, so_s, so_h, so_n, sl_s, sl_h, s
     live = lse > float("-inf")
     part = tl.load(o_part + s[:, None] * so_s + head * so_h + node * so_n + dcols[None, :],
                    mask=live[:, None] & (dcols < D)[None, :], other=0.0)
-    res = tl.reduce(part * w[:, None], 0, add) / tl.reduce(w, 0, add)
+    den = tl.reduce(w, 0, add)
+    if HAS_SINKS:
+        den = den + tl.exp(tl.load(sinks + head).to(tl.float32) - m)
+    res = tl.reduce(part * w[:, None], 0, add) / den
     tl.store(out + node * sout_n + head * D + dcols, res.to(out.dtype.element_ty), mask=dcols < D)
 
 
@@ -127,24 +136,26 @@ def split_plan(H: int, HKV: int, N: int, bound: int, D: int = 128, fp32: bool = 
 
 def tree_attention_triton(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree_mask: torch.Tensor,
                           length: torch.Tensor, bound: int, scale: float, plan: tuple[int, int, int] | None = None,
-                          out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                          out: torch.Tensor | None = None, window: int = 0,
+                          depths: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as :func:`..naive.tree_attention_ref`: ``[1, N, H * D]`` in q's dtype (written into ``out``
     when given). ``plan``: ``(BM, BN, SPLIT)`` instead of :func:`split_plan`'s (tests force many splits)."""
     _, H, N, D = q.shape
-    o_part, lse_part = split_partials(q, keys, values, tree_mask, length, bound, scale, plan, window)
+    o_part, lse_part = split_partials(q, keys, values, tree_mask, length, bound, scale, plan, window, depths)
     S, BD = o_part.shape[0], max(16, next_pow2(D))
     out = torch.empty(1, N, H * D, device=q.device, dtype=q.dtype) if out is None else out
     with launch_ctx(INTERPRET):
         _combine_kernel[(H * N,)](
-            o_part, lse_part, out, N, S, o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-            lse_part.stride(1), out.stride(1), D=D, BD=BD, BS=max(2, next_pow2(S)), num_warps=4 if BD <= 128 else 8,
+            o_part, lse_part, out, lse_part if sinks is None else sinks.contiguous(), N, S, o_part.stride(0),
+            o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1), out.stride(1), D=D, BD=BD,
+            BS=max(2, next_pow2(S)), HAS_SINKS=sinks is not None, num_warps=4 if BD <= 128 else 8,
         )
     return out
 
 
 def split_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tree_mask: torch.Tensor,
                    length: torch.Tensor, bound: int, scale: float, plan: tuple[int, int, int] | None = None,
-                   window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   window: int = 0, depths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The first launch alone (``scripts/bench_tree_attention.py`` times it apart): per split, the normalised
     partial outputs ``[S, H, N, D]`` fp32 and their log-sum-exps ``[S, H, N]`` (−inf where a split saw nothing)."""
     _, H, N, D = q.shape
@@ -169,10 +180,11 @@ def split_partials(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, tr
     warps = 8 if BM * BD >= 64 * 256 else 4
     with launch_ctx(INTERPRET):
         _split_kernel[(triton.cdiv((H // HKV) * N, BM), HKV, S)](
-            q[0], keys[0], values[0], mask, length.reshape(1), o_part, lse_part, N, bound, H // HKV, float(scale),
-            int(window),
+            q[0], keys[0], values[0], mask, length.reshape(1), length if depths is None else depths, o_part, lse_part,
+            N, bound, H // HKV, float(scale), int(window),
             q.stride(1), q.stride(2), keys.stride(1), keys.stride(2), values.stride(1), values.stride(2),
             mask.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0),
-            lse_part.stride(1), D=D, BD=BD, BM=BM, BN=BN, SPLIT=SPLIT, DOT_F32=dot_f32, num_warps=warps, num_stages=2,
+            lse_part.stride(1), D=D, BD=BD, BM=BM, BN=BN, SPLIT=SPLIT, DOT_F32=dot_f32, HAS_DEPTHS=depths is not None,
+            num_warps=warps, num_stages=2,
         )
     return o_part, lse_part
