@@ -45,11 +45,13 @@ for stage in "$@"; do
       if [ -n "$EXTRA_DATA" ]; then
         for f in "$EXTRA_DATA"/shard-*.pt; do cp "$f" "$WORK/data/shard-extra-$(basename "$f" | tr -cd '0-9').pt"; done
       fi ;;
-    dflash)  # 3-layer block drafter started from the target's last 3 layers, block 16, learned mask embedding
-      # (SmolLM2 has no MASK token). 64 anchors × 32 sequences per step: the dense block-sparse attention costs
+    dflash)  # DFLASH_LAYERS-layer block drafter (default 3) started from the target's last layers, block 16, learned
+      # mask embedding (SmolLM2 has no MASK token). 64 anchors × 32 sequences per step: the dense block-sparse attention costs
       # (context + all blocks of the sequence) keys per query, so fewer blocks per sequence make each block cheaper.
-      # DFLASH_INIT: a drafter folder to start from instead (a first run's weights, fresh optimizer and schedule).
-      python3 -m modeling_weaver.cli train-dflash --data "$WORK/data" --output-dir "$DFLASH_OUT" --num-layers 3 \
+      # DFLASH_INIT: a drafter folder to start from instead (a first run's weights, fresh optimizer and schedule;
+      # grown to DFLASH_LAYERS when it has fewer).
+      python3 -m modeling_weaver.cli train-dflash --data "$WORK/data" --output-dir "$DFLASH_OUT" \
+        --num-layers "${DFLASH_LAYERS:-3}" \
         --anchors 64 --batch-size 32 --epochs 100 --max-minutes "$DFLASH_TOTAL" --session-minutes "$DFLASH_MIN" \
         --save-every 0 --log-every 50 --no-progress $(start_flags "${DFLASH_INIT:-}" "$DFLASH_OUT") \
         ${DFLASH_FLAGS:-} ;;

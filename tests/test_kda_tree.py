@@ -237,27 +237,53 @@ KERNEL_CASES = [  # kind, T, H, HV, K, V, dtype, l2, BKC
 ]
 
 
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-H{c[2]}x{c[3]}-K{c[4]}V{c[5]}-"
-                         f"{str(c[6])[6:]}-l2{int(c[7])}-BKC{c[8]}")
-def test_triton_verify_and_commit_interpreter(ik, case):
-    """The Triton verify and commit against the fp64 references: several row blocks, K not a power of two, V not a
-    multiple of the value block, forests, 16-bit inputs; the commit with a right-padded path."""
+def _case_id(c):
+    return f"{c[0]}-T{c[1]}-H{c[2]}x{c[3]}-K{c[4]}V{c[5]}-{str(c[6])[6:]}-l2{int(c[7])}-BKC{c[8]}"
+
+
+def _check_verify_and_commit(kernels, case, device="cpu"):
+    """The Triton verify and commit of ``case`` against the fp64 references (computed on the CPU)."""
     kind, T, H, HV, K, V, dtype, l2, BKC = case
     parents = _tree(kind, T, random.Random(T))
     q, k, v, g, beta, S0 = kda_inputs(1, T, H, HV, K, V, dtype, seed=T, l2norm_in_kernel=l2)
     g, beta, S0 = g.float(), beta.float(), S0.float()
     M = ancestor_mask(parents)
-    o, u, gamma = ik.fused.kda_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=l2, BKC=BKC)
+    on = lambda t: t.to(device)  # noqa: E731
+    o, u, gamma = kernels.fused.kda_tree_verify_triton(on(q), on(k), on(v), on(g), on(beta), on(S0), on(M),
+                                                       use_qk_l2norm_in_kernel=l2, BKC=BKC)
     d = lambda t: t.double()  # noqa: E731
     ro, ru, rg = kda_tree_verify_ref(d(q), d(k), d(v), d(g), d(beta), d(S0), M, use_qk_l2norm_in_kernel=l2)
     tol = 1e-5 if dtype == torch.float32 else 5e-3  # bf16: the output's rounding
+    o, u, gamma = o.cpu(), u.cpu(), gamma.cpu()
     assert o.dtype == dtype and _rel(o, ro) <= tol and _rel(u, ru) <= 1e-5 and _rel(gamma, rg) <= 1e-5
 
     leaf = max(range(T), key=lambda i: (depths(parents)[i], i))
     path = torch.tensor(path_to(parents, leaf) + [-1] * 3)
-    S = S0.clone()
-    ik.commit.kda_tree_commit_triton(S, k, u, gamma, path, use_qk_l2norm_in_kernel=l2)
-    assert _rel(S, kda_tree_commit_ref(d(S0), d(k), ru, rg, path, l2)) <= 1e-5
+    S = on(S0.clone())
+    kernels.commit.kda_tree_commit_triton(S, on(k), on(u), on(gamma), on(path), use_qk_l2norm_in_kernel=l2)
+    assert _rel(S.cpu(), kda_tree_commit_ref(d(S0), d(k), ru, rg, path, l2)) <= 1e-5
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=_case_id)
+def test_triton_verify_and_commit_interpreter(ik, case):
+    """The Triton verify and commit against the fp64 references: several row blocks, K not a power of two, V not a
+    multiple of the value block, forests, 16-bit inputs; the commit with a right-padded path."""
+    _check_verify_and_commit(ik, case)
+
+
+#: Kimi Linear's KDA shape (32 heads of 128) with a 64-node tree, in both dtypes the model runs in.
+REAL_SHAPE_CASES = [("random", 64, 32, 32, 128, 128, torch.bfloat16, True, 32),
+                    ("deep", 64, 32, 32, 128, 128, torch.float32, True, 32)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", KERNEL_CASES + REAL_SHAPE_CASES, ids=_case_id)
+def test_triton_verify_and_commit_on_gpu(case):
+    """The compiled kernels (not the interpreter) on the small cases and at Kimi Linear's shape."""
+    from weaver_kernels.kda_tree import commit, fused
+
+    _check_verify_and_commit(SimpleNamespace(fused=fused, commit=commit), case, "cuda")
 
 
 def test_triton_forgetting_channels_interpreter(ik):

@@ -255,6 +255,59 @@ def test_drafter_starts_from_the_targets_last_layers():
         init_from_target_layers(wide, target)
 
 
+def test_grown_drafter_computes_what_the_drafter_did():
+    """Growing keeps the function (new layers start as the identity), starts the new layers from the target's
+    layers before the drafter's own, and those layers still learn (their output projections get gradients)."""
+    from tiny_targets import TINY_TARGETS
+
+    from modeling_weaver import DFlashConfig, DFlashDraftModel
+    from modeling_weaver.lab.training import BlockDrafting, grow_drafter
+
+    target = TINY_TARGETS["llama"]()
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel(DFlashConfig.from_target_config(target.config, num_hidden_layers=1, block_size=4,
+                                                               target_layer_ids=[0, 1])).float()
+    with torch.no_grad():  # trained-looking weights everywhere, zero-initialised ones included
+        for p in drafter.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    grown = grow_drafter(drafter, 3, target)
+    assert grown.config.num_hidden_layers == 3 and len(grown.layers) == 3
+    assert grown.config.target_layer_ids == [0, 1] and torch.equal(grown.fc.weight, drafter.fc.weight)
+    assert all(torch.equal(a, b) for a, b in zip(grown.layers[2].parameters(), drafter.layers[0].parameters()))
+    for mine, theirs in zip(grown.layers[:2], target.model.layers[:2]):  # a 3-layer target: its first two
+        assert torch.equal(mine.self_attn.q_proj.weight, theirs.self_attn.q_proj.weight)
+        assert torch.equal(mine.mlp.up_proj.weight, theirs.mlp.up_proj.weight)
+        assert not mine.self_attn.o_proj.weight.any() and not mine.mlp.down_proj.weight.any()
+    ids = torch.randint(0, target.config.vocab_size, (2, 12))
+    features = torch.randn(2, 12, 2 * target.config.hidden_size)
+    anchors = torch.tensor([[1, 5], [3, 7]])
+    before = BlockDrafting(drafter)(ids, features, anchors, target.get_input_embeddings())
+    after = BlockDrafting(grown)(ids, features, anchors, target.get_input_embeddings())
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    after.square().sum().backward()
+    assert grown.layers[0].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert grown.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
+    assert grow_drafter(drafter, 1, target) is drafter
+    with pytest.raises(ValueError, match="cannot shrink a 3-layer drafter"):
+        grow_drafter(grown, 2, target)
+    with pytest.raises(ValueError, match="the target has only 3 layers"):
+        grow_drafter(drafter, 4, target)
+
+
+def test_train_dflash_grows_an_init_drafter_and_resume_keeps_its_depth(tiny, trained_dflash, capsys):
+    out = tiny / "grown"
+    init = ["--init-from", str(trained_dflash)]
+    assert run_train_dflash(_dflash_args(tiny, out, *init, "--num-layers", 3, "--max-steps", 4,
+                                         "--stop-at-step", 2)) == 0
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 3
+    assert run_train_dflash(_dflash_args(tiny, out, "--max-steps", 4, "--resume", "--num-layers", 2)) == 1
+    assert "trains a 3-layer drafter" in capsys.readouterr().err
+    assert run_train_dflash(_dflash_args(tiny, out, "--max-steps", 4, "--resume", "--num-layers", 3)) == 0
+    assert [r["step"] for r in _log(out)] == [1, 2, 3, 4]
+    assert run_train_dflash(_dflash_args(tiny, tiny / "shrunk", *init, "--num-layers", 1, "--max-steps", 2)) == 1
+    assert "cannot shrink a 2-layer drafter" in capsys.readouterr().err
+
+
 def test_acceptance_profile_counts_what_the_decoding_loop_drafts(tiny, trained_dflash, trained_weaver):
     """scripts/acceptance_profile.py's teacher-forced hits (one block-sparse pass over all anchors) equal those of
     the decoding loop's own drafts: DFlashRunner per anchor, and Weaver's teacher-forced chain from its prompt."""

@@ -44,6 +44,9 @@ class DataSettings:
 
 
 
+#: Decoder layers of a drafter trained from scratch.
+DEFAULT_DRAFTER_LAYERS = 5
+
 def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags of ``benchmark``."""
     parser.description = (
@@ -190,8 +193,10 @@ def add_train_dflash_arguments(parser: argparse.ArgumentParser) -> argparse.Argu
     )
     _add_common(parser, lr=6e-4, warmup=0.04, batch_size=4, anchors=512)
     m = parser.add_argument_group("drafter")
-    m.add_argument("--num-layers", type=positive_int, default=5,
-                   help="drafter decoder layers (= number of target features)")
+    m.add_argument("--num-layers", type=positive_int, default=None,
+                   help=f"drafter decoder layers (default {DEFAULT_DRAFTER_LAYERS}, also the number of target "
+                        "features). With --init-from: more than the drafter's grows it (new layers first, each "
+                        "starting as the identity; the features are kept); with --resume: must match the run")
     m.add_argument("--block-size", type=int_at_least(2), default=16)
     m.add_argument("--target-layer-ids", type=int, nargs="+", default=None,
                    help="target layers feeding the drafter (default: spread from 1 to L-3)")

@@ -61,7 +61,7 @@ from .data import TokenDataset, cli_entry, require_dir
 from ..modeling_dflash import DFlashDraftModel
 from ..modeling_weaver import WeaverModel
 from ..output_dir import check_output
-from .arguments import _add_common, add_train_dflash_arguments, add_train_weaver_arguments  # noqa: F401 (re-exported)
+from .arguments import DEFAULT_DRAFTER_LAYERS, _add_common, add_train_dflash_arguments, add_train_weaver_arguments  # noqa: F401 (re-exported)
 from .smollm2 import load_target, resolve_device, resolve_dtype
 
 STATE_FILE = "training_state.pt"
@@ -243,6 +243,51 @@ def init_from_target_layers(drafter: DFlashDraftModel, target) -> list[int]:
     if getattr(decoder, "norm", None) is not None and decoder.norm.weight.shape == drafter.norm.weight.shape:
         drafter.norm.weight.copy_(decoder.norm.weight.to(drafter.norm.weight.dtype))
     return copied
+
+
+@torch.no_grad()
+def grow_drafter(drafter: DFlashDraftModel, num_layers: int, target) -> DFlashDraftModel:
+    """A deeper drafter that computes what ``drafter`` computes: its layers become the last ones, and the new first
+    layers start from the target's layers just before those :func:`init_from_target_layers` would pick, with their
+    output projections (``o_proj``, ``down_proj``) zeroed so that each new layer starts as the identity (the residual
+    passes through). Training then gives the new layers their say from the trained drafter's accuracy instead of from
+    scratch. Context features (``fc``, ``target_layer_ids``), norms and the mask embedding are kept.
+
+    Raises:
+        ValueError: ``num_layers`` is below the drafter's depth, or the target's layers do not fit the drafter's.
+    """
+    old = drafter.config.num_hidden_layers
+    if num_layers < old:
+        raise ValueError(f"--num-layers {num_layers}: cannot shrink a {old}-layer drafter")
+    if num_layers == old:
+        return drafter
+    extra = num_layers - old
+    fields = drafter.config.to_dict()
+    types = fields.get("layer_types")
+    if types:  # the new layers attend like the drafter's first one
+        fields["layer_types"] = [types[0]] * extra + list(types)
+    grown = DFlashDraftModel(DFlashConfig.from_dict({**fields, "num_hidden_layers": num_layers}))
+    grown.to(device=drafter.fc.weight.device, dtype=drafter.fc.weight.dtype)
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    if len(decoder.layers) < num_layers:
+        raise ValueError(f"--num-layers {num_layers}: the target has only {len(decoder.layers)} layers to start from")
+    head = copy.deepcopy(grown)  # a donor of the new layers' shapes, started from the target's last num_layers
+    init_from_target_layers(head, target)
+    mine = grown.state_dict()
+    for name, value in drafter.state_dict().items():
+        if name.startswith("layers."):
+            index, rest = name[len("layers."):].split(".", 1)
+            name = f"layers.{int(index) + extra}.{rest}"
+        mine[name] = value
+    for i in range(extra):
+        for name, value in head.layers[i].state_dict().items():
+            mine[f"layers.{i}.{name}"] = torch.zeros_like(value) if name in _RESIDUAL_OUTPUTS else value
+    grown.load_state_dict(mine)
+    return grown
+
+
+#: The projections that write a drafter layer's output into the residual stream: zero, the layer is the identity.
+_RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 
 def depth_weights(num: int, gamma: float | None, device=None) -> torch.Tensor:
@@ -849,11 +894,17 @@ def run_train_dflash(args) -> int:
     try:
         if args.resume:
             drafter = DFlashDraftModel(_saved_config(args, DFlashConfig))
+            if args.num_layers not in (None, drafter.config.num_hidden_layers):
+                raise ValueError(f"--num-layers {args.num_layers}: the run in {args.output_dir} trains a "
+                                 f"{drafter.config.num_hidden_layers}-layer drafter")
         elif args.init_from:
             drafter = DFlashDraftModel.from_pretrained(args.init_from, dtype=torch.float32)
+            if args.num_layers is not None:
+                drafter = grow_drafter(drafter, args.num_layers, target)
         else:
             config = DFlashConfig.from_target_config(
-                target.config, num_hidden_layers=args.num_layers, block_size=args.block_size,
+                target.config, num_hidden_layers=args.num_layers or DEFAULT_DRAFTER_LAYERS,
+                block_size=args.block_size,
                 mask_token_id=args.mask_token_id, target_layer_ids=args.target_layer_ids,
             )
             drafter = DFlashDraftModel(config)

@@ -6,9 +6,11 @@
 #   run carry=[".smol/a"]                  bash zoo/smollm2-135m-instruct/calls.sh carry a
 #   run carry=[".smol/b"]                  bash zoo/smollm2-135m-instruct/calls.sh carry b
 #   run carry=[".smol/c", ".whl"]          bash zoo/smollm2-135m-instruct/calls.sh data      # GGUF, data, DFlash starts
-#   run                                    bash zoo/smollm2-135m-instruct/calls.sh dflash    # DFlash resumed, back
-#   run                                    bash zoo/smollm2-135m-instruct/calls.sh weaver    # Weaver, profile, bench, back
+#   run                                    bash zoo/smollm2-135m-instruct/calls.sh dflash    # DFlash resumed, Weaver, back
+#   run carry=[".whl"]                     bash zoo/smollm2-135m-instruct/calls.sh bench     # profile, bench, GPU tests
 #
+# The weights come back at the end of the dflash call: if the machine goes cold before the bench call, put them into
+# the working tree's checkpoints/smollm2-135m-instruct and bench there after carrying the GGUF again (a, b, c).
 # Each session continues from the shipped pair (checkpoints/smollm2-135m-instruct) on fresh data: TAG_BASE names the
 # session's shards and SEED_BASE their seeds (two generators: SEED_BASE+1, +2); both must be new (data_manifest.jsonl).
 set -u
@@ -16,9 +18,9 @@ export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels MODELING_WEAVER_CACHE=/tmp/smol/ca
 S=checkpoints/smollm2-135m-instruct W=/tmp/smol/work
 E=$W/eval L=$W/logs OUT=${OUT:-/tmp/smol/out}
 MIX=${MIX:-self=0.3,template=0.25,math=0.1,code=0.25,passage=0.1}
-# WSD: constant lr, then a linear cooldown over the last 30 % of the session's DFlash minutes; the weights at its
-# start come back too (dflash/pre_decay), profiled during the dflash call: what the cooldown adds is measured
-DFLASH_FLAGS=${DFLASH_FLAGS:-"--schedule wsd --decay 0.3 --save-before-decay --lr 3e-4 --ema 0.999"}
+# WSD: constant lr, then a linear cooldown over the last 30 % of the session's DFlash minutes (runs.md: what the
+# cooldown added). DFLASH_LAYERS above the shipped drafter's depth grows it (train-dflash --num-layers).
+DFLASH_FLAGS=${DFLASH_FLAGS:-"--schedule wsd --decay 0.3 --lr 3e-4 --ema 0.999"}
 DFLASH_TOTAL=${DFLASH_TOTAL:-10}  # minutes of schedule across the data and dflash calls (the dflash call: their sum)
 mkdir -p $E $L $OUT /tmp/smol/cache
 train() {  # DFlash from the shipped drafter (or resumed), for $1 minutes of this call
@@ -26,7 +28,7 @@ train() {  # DFlash from the shipped drafter (or resumed), for $1 minutes of thi
     timeout $(( ${1%.*} * 60 + 90 )) bash scripts/train_smollm2.sh dflash >> $L/dflash.log 2>&1
   echo "dflash rc=$?"; tail -2 $L/dflash.log
 }
-case ${1:?carry|data|dflash|weaver} in
+case ${1:?carry|data|dflash|bench} in
   carry)   mkdir -p /tmp/smol && cp .smol/$2/* /tmp/smol/ && ls -la /tmp/smol ;;
   data)    # ≈ 9 min: GGUF (30 s), two batch-2048 generators (four do not fit in the GPU's memory), DFlash for the rest
     cp .smol/c/*.part2 /tmp/smol/ && cp -r .smol/c/eval /tmp/smol/cache/
@@ -39,28 +41,29 @@ case ${1:?carry|data|dflash|weaver} in
     wait; for i in 1 2; do tail -1 $L/data-$i.log; done
     train ${DATA_CALL_DFLASH_MIN:-2.5}
     (cd $W && tar cf - data/manifest-*.json logs) | xz -T0 -6 > $OUT/data-call.tar.xz; ls -la $OUT ;;
-  dflash)  # ≈ 9 min: the DFlash resumed to the end of its schedule (DFLASH_TOTAL: both calls' minutes), weights
-    # back; the weights at the cooldown's start are profiled beside the training as soon as they are saved
-    ( until [ -f $W/dflash/pre_decay/README.md ]; do sleep 5; done
-      WORK=$W DFLASH_DIR=$W/dflash/pre_decay PROFILE_NAME=pre-decay HELDOUT_N=32 timeout 240 \
-        bash scripts/train_smollm2.sh profile
-    ) > $L/profile-pre-decay.log 2>&1 & waiter=$!
-    DFLASH_TOTAL=$(awk "BEGIN { print ${DATA_CALL_DFLASH_MIN:-2.5} + ${DFLASH_CALL_MIN:-7.5} }") \
-      train ${DFLASH_CALL_MIN:-7.5}
-    (sleep 60; kill $waiter) > /dev/null 2>&1 & killer=$!; wait $waiter; kill $killer 2>/dev/null
-    tail -1 $L/profile-pre-decay.log
+  dflash)  # ≈ 9 min: the DFlash resumed to the end of its schedule (DFLASH_TOTAL: both calls' minutes), then the
+    # Weaver from the shipped one on it (the DFlash frozen); weights back
+    DFLASH_TOTAL=$(awk "BEGIN { print ${DATA_CALL_DFLASH_MIN:-2.5} + ${DFLASH_CALL_MIN:-5.5} }") \
+      train ${DFLASH_CALL_MIN:-5.5}
+    WORK=$W DFLASH_DIR=$W/dflash WEAVER_INIT=$S/weaver WEAVER_MIN=${WEAVER_MIN:-1.5} WEAVER_TOTAL=${WEAVER_MIN:-1.5} \
+      timeout 170 bash scripts/train_smollm2.sh weaver > $L/weaver.log 2>&1; echo "weaver rc=$?"; tail -1 $L/weaver.log
     WORK=$W bash scripts/train_smollm2.sh back
-    (cd $W && tar cf - logs profile-*) | xz -T0 -6 > $OUT/dflash-call.tar.xz; ls -la $OUT ;;
-  weaver)  # ≈ 9 min: Weaver from the shipped one on the new DFlash, then profile beside the greedy bench
-    WORK=$W DFLASH_DIR=$W/dflash WEAVER_INIT=$S/weaver WEAVER_MIN=${WEAVER_MIN:-2.0} WEAVER_TOTAL=${WEAVER_MIN:-2.0} \
-      timeout 190 bash scripts/train_smollm2.sh weaver > $L/weaver.log 2>&1; echo "weaver rc=$?"; tail -1 $L/weaver.log
+    (cd $W && tar cf - logs) | xz -T0 -6 > $OUT/dflash-call.tar.xz; ls -la $OUT ;;
+  bench)  # ≈ 7 min: the profile beside the greedy bench (budgets 64 and 16) and, with .whl/test carried (pytest
+    # wheels), the GPU tests of the loop, the adaptive budget and the KDA kernels: the bench's MAL does not depend
+    # on the GPU being quiet
     ( WORK=$W DFLASH_DIR=$W/dflash PROFILE_NAME=${POINT:?} HELDOUT_N=32 timeout 280 bash scripts/train_smollm2.sh profile
     ) > $L/profile.log 2>&1 &
+    if [ -d .whl/test ]; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site-test .whl/test/*.whl
+      PYTHONPATH=/tmp/site-test:$PYTHONPATH:$PWD/tests timeout ${TESTS_S:-420} python3 -m pytest -v -m gpu \
+        -p no:cacheprovider tests/test_gpu_loop.py tests/test_sampler.py tests/test_kda_tree.py \
+        -k "not (compiled or int8 or spine or smollm2_size)" > $L/gpu-tests.log 2>&1 &
+    fi
     timeout 330 python3 -m modeling_weaver.cli bench --drafter $W/dflash --weaver $W/weaver --subset 8 \
       --max-new-tokens 128 --budgets 64 16 --temperatures 0 --dtype float32 --target-step eager --no-plot --strict \
       --max-minutes 5 --no-progress --out $E/bench-$POINT > $L/bench.log 2>&1
-    wait; tail -2 $L/profile.log; grep "^| 0 " $L/bench.log; ls $E
-    WORK=$W bash scripts/train_smollm2.sh back
-    (cd $W && tar cf - eval logs profile-*) | xz -T0 -6 > $OUT/weaver-call.tar.xz; ls -la $OUT ;;
+    wait; tail -2 $L/profile.log; grep "^| 0 " $L/bench.log; tail -3 $L/gpu-tests.log 2>/dev/null; ls $E
+    (cd $W && tar cf - eval logs profile-*) | xz -T0 -6 > $OUT/bench-call.tar.xz; ls -la $OUT ;;
   *) echo "unknown call $1" >&2; exit 2 ;;
 esac
