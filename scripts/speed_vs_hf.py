@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Our default ``speculative_generate`` against ``target.generate`` (HF defaults), greedy, on SmolLM2 with the shipped
-pair: tokens/s of each per prompt, identical output checked (issue #28's comparison; CPU by default).
+pair (or each --pair, side by side in one run): tokens/s of each per prompt, identical output checked (issue #28's
+comparison; CPU by default).
 
     PYTHONPATH=$PWD:$PWD/kernels python scripts/speed_vs_hf.py --per-dataset 4 --max-new-tokens 128 --mode weaver
 """
@@ -23,32 +24,45 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--mode", default="weaver", choices=("weaver", "ddtree", "chain"))
     ap.add_argument("--dtype", default="float32", help="of the target, drafter and Weaver")
+    ap.add_argument("--pair", action="append", default=None, metavar="DIR",
+                    help="a folder with dflash/ and weaver/ (repeat to compare; default: the shipped pair)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     target, tokenizer = smollm2.load_target("smollm2", dtype=dtype, device=torch.device("cpu"))
-    shipped = DEFAULT_SHIPPED_DRAFTERS
-    drafter = AutoModel.from_pretrained(shipped / "dflash", trust_remote_code=True, dtype=dtype)
-    weaver = AutoModel.from_pretrained(shipped / "weaver", trust_remote_code=True, dtype=dtype)
+    pairs = {}
+    for folder in args.pair or [str(DEFAULT_SHIPPED_DRAFTERS)]:
+        pairs[folder] = tuple(AutoModel.from_pretrained(f"{folder}/{part}", trust_remote_code=True, dtype=dtype)
+                              for part in ("dflash", "weaver"))
     warm = torch.tensor([chat_prompt_ids(tokenizer, "Hello")])  # one-time costs (packing, allocations) untimed
     target.generate(warm, max_new_tokens=4, do_sample=False)
-    speculative_generate(target, warm, drafter=drafter, weaver=weaver, mode=args.mode, max_new_tokens=4)
-    ratios, hf_total, ours_total = [], 0.0, 0.0
+    for drafter, weaver in pairs.values():
+        speculative_generate(target, warm, drafter=drafter, weaver=weaver, mode=args.mode, max_new_tokens=4)
+    ratios = {folder: [] for folder in pairs}
+    hf_total, ours_total = 0.0, dict.fromkeys(pairs, 0.0)
     for dataset, items in load_eval_prompts().items():
         for p in items[:args.per_dataset]:
             ids = torch.tensor([chat_prompt_ids(tokenizer, p.text)])
             start = time.perf_counter()
             ref = target.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
             hf = time.perf_counter() - start
-            start = time.perf_counter()
-            out, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=args.mode,
-                                              max_new_tokens=args.max_new_tokens, return_stats=True)
-            ours = time.perf_counter() - start
             n = ref.shape[1] - ids.shape[1]
-            ratios.append(hf / ours)
-            hf_total, ours_total = hf_total + hf, ours_total + ours
-            print(f"{dataset} {p.id}: {n} tokens, HF {n / hf:.2f} tok/s, ours {n / ours:.2f} tok/s = {hf / ours:.2f}x,"
-                  f" MAL {stats.mean_accepted_length:.2f}, identical {torch.equal(out, ref)}", flush=True)
-    print(f"overall {hf_total / ours_total:.2f}x (time-weighted), per prompt {min(ratios):.2f}-{max(ratios):.2f}x")
+            hf_total += hf
+            line = f"{dataset} {p.id}: {n} tokens, HF {n / hf:.2f} tok/s"
+            for folder, (drafter, weaver) in pairs.items():
+                start = time.perf_counter()
+                out, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=args.mode,
+                                                  max_new_tokens=args.max_new_tokens, return_stats=True)
+                ours = time.perf_counter() - start
+                ratios[folder].append(hf / ours)
+                ours_total[folder] += ours
+                name = f" [{folder}]" if len(pairs) > 1 else ""
+                line += (f"; ours{name} {n / ours:.2f} tok/s = {hf / ours:.2f}x, MAL {stats.mean_accepted_length:.2f},"
+                         f" identical {torch.equal(out, ref)}")
+            print(line, flush=True)
+    for folder in pairs:
+        name = f"{folder}: " if len(pairs) > 1 else ""
+        print(f"{name}overall {hf_total / ours_total[folder]:.2f}x (time-weighted), per prompt "
+              f"{min(ratios[folder]):.2f}-{max(ratios[folder]):.2f}x")
 
 
 if __name__ == "__main__":
