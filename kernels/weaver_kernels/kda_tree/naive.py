@@ -122,6 +122,17 @@ def kda_recurrent_ref(q, k, v, g, beta, initial_state, scale=None, use_qk_l2norm
     return torch.stack(out, dim=2).transpose(1, 2).to(v.dtype), S
 
 
+def kda_decode_ref(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None):
+    """One committed token (``T = 1``): returns o ``[B, 1, HV, V]`` and advances ``state`` in place (the AR step's
+    verify + commit in one). With ``A_log`` and ``dt_bias``, ``g`` and ``beta`` are the raw projections f and b
+    (:func:`kda_gates`)."""
+    if A_log is not None:
+        g, beta = kda_gates(g, beta, A_log, dt_bias)
+    o, new = kda_recurrent_ref(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel)
+    state.copy_(new)
+    return o
+
+
 def kda_gates(f, b, A_log, dt_bias):
     """KimiLinear's KDA gates from the raw projections, as transformers computes them: ``(g, β)``.
 
