@@ -1,10 +1,11 @@
 """Target adapters: run a proposal tree through an unmodified transformers causal LM and commit the accepted path.
 
 The adapter reuses the target's own modules (embedding, norms, projections, MLPs, rotary embedding, lm_head) and
-keeps its own committed caches, allocated once: attention K/V per full-attention layer (``max_length`` rows);
-recurrent state and conv window per Gated DeltaNet layer. ``verify`` writes nothing committed: a tree's K/V go to the
-scratch rows right after the committed ones; ``commit`` moves the accepted path in (KV compaction inside the buffer;
-GDN state advanced from the verification intermediates, never by re-running the target).
+keeps its own committed caches, allocated once: attention K/V per full-attention layer (``max_length`` rows; the
+compressed latent rows for latent attention); recurrent state and conv window per Gated DeltaNet or Kimi Delta
+Attention layer. ``verify`` writes nothing committed: a tree's K/V go to the scratch rows right after the committed
+ones; ``commit`` moves the accepted path in (KV compaction inside the buffer; GDN / KDA state advanced from the
+verification intermediates, never by re-running the target).
 
 Every tensor op of ``verify`` and ``commit`` has a fixed shape for a fixed tree size and reads the committed length
 from a device tensor, so both can be captured in CUDA graphs (pad trees with :meth:`Tree.padded`, attend over the
@@ -209,8 +210,8 @@ class SharedInputLinears:
 
 
 # down(act(gate(x)) * up(x)); Qwen3NextMLP: the dense layers of Qwen3-Next (``mlp_only_layers``, ``decoder_sparse_step``)
-GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3NextMLP", "MistralMLP", "Gemma3MLP",
-              "KimiLinearMLP")
+GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3NextMLP", "MistralMLP",
+              "Gemma3MLP", "KimiLinearMLP")
 
 
 ROUTER_SCORE_MLPS = ("GptOssMLP",)  # MoE blocks that return (output, router scores)

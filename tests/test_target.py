@@ -112,8 +112,8 @@ def test_commit_equals_sequential_caches(name):
             assert rel(layer.state, cache.get_recurrent_state(i).float()) < 1e-4
             conv = cache.get_conv_state(i)
             assert rel(layer.window, conv[..., -layer.window.shape[-1]:]) < 1e-5
-    model_type = model.config.model_type
-    assert saw == ({"kv", "gdn"} if model_type in HYBRID_GDN else {"mla", "kda"} if model_type in HYBRID_KDA else {"kv"})
+    kind = model.config.model_type
+    assert saw == ({"kv", "gdn"} if kind in HYBRID_GDN else {"mla", "kda"} if kind in HYBRID_KDA else {"kv"})
 
 
 def test_token_step_equals_a_one_node_tree_pass_and_commit():
@@ -311,7 +311,8 @@ def test_unsupported_architecture_is_refused():
         TargetAdapter(model, max_length=16)
     mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                                                num_attention_heads=2, num_key_value_heads=1, num_local_experts=2))
-    with pytest.raises(ValueError, match="MixtralForCausalLM.*supported targets: .*GptOssForCausalLM.*KimiLinearForCausalLM"):
+    with pytest.raises(ValueError,
+                       match="MixtralForCausalLM.*supported targets: .*GptOssForCausalLM.*KimiLinearForCausalLM"):
         TargetAdapter(mixtral, max_length=16)
     bidirectional = SLIDING_TARGETS["gemma3"]().config.to_dict()
     config = Gemma3TextConfig(**{**bidirectional, "use_bidirectional_attention": True})

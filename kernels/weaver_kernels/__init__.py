@@ -32,8 +32,8 @@ from .gdn_tree.naive import gdn_decode_ref, gdn_gates, gdn_recurrent_ref, gdn_tr
 from .int8_linear.naive import int8_linear_ref, quantize_rows
 from .kda_tree.naive import kda_decode_ref, kda_gates, kda_recurrent_ref, kda_tree_commit_ref, kda_tree_verify_ref
 from .ops import (conv_decode, conv_tree, conv_tree_commit, gdn_decode, gdn_tree_commit, gdn_tree_verify,
-                  int8_linear, kda_decode, kda_tree_commit, kda_tree_verify, max_tree_nodes, node_attention, pool_scores,
-                  rms_norm, tree_attention, weaver_expand)
+                  int8_linear, kda_decode, kda_tree_commit, kda_tree_verify, max_tree_nodes, node_attention,
+                  pool_scores, rms_norm, tree_attention, weaver_expand)
 from .rms_norm.naive import GATED as RMS_GATED
 from .rms_norm.naive import GATED_SIGMOID as RMS_GATED_SIGMOID
 from .rms_norm.naive import ONE_PLUS as RMS_ONE_PLUS
