@@ -182,6 +182,36 @@ def test_kimi_token_step_equals_a_one_node_tree_pass_and_commit():
         token = expected.logits.argmax(-1)
 
 
+def test_latent_attention_with_low_rank_queries():
+    """MLA with ``q_lora_rank`` (queries through q_a_proj, its norm and q_b_proj; the tiny Kimi Linear has full-rank
+    queries, as Kimi-Linear-48B): tree logits equal transformers' on every root→node path, and commit compacts the
+    latent rows of a path that skips tree rows."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    torch.manual_seed(0)
+    config = KimiLinearConfig(**{**KEY_TEST_TARGETS["kimi_linear"]().config.to_dict(), "q_lora_rank": 8,
+                                 "num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"],
+                                 "mlp_layer_types": ["dense", "dense"]})
+    model = KimiLinearForCausalLM(config).eval()
+    assert model.model.layers[0].self_attn.q_proj is None
+    gen = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, VOCAB, (7,), generator=gen)
+    target = TargetAdapter(model, max_length=64)
+    target.prefill(prompt, chunk_size=3)
+    tree = random_tree(9, gen)
+    out = target.verify(tree)
+    for i in range(len(tree)):
+        ids = torch.cat([prompt, tree.tokens[tree.path_to(i)]])
+        assert rel(out.logits[i], model(ids[None]).logits[0, -1]) < 1e-4, i
+    path = tree.path_to(8)
+    assert path != list(range(len(path)))
+    target.commit(path)
+    _, cache, _ = sequential(model, torch.cat([prompt, tree.tokens[path]]))
+    latent, n = target.layer_caches[0].latent, target.length
+    assert rel(latent[:, :, :n, :16], cache.layers[0].keys) < 1e-5
+    assert rel(latent[:, :, :n, 16:], cache.layers[0].values) < 1e-5
+
+
 def test_kda_commit_state_from_verification_only(monkeypatch):
     """A KDA layer's verify writes neither state nor window; its commit advances both from the verify's
     intermediates without running a target module."""
