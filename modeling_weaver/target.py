@@ -1,10 +1,11 @@
 """Target adapters: run a proposal tree through an unmodified transformers causal LM and commit the accepted path.
 
 The adapter reuses the target's own modules (embedding, norms, projections, MLPs, rotary embedding, lm_head) and
-keeps its own committed caches, allocated once: attention K/V per full-attention layer (``max_length`` rows);
-recurrent state and conv window per Gated DeltaNet layer. ``verify`` writes nothing committed: a tree's K/V go to the
-scratch rows right after the committed ones; ``commit`` moves the accepted path in (KV compaction inside the buffer;
-GDN state advanced from the verification intermediates, never by re-running the target).
+keeps its own committed caches, allocated once: attention K/V per full-attention layer (``max_length`` rows; the
+compressed latent rows for latent attention); recurrent state and conv window per Gated DeltaNet or Kimi Delta
+Attention layer. ``verify`` writes nothing committed: a tree's K/V go to the scratch rows right after the committed
+ones; ``commit`` moves the accepted path in (KV compaction inside the buffer; GDN / KDA state advanced from the
+verification intermediates, never by re-running the target).
 
 Every tensor op of ``verify`` and ``commit`` has a fixed shape for a fixed tree size and reads the committed length
 from a device tensor, so both can be captured in CUDA graphs (pad trees with :meth:`Tree.padded`, attend over the
@@ -14,8 +15,9 @@ Supported: Llama, Qwen2, Qwen3, Qwen3-MoE (attention only), Mistral, Gemma3 and 
 or some on a sliding window; Gemma3's sandwich norms, per-layer-type RoPE and final logit softcapping; GPT-OSS's
 attention sinks and MoE), Qwen3.5/3.6 (hybrid GDN + gated attention), and the hybrid MoE families Qwen3.5-MoE and
 Qwen3-Next (GDN + gated attention + MoE with a gated shared expert); Qwen3.5 and Qwen3.5-MoE either as
-``*ForCausalLM`` or as the text model inside ``*ForConditionalGeneration``. A MoE block routes each tree node as a
-token of its batch (routing is per token).
+``*ForCausalLM`` or as the text model inside ``*ForConditionalGeneration``; Kimi Linear (Kimi Delta Attention + MLA
+without RoPE + MoE with a shared expert: :class:`KimiDeltaAttentionLayerCache`, :class:`LatentAttentionLayerCache`).
+A MoE block routes each tree node as a token of its batch (routing is per token).
 
 Sliding-window layers keep full committed K/V rows; the window is applied in the attention mask: a node at position
 ``n + depth`` sees a committed row or an ancestor-or-self at position ``j`` only where ``n + depth - j < window``
@@ -41,11 +43,12 @@ ATTENTION_ONLY = ("llama", "qwen2", "qwen3", "qwen3_moe")
 # attention only, with sliding-window layers (which the batched sampler does not take)
 SLIDING_WINDOW = ("mistral", "gemma3_text", "gpt_oss")
 HYBRID_GDN = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
-SUPPORTED = ATTENTION_ONLY + SLIDING_WINDOW + HYBRID_GDN
+HYBRID_KDA = ("kimi_linear",)  # Kimi Delta Attention + latent attention (MLA)
+SUPPORTED = ATTENTION_ONLY + SLIDING_WINDOW + HYBRID_GDN + HYBRID_KDA
 SUPPORTED_CLASSES = (
     "LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
     "Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, "
-    "Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM"
+    "Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM, KimiLinearForCausalLM"
 )
 
 
@@ -73,24 +76,26 @@ class FusedNorm:
 def fused_norm(module: torch.nn.Module, dtype: torch.dtype):
     """``module`` (an RMSNorm of the target) as a :class:`FusedNorm`: one launch, called like the module.
 
-    Used when the module is one of the forms the op knows (Llama/Qwen2/Qwen3/Mistral/GPT-OSS; the zero-centred
-    ``1 + weight`` norm of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and Gemma3; their gated GDN output norms) and the op's torch
-    reference reproduces it bit for bit on a random input here (GPT-OSS casts after the weight multiply: in 16-bit
-    dtypes that is another form, which the check finds); anything else keeps the module itself.
+    Used when the module is one of the forms the op knows (Llama/Qwen2/Qwen3/Mistral/GPT-OSS/Kimi Linear; the
+    zero-centred ``1 + weight`` norm of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and Gemma3; their gated GDN output norms;
+    Kimi Linear's sigmoid-gated KDA output norm) and the op's torch reference reproduces it bit for bit on a random
+    input here (GPT-OSS casts after the weight multiply: in 16-bit dtypes that is another form, which the check
+    finds); anything else keeps the module itself.
     """
     name = type(module).__name__
-    kind = (weaver_kernels.RMS_GATED if name.endswith("RMSNormGated") else
+    kind = (weaver_kernels.RMS_GATED_SIGMOID if name == "KimiLinearRMSNormGated" else
+            weaver_kernels.RMS_GATED if name.endswith("RMSNormGated") else
             weaver_kernels.RMS_ONE_PLUS if name in ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm",
                                                     "Gemma3RMSNorm") else
             weaver_kernels.RMS_WEIGHT if name in ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm",
-                                                  "MistralRMSNorm", "GptOssRMSNorm") else None)
+                                                  "MistralRMSNorm", "GptOssRMSNorm", "KimiLinearRMSNorm") else None)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     weight = getattr(module, "weight", None)
     if kind is None or eps is None or weight is None or weight.dtype != dtype:  # (mixed dtypes would promote)
         return module
     rng = torch.Generator(device=weight.device).manual_seed(0)  # leaves the global RNG alone
     x, gate = (torch.randn(3, weight.shape[0], generator=rng, device=weight.device, dtype=dtype) for _ in range(2))
-    if kind != weaver_kernels.RMS_GATED:
+    if kind not in (weaver_kernels.RMS_GATED, weaver_kernels.RMS_GATED_SIGMOID):
         gate = None
     with torch.no_grad():
         expected = module(x) if gate is None else module(x, gate)
@@ -205,7 +210,8 @@ class SharedInputLinears:
 
 
 # down(act(gate(x)) * up(x)); Qwen3NextMLP: the dense layers of Qwen3-Next (``mlp_only_layers``, ``decoder_sparse_step``)
-GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3NextMLP", "MistralMLP", "Gemma3MLP")
+GATED_MLPS = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3_5MLP", "Qwen3MoeMLP", "Qwen3NextMLP", "MistralMLP",
+              "Gemma3MLP", "KimiLinearMLP")
 
 
 ROUTER_SCORE_MLPS = ("GptOssMLP",)  # MoE blocks that return (output, router scores)
@@ -413,6 +419,135 @@ class GatedDeltaNetLayerCache:
         # `pending` stays: a captured commit is warmed up and recorded by calling it several times
 
 
+class KimiDeltaAttentionLayerCache:
+    """Committed recurrent state and conv window of one Kimi Delta Attention layer (Kimi Linear), and its tree forward.
+
+    As a Gated DeltaNet layer's, with per-channel decays: the tree pass reads the committed state ``[1, H, K, V]``
+    (fp32) and window and writes neither (:func:`weaver_kernels.kda_tree_verify` after
+    :func:`weaver_kernels.conv_tree` over the concatenated q/k/v); :meth:`commit` advances both along the accepted
+    path from the pass's intermediates (``kda_tree_commit``: ``S* = Diag(e^{Γ_ℓ}) S0 + Σ (k_j ⊙ e^{Γ_ℓ − Γ_j}) u_jᵀ``,
+    and ``conv_tree_commit``), never re-running the layer. Gates, output norm and projections as transformers'
+    ``KimiLinearDeltaAttention`` computes them; the six projections of the layer input run as one GEMM.
+    """
+
+    def __init__(self, kda: torch.nn.Module, device, dtype):
+        self.kda = kda
+        self.num_heads, self.head_dim = kda.num_heads, kda.head_dim
+        gate = kda.forget_gate
+        self.in_proj = SharedInputLinears(kda.q_proj, kda.k_proj, kda.v_proj, gate.f_a_proj, kda.b_proj, kda.g_a_proj)
+        self.norm = fused_norm(kda.o_norm, dtype)
+        self.state = torch.zeros(1, kda.num_heads, kda.head_dim, kda.head_dim, device=device, dtype=torch.float32)
+        self.window = torch.zeros(1, kda.conv_dim, kda.conv_kernel_size - 1, device=device, dtype=dtype)
+        self.pending: tuple[torch.Tensor, ...] | None = None
+
+    def _inputs(self, h: torch.Tensor):
+        """``h [1, N, H]`` → conv input ``[1, N, 3·H·K]`` (q | k | v), the raw forget-gate projection f
+        ``[1, N, H, K]`` and b ``[1, N, H]`` (the ops form g and β of them), and the output gate ``[1, N, H, K]``."""
+        kda, N = self.kda, h.shape[1]
+        q, k, v, f_a, b, g_a = self.in_proj(h)
+        mixed = torch.cat([q, k, v], dim=-1)
+        f = kda.forget_gate.f_b_proj(f_a).view(1, N, self.num_heads, self.head_dim)
+        return mixed, f, b, kda.g_b_proj(g_a).view(1, N, self.num_heads, self.head_dim)
+
+    def _heads(self, conv: torch.Tensor):
+        return tuple(t.reshape(1, conv.shape[1], self.num_heads, self.head_dim) for t in conv.chunk(3, dim=-1))
+
+    def _output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.kda.o_proj(self.norm(o, gate).reshape(1, o.shape[1], -1))
+
+    def _conv_args(self):
+        conv = self.kda.conv1d
+        return conv.weight.squeeze(1), conv.bias
+
+    def forward_tree(self, h: torch.Tensor, tree_mask: torch.Tensor, parents: torch.Tensor,
+                     max_depth: int | None = None) -> torch.Tensor:
+        """``h [1, N, H]`` → layer output ``[1, N, H]`` of every node (``max_depth``: unused, the GDN layer's
+        signature)."""
+        kda = self.kda
+        mixed, f, b, gate = self._inputs(h)
+        conv = weaver_kernels.conv_tree(mixed, self.window, *self._conv_args(), parents, activation=kda.activation)
+        q, k, v = self._heads(conv)
+        o, u, gamma = weaver_kernels.kda_tree_verify(
+            q, k, v, f, b, self.state, tree_mask, use_qk_l2norm_in_kernel=True, A_log=kda.forget_gate.A_log,
+            dt_bias=kda.forget_gate.dt_bias)
+        self.pending = (mixed, k, u, gamma)
+        return self._output(o, gate)
+
+    def forward_token(self, h: torch.Tensor) -> torch.Tensor:
+        """One committed token ``h [1, 1, H]`` (the AR step): window and state advance in place, nothing pending."""
+        kda = self.kda
+        mixed, f, b, gate = self._inputs(h)
+        conv = weaver_kernels.conv_decode(mixed, self.window, *self._conv_args(), activation=kda.activation)
+        q, k, v = self._heads(conv)
+        o = weaver_kernels.kda_decode(q, k, v, f, b, self.state, use_qk_l2norm_in_kernel=True,
+                                      A_log=kda.forget_gate.A_log, dt_bias=kda.forget_gate.dt_bias)
+        return self._output(o, gate)
+
+    def commit(self, path: torch.Tensor):
+        mixed, k, u, gamma = self.pending
+        weaver_kernels.conv_tree_commit(self.window, mixed, path)
+        weaver_kernels.kda_tree_commit(self.state, k, u, gamma, path, use_qk_l2norm_in_kernel=True)
+        # `pending` stays: a captured commit is warmed up and recorded by calling it several times
+
+
+class LatentAttentionLayerCache:
+    """Committed compressed K/V of one multi-head latent attention layer (Kimi Linear's MLA, no RoPE), and tree
+    attention over it.
+
+    A cache row is what transformers' cache keeps for a token: the normed latent ``c`` (``kv_lora_rank``) and the key
+    part shared by all heads ``k_r`` (``qk_rope_head_dim``; Kimi Linear rotates nothing), side by side as
+    ``[c | k_r]`` in one ``[1, 1, max_length, R + r]`` buffer. Attention runs in the latent space, the up-projection
+    ``kv_b_proj`` (per head ``W_k`` for the keys' nope part, ``W_v`` for the values) absorbed: query head h becomes
+    ``[W_kᵀ q_nope | q_r]``, whose dot with a row is transformers' score ``q_nope · W_k c + q_r · k_r``; the row is also
+    the value, and the first R entries of each head's output times ``W_v`` are its value mix. One K/V head for every
+    query head (:func:`weaver_kernels.tree_attention` as MQA), so the cache stays compressed. Rows and commit as
+    :class:`AttentionLayerCache`'s.
+    """
+
+    def __init__(self, attn: torch.nn.Module, config, max_length: int, device, dtype):
+        if config.num_key_value_heads != config.num_attention_heads:
+            raise ValueError(f"latent attention with {config.num_key_value_heads} K/V heads for "
+                             f"{config.num_attention_heads} query heads: transformers expands one per query head")
+        self.attn = attn
+        self.num_heads = config.num_attention_heads
+        self.nope, self.rope, self.rank = attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
+        self.v_dim = attn.v_head_dim
+        self.sliding_window = 0
+        self.low_rank_q = attn.q_lora_rank is not None
+        self.in_proj = SharedInputLinears(attn.q_a_proj if self.low_rank_q else attn.q_proj, attn.kv_a_proj_with_mqa)
+        self.q_norm = fused_norm(attn.q_a_layernorm, dtype) if self.low_rank_q else None
+        self.kv_norm = fused_norm(attn.kv_a_layernorm, dtype)
+        self.latent = torch.zeros(1, 1, max_length, self.rank + self.rope, device=device, dtype=dtype)
+
+    def forward_tree(self, h: torch.Tensor, rope, tree_mask: torch.Tensor, length: torch.Tensor, slots: torch.Tensor,
+                     bound: int, depths: torch.Tensor) -> torch.Tensor:
+        """``h [1, N, H]`` → attention output ``[1, N, H]`` (arguments as :meth:`AttentionLayerCache.forward_tree`'s;
+        ``rope`` is None: no rotation)."""
+        attn, N, H = self.attn, h.shape[1], self.num_heads
+        q, kv = self.in_proj(h)
+        if self.low_rank_q:
+            q = attn.q_b_proj(self.q_norm(q))
+        q_nope, q_rope = q.reshape(N, H, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
+        c, k_rope = kv.split([self.rank, self.rope], dim=-1)
+        row = torch.cat([self.kv_norm(c), k_rope], dim=-1)  # [1, N, R + r]
+        self.latent.index_copy_(2, slots, row[:, None].to(self.latent.dtype))
+        w = attn.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
+        q_latent = torch.einsum("nhd,hdr->hnr", q_nope, w[:, : self.nope])
+        query = torch.cat([q_latent, q_rope.transpose(0, 1)], dim=-1)[None]  # [1, H, N, R + r]
+        out = weaver_kernels.tree_attention(query, self.latent, self.latent, tree_mask, length, bound, attn.scaling)
+        mixed = out.view(N, H, self.rank + self.rope)[..., : self.rank]
+        o = torch.einsum("nhr,hvr->nhv", mixed, w[:, self.nope :])
+        return attn.o_proj(o.reshape(1, N, H * self.v_dim))
+
+    def commit(self, rows: torch.Tensor, dst: torch.Tensor):
+        """Compact the accepted tree rows ``rows`` to ``dst`` (both ``[P]``; rows past the path are scratch)."""
+        self.latent.index_copy_(2, dst, self.latent.index_select(2, rows))
+
+
+# the layers whose committed state is a recurrent state and conv window (advanced along a path, not compacted)
+RECURRENT_CACHES = (GatedDeltaNetLayerCache, KimiDeltaAttentionLayerCache)
+
+
 class TargetAdapter:
     """A transformers causal LM seen as a tree verifier with committed caches (batch 1).
 
@@ -445,7 +580,8 @@ class TargetAdapter:
             decoder = decoder.language_model
         self.model, self.config, self.decoder = model, config, decoder
         self.hybrid = model_type in HYBRID_GDN
-        self.mrope = hasattr(decoder.rotary_emb, "mrope_section")  # Qwen3.5 (+MoE); Qwen3-Next's RoPE is 1-D
+        rotary = getattr(decoder, "rotary_emb", None)  # (None: Kimi Linear rotates nothing)
+        self.mrope = hasattr(rotary, "mrope_section")  # Qwen3.5 (+MoE); Qwen3-Next's RoPE is 1-D
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
         self.max_length = max_length
@@ -460,12 +596,15 @@ class TargetAdapter:
         before = weights_key(model)  # (the merges below may move weights)
         self.layer_caches = []
         for layer in decoder.layers:
+            attn = getattr(layer, "self_attn", None)
             if hasattr(layer, "linear_attn"):
                 self.layer_caches.append(GatedDeltaNetLayerCache(layer.linear_attn, self.device, self.dtype, options))
+            elif hasattr(attn, "forget_gate"):  # Kimi Linear keeps both of its layer kinds in `self_attn`
+                self.layer_caches.append(KimiDeltaAttentionLayerCache(attn, self.device, self.dtype))
+            elif hasattr(attn, "kv_a_proj_with_mqa"):
+                self.layer_caches.append(LatentAttentionLayerCache(attn, config, max_length, self.device, self.dtype))
             else:
-                self.layer_caches.append(
-                    AttentionLayerCache(layer.self_attn, config, max_length, self.device, self.dtype)
-                )
+                self.layer_caches.append(AttentionLayerCache(attn, config, max_length, self.device, self.dtype))
         self.mlps = [mlp_forward(layer.mlp) for layer in decoder.layers]
         if self.device.type == "cuda" and before != weights_key(model):
             # the weights' old blocks are too small for the allocator to reuse: give them back (else a large target
@@ -474,8 +613,9 @@ class TargetAdapter:
         self.layer_norms = [layer_norms(layer, self.dtype) for layer in decoder.layers]
         self.final_norm = fused_norm(decoder.norm, self.dtype)
         # Gemma3 rotates each layer type with its own RoPE base (one rotary call per type, not per layer)
-        takes_type = "layer_type" in inspect.signature(decoder.rotary_emb.forward).parameters
+        takes_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         self.rope_types = list(config.layer_types) if takes_type else None
+        self.decoder_rotary = rotary
         self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         # Gated DeltaNet layers verify at most this many nodes at once on this device (None: no limit).
         self.max_tree_nodes = weaver_kernels.max_tree_nodes(self.device) if self.hybrid else None
@@ -494,7 +634,7 @@ class TargetAdapter:
         self.length = 0
         self.length_t.zero_()
         for cache in self.layer_caches:
-            if isinstance(cache, GatedDeltaNetLayerCache):
+            if isinstance(cache, RECURRENT_CACHES):
                 cache.state.zero_()
                 cache.window.zero_()
                 cache.pending = None
@@ -546,17 +686,19 @@ class TargetAdapter:
         if self.mrope:  # multimodal RoPE: the same text positions on its 3 grids (older transformers want them)
             positions = positions[None].expand(3, -1, -1)
         x = self.embed_tokens(tokens[None])
-        if self.rope_types is None:
-            ropes = [self.decoder.rotary_emb(x, positions)] * len(self.layer_caches)
+        if self.decoder_rotary is None:
+            ropes = [None] * len(self.layer_caches)
+        elif self.rope_types is None:
+            ropes = [self.decoder_rotary(x, positions)] * len(self.layer_caches)
         else:
-            by_type = {t: self.decoder.rotary_emb(x, positions, t) for t in dict.fromkeys(self.rope_types)}
+            by_type = {t: self.decoder_rotary(x, positions, t) for t in dict.fromkeys(self.rope_types)}
             ropes = [by_type[t] for t in self.rope_types]
         slots = self.length_t + torch.arange(N, device=self.device)
         features = {}
         layers = zip(self.mlps, self.layer_caches, self.layer_norms, ropes)
         for i, (mlp, cache, (norm_in, norm_attn_out, norm_mlp_in, norm_mlp_out), rope) in enumerate(layers):
             h = norm_in(x)
-            if isinstance(cache, GatedDeltaNetLayerCache):
+            if isinstance(cache, RECURRENT_CACHES):
                 a = (cache.forward_token(h) if advance
                      else cache.forward_tree(h, tree_mask, parents, self.max_tree_depth))
             else:
@@ -604,7 +746,7 @@ class TargetAdapter:
         rows = self.length_t + path.clamp(min=0)
         dst = self.length_t + torch.arange(path.shape[0], device=self.device)
         for cache in self.layer_caches:
-            if isinstance(cache, GatedDeltaNetLayerCache):
+            if isinstance(cache, RECURRENT_CACHES):
                 cache.commit(path)
             else:
                 cache.commit(rows, dst)
@@ -624,7 +766,7 @@ class TargetAdapter:
         # The last chunk's verify intermediates are committed and never read again; captured steps replay without
         # running Python, so left here they would stay alive through a whole generation (≈ 200 MB at 27B shape).
         for cache in self.layer_caches:
-            if isinstance(cache, GatedDeltaNetLayerCache):
+            if isinstance(cache, RECURRENT_CACHES):
                 cache.pending = None
         cat = lambda xs: None if xs[0] is None else torch.cat(xs)  # noqa: E731
         return TreeOutput(*(cat([getattr(o, f) for o in outs]) for f in ("logits", "hidden", "features")))

@@ -213,6 +213,35 @@ def test_custom_ops_run_the_references():
     torch.library.opcheck(torch.ops.weaver.kda_tree_commit.default, (S0.clone(), k, got[1], got[2], path, True))
 
 
+def test_decode_equals_a_one_node_verify_and_commit():
+    """``weaver::kda_decode`` (the AR step) gives a one-node tree's output and committed state, token after token, with
+    the gates formed from the raw projections or given; its fake implementation and in-place state pass ``opcheck``."""
+    import weaver_kernels as wk
+
+    B, T, H, K, V = 1, 4, 2, 8, 6
+    q, k, v, _, _, S0 = kda_inputs(B, T, H, H, K, V, F64, seed=4)
+    gen = torch.Generator().manual_seed(2)
+    f, b = torch.randn(B, T, H, K, generator=gen, dtype=F64) * 3, torch.randn(B, T, H, generator=gen, dtype=F64)
+    A_log, dt_bias = torch.randn(H, dtype=F64, generator=gen), torch.randn(H * K, dtype=F64, generator=gen)
+    one, root = torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long)
+    S_tree, S_dec, S_pre = S0.clone(), S0.clone(), S0.clone()
+    for t in range(T):
+        x = [a[:, t : t + 1] for a in (q, k, v, f, b)]
+        o, u, gamma = kda_tree_verify_ref(*x, S_tree, one, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+        kda_tree_commit_ref(S_tree, x[1], u, gamma, root, use_qk_l2norm_in_kernel=True)
+        got = wk.kda_decode(*x, S_dec, use_qk_l2norm_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+        g, beta = kda_gates(x[3], x[4], A_log, dt_bias)
+        pre = wk.kda_decode(*x[:3], g, beta, S_pre, use_qk_l2norm_in_kernel=True)
+        assert (got - o).abs().max() <= EXACT and (S_dec - S_tree).abs().max() <= EXACT, t
+        assert torch.equal(pre, got) and torch.equal(S_pre, S_dec)
+    assert not torch.equal(S_dec, S0)
+    with pytest.raises(ValueError, match="go together"):
+        wk.kda_decode(q[:, :1], k[:, :1], v[:, :1], f[:, :1], b[:, :1], S0, dt_bias=dt_bias)
+    x = [a[:, :1].float() for a in (q, k, v, f, b)]
+    torch.library.opcheck(torch.ops.weaver.kda_decode.default,
+                          (*x, S0.float(), 0.3, True, A_log.float(), dt_bias.float()))
+
+
 # -------------------------------------------------------------------------------------- Triton (interpreter)
 @pytest.fixture(scope="module")
 def ik():

@@ -179,19 +179,21 @@ def _rms_norm_interpreted_bf16(x, weight, gate, eps, kind):
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     if kind == wk.RMS_ONE_PLUS:
         return _to_bf16_truncating(h * (1.0 + weight.float()))
+    if kind == wk.RMS_GATED_SIGMOID:
+        return _to_bf16_truncating(weight.float() * h * torch.sigmoid(gate.float()))
     y = _to_bf16_truncating(weight.float() * _to_bf16_truncating(h).float()).float()
     if kind == wk.RMS_GATED:
         y = y * torch.nn.functional.silu(gate.float())
     return _to_bf16_truncating(y)
 
 
-@pytest.mark.parametrize("kind", [0, 1, 2], ids=["weight", "one_plus", "gated"])
+@pytest.mark.parametrize("kind", [0, 1, 2, 3], ids=["weight", "one_plus", "gated", "gated_sigmoid"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("D", [40, 128])
 def test_rms_norm_interpreter(ik, kind, dtype, D):
     gen = torch.Generator().manual_seed(D + kind)
     x = (3 * torch.randn(2, 3, D, generator=gen)).to(dtype)
-    gate = torch.randn(2, 3, D, generator=gen).to(dtype) if kind == wk.RMS_GATED else None
+    gate = torch.randn(2, 3, D, generator=gen).to(dtype) if kind in (wk.RMS_GATED, wk.RMS_GATED_SIGMOID) else None
     weight = torch.randn(D, generator=gen).to(dtype)
     out = torch.full_like(x, float("nan"))
     got = ik.norm.rms_norm_triton(x, weight, gate, 1e-6, kind, out=out)
@@ -212,6 +214,8 @@ def test_rms_norm_gate_goes_with_the_gated_form():
         wk.rms_norm(x, torch.ones(8), 1e-6, wk.RMS_GATED)
     with pytest.raises(ValueError, match="gate"):
         wk.rms_norm(x, torch.ones(8), 1e-6, wk.RMS_WEIGHT, gate=x)
+    with pytest.raises(ValueError, match="gate"):
+        wk.rms_norm(x, torch.ones(8), 1e-6, wk.RMS_GATED_SIGMOID)
 
 
 # ------------------------------------------------------------------------------------------------ CPU: GDN tree
@@ -1076,6 +1080,8 @@ def test_custom_ops_opcheck():
     x = torch.randn(3, 5, 40)
     torch.library.opcheck(torch.ops.weaver.rms_norm.default, (x, torch.randn(40), None, 1e-6, wk.RMS_ONE_PLUS))
     torch.library.opcheck(torch.ops.weaver.rms_norm.default, (x, torch.randn(40), x.flip(0), 1e-6, wk.RMS_GATED))
+    torch.library.opcheck(torch.ops.weaver.rms_norm.default,
+                          (x, torch.randn(40), x.flip(0), 1e-6, wk.RMS_GATED_SIGMOID))
     q, k, v, g, beta, S0 = gdn_inputs(1, 1, 2, 4, 8, 8, torch.float32, "cpu", 0, True)
     z = torch.randn(1, 1, 4, 8)
     torch.library.opcheck(torch.ops.weaver.gdn_decode.default,

@@ -5,7 +5,16 @@ import torch
 from tiny_targets import KEY_TEST_TARGETS, SLIDING_TARGETS, TINY_TARGETS, VOCAB
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from modeling_weaver.target import HYBRID_GDN, AttentionLayerCache, GatedDeltaNetLayerCache, TargetAdapter, fused_norm
+from modeling_weaver.target import (
+    HYBRID_GDN,
+    HYBRID_KDA,
+    AttentionLayerCache,
+    GatedDeltaNetLayerCache,
+    KimiDeltaAttentionLayerCache,
+    LatentAttentionLayerCache,
+    TargetAdapter,
+    fused_norm,
+)
 from modeling_weaver.tree import Tree
 
 
@@ -60,15 +69,17 @@ def test_commit_equals_sequential_caches(name):
     prompt = torch.randint(0, VOCAB, (9,), generator=gen)
     target = TargetAdapter(model, max_length=200)
     target.prefill(prompt, chunk_size=4)
-    committed = prompt
+    committed, skips = prompt, 0
     for num_nodes in (5, 17, 1, 12):
         tree = random_tree(num_nodes, gen)
         target.verify(tree)
-        leaf = int(torch.randint(len(tree), (1,), generator=gen))  # any root→node path may be accepted
-        path = tree.path_to(leaf)
+        # any root→node path may be accepted: the last node's, whose path skips tree rows (the K/V rows must move)
+        path = tree.path_to(num_nodes - 1)
+        skips += path != list(range(len(path)))
         target.commit(path)
         committed = torch.cat([committed, tree.tokens[path]])
         assert target.length == len(committed)
+    assert skips
 
     _, cache, _ = sequential(model, committed)
     n = len(committed)
@@ -84,15 +95,25 @@ def test_commit_equals_sequential_caches(name):
             before = layer.keys[:, :, :n].clone(), layer.values[:, :, :n].clone()
             target.verify(random_tree(7, gen))  # a tree's K/V go to scratch rows only
             assert torch.equal(layer.keys[:, :, :n], before[0]) and torch.equal(layer.values[:, :, :n], before[1])
+        elif isinstance(layer, LatentAttentionLayerCache):
+            saw.add("mla")
+            # transformers caches the normed latent as keys and the shared rope part as values
+            assert cache.layers[i].keys.shape[2] == n
+            assert rel(layer.latent[:, :, :n, : layer.rank], cache.layers[i].keys) < 1e-5
+            assert rel(layer.latent[:, :, :n, layer.rank :], cache.layers[i].values) < 1e-5
+            before = layer.latent[:, :, :n].clone()
+            target.verify(random_tree(7, gen))  # a tree's rows go to scratch rows only
+            assert torch.equal(layer.latent[:, :, :n], before)
         else:
-            assert isinstance(layer, GatedDeltaNetLayerCache)
-            saw.add("gdn")
+            assert isinstance(layer, (GatedDeltaNetLayerCache, KimiDeltaAttentionLayerCache))
+            saw.add("gdn" if isinstance(layer, GatedDeltaNetLayerCache) else "kda")
             if not hasattr(cache, "get_recurrent_state"):
                 pytest.skip("this transformers version's cache has no get_recurrent_state/get_conv_state")
             assert rel(layer.state, cache.get_recurrent_state(i).float()) < 1e-4
             conv = cache.get_conv_state(i)
             assert rel(layer.window, conv[..., -layer.window.shape[-1]:]) < 1e-5
-    assert saw == ({"kv", "gdn"} if model.config.model_type in HYBRID_GDN else {"kv"})
+    kind = model.config.model_type
+    assert saw == ({"kv", "gdn"} if kind in HYBRID_GDN else {"mla", "kda"} if kind in HYBRID_KDA else {"kv"})
 
 
 def test_token_step_equals_a_one_node_tree_pass_and_commit():
@@ -130,6 +151,85 @@ def test_token_step_equals_a_one_node_tree_pass_and_commit():
         token = expected.logits.argmax(-1)
     with pytest.raises(ValueError, match="one-node"):
         token_path.forward_tree(torch.tensor([1, 2]), torch.tensor([-1, 0]), 64, advance=True)
+
+
+def test_kimi_token_step_equals_a_one_node_tree_pass_and_commit():
+    """Kimi Linear's AR step (conv_decode + kda_decode in the KDA layers, the MLA row written in place) gives the
+    logits, KDA state, conv window, latent rows and length of a one-node verify + commit, and transformers' logits."""
+    model = KEY_TEST_TARGETS["kimi_linear"]()
+    prompt = torch.randint(0, VOCAB, (6,), generator=torch.Generator().manual_seed(4))
+    tree_path, token_path = TargetAdapter(model, max_length=64), TargetAdapter(model, max_length=64)
+    kinds = {type(c) for c in token_path.layer_caches}
+    assert kinds == {KimiDeltaAttentionLayerCache, LatentAttentionLayerCache}
+    for adapter in (tree_path, token_path):
+        adapter.prefill(prompt)
+    ids, token = prompt, prompt[-1:]
+    for step in range(4):
+        expected = tree_path.verify(Tree.from_lists([int(token)], [-1]))
+        tree_path.commit([0])
+        got = token_path.forward_token(token, token_path.length + 1)
+        token_path.length += 1
+        ids = torch.cat([ids, token])
+        assert rel(got.logits, expected.logits) < 1e-5, step
+        assert rel(got.logits[0], model(ids[None]).logits[0, -1]) < 1e-4, step
+        n = tree_path.length
+        assert int(token_path.length_t) == n == token_path.length
+        for a, b in zip(tree_path.layer_caches, token_path.layer_caches):
+            if isinstance(a, KimiDeltaAttentionLayerCache):
+                assert rel(a.state, b.state) < 1e-5 and rel(a.window, b.window) < 1e-6 and b.pending is None
+            else:
+                assert rel(a.latent[:, :, :n], b.latent[:, :, :n]) < 1e-6
+        token = expected.logits.argmax(-1)
+
+
+def test_latent_attention_with_low_rank_queries():
+    """MLA with ``q_lora_rank`` (queries through q_a_proj, its norm and q_b_proj; the tiny Kimi Linear has full-rank
+    queries, as Kimi-Linear-48B): tree logits equal transformers' on every root→node path, and commit compacts the
+    latent rows of a path that skips tree rows."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    torch.manual_seed(0)
+    config = KimiLinearConfig(**{**KEY_TEST_TARGETS["kimi_linear"]().config.to_dict(), "q_lora_rank": 8,
+                                 "num_hidden_layers": 2, "layer_types": ["full_attention", "linear_attention"],
+                                 "mlp_layer_types": ["dense", "dense"]})
+    model = KimiLinearForCausalLM(config).eval()
+    assert model.model.layers[0].self_attn.q_proj is None
+    gen = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, VOCAB, (7,), generator=gen)
+    target = TargetAdapter(model, max_length=64)
+    target.prefill(prompt, chunk_size=3)
+    tree = random_tree(9, gen)
+    out = target.verify(tree)
+    for i in range(len(tree)):
+        ids = torch.cat([prompt, tree.tokens[tree.path_to(i)]])
+        assert rel(out.logits[i], model(ids[None]).logits[0, -1]) < 1e-4, i
+    path = tree.path_to(8)
+    assert path != list(range(len(path)))
+    target.commit(path)
+    _, cache, _ = sequential(model, torch.cat([prompt, tree.tokens[path]]))
+    latent, n = target.layer_caches[0].latent, target.length
+    assert rel(latent[:, :, :n, :16], cache.layers[0].keys) < 1e-5
+    assert rel(latent[:, :, :n, 16:], cache.layers[0].values) < 1e-5
+
+
+def test_kda_commit_state_from_verification_only(monkeypatch):
+    """A KDA layer's verify writes neither state nor window; its commit advances both from the verify's
+    intermediates without running a target module."""
+    model = KEY_TEST_TARGETS["kimi_linear"]()
+    target = TargetAdapter(model, max_length=64)
+    target.prefill(torch.arange(7))
+    kda = [c for c in target.layer_caches if isinstance(c, KimiDeltaAttentionLayerCache)][0]
+    before = (kda.state.clone(), kda.window.clone())
+    target.verify(Tree.from_lists([1, 2, 3, 4, 5], [-1, 0, 0, 1, 3]))
+    assert torch.equal(kda.state, before[0]) and torch.equal(kda.window, before[1])
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("commit ran a target module")
+
+    for module in model.modules():
+        monkeypatch.setattr(module, "forward", forbidden)
+    target.commit([0, 1, 3, 4])
+    assert not torch.equal(kda.state, before[0]) and not torch.equal(kda.window, before[1])
 
 
 def test_hybrid_commit_state_from_verification_only(monkeypatch):
@@ -241,7 +341,8 @@ def test_unsupported_architecture_is_refused():
         TargetAdapter(model, max_length=16)
     mixtral = MixtralForCausalLM(MixtralConfig(vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                                                num_attention_heads=2, num_key_value_heads=1, num_local_experts=2))
-    with pytest.raises(ValueError, match="MixtralForCausalLM.*supported targets: .*GptOssForCausalLM"):
+    with pytest.raises(ValueError,
+                       match="MixtralForCausalLM.*supported targets: .*GptOssForCausalLM.*KimiLinearForCausalLM"):
         TargetAdapter(mixtral, max_length=16)
     bidirectional = SLIDING_TARGETS["gemma3"]().config.to_dict()
     config = Gemma3TextConfig(**{**bidirectional, "use_bidirectional_attention": True})
@@ -286,6 +387,8 @@ def test_padded_tree_over_the_whole_cache_equals_the_plain_verify(name):
         if isinstance(p_cache, AttentionLayerCache):
             assert rel(s_cache.keys[:, :, :n], p_cache.keys[:, :, :n]) < tol
             assert rel(s_cache.values[:, :, :n], p_cache.values[:, :, :n]) < tol
+        elif isinstance(p_cache, LatentAttentionLayerCache):
+            assert rel(s_cache.latent[:, :, :n], p_cache.latent[:, :, :n]) < tol
         else:
             assert rel(s_cache.state, p_cache.state) < tol and rel(s_cache.window, p_cache.window) < tol
 
@@ -341,7 +444,12 @@ def _shared_groups(model):
     for layer in model.model.layers:
         if hasattr(layer.mlp, "gate_proj"):  # (a MoE block's experts run as the model runs them)
             yield [layer.mlp.gate_proj, layer.mlp.up_proj]
-        if hasattr(layer, "linear_attn"):
+        attn = getattr(layer, "self_attn", None)
+        if hasattr(attn, "forget_gate"):  # Kimi Linear: KDA
+            yield [attn.q_proj, attn.k_proj, attn.v_proj, attn.forget_gate.f_a_proj, attn.b_proj, attn.g_a_proj]
+        elif hasattr(attn, "kv_a_proj_with_mqa"):  # and MLA
+            yield [attn.q_proj, attn.kv_a_proj_with_mqa]
+        elif hasattr(layer, "linear_attn"):
             g = layer.linear_attn
             yield [g.in_proj_qkvz, g.in_proj_ba] if hasattr(g, "in_proj_qkvz") else [
                 g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a]

@@ -7,6 +7,8 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GptOssConfig,
+    KimiLinearConfig,
+    KimiLinearForCausalLM,
     GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
@@ -172,10 +174,32 @@ def tiny_gpt_oss(seed: int = 0, vocab: int = VOCAB, sliding_window: int | None =
     return model
 
 
+def tiny_kimi_linear(seed: int = 0, vocab: int = VOCAB) -> KimiLinearForCausalLM:
+    """Kimi Linear: KDA, KDA, MLA, KDA layers (4 heads of 8 per-channel-gated dims; latent attention with rank 16, nope
+    8, shared rope-part 4 and value 12 dims, all different so that a mixed-up split shows); layer 0 a dense MLP, the
+    others MoE blocks of 4 experts top-2 in 2 groups (1 chosen) with a shared expert and a router score bias."""
+    torch.manual_seed(seed)
+    config = KimiLinearConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=12, num_local_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        n_shared_experts=1, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], max_position_embeddings=512,
+        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None, initializer_range=0.1,
+    )
+    model = KimiLinearForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):  # (zeros at init: a bias that changes the choice shows if it is dropped)
+                layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(4) * 0.1)
+    return model
+
+
 TINY_TARGETS = {"llama": tiny_llama, "qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5, "qwen3_moe": tiny_qwen3_moe,
                 "qwen3_next": tiny_qwen3_next}
 SLIDING_TARGETS = {"mistral": tiny_mistral, "gemma3": tiny_gemma3, "gpt_oss": tiny_gpt_oss}
 # The key per-target tests (greedy identity with random and oracle drafters in every mode, tree vs sequential logits,
-# committed state, the adapter's unit checks) also run Qwen3.5-MoE (Qwen3.5's layers with Qwen3-Next's MoE blocks)
-# and the sliding-window targets; the rest of the per-target set would add CI time and little coverage.
-KEY_TEST_TARGETS = {**TINY_TARGETS, "qwen3_5_moe": tiny_qwen3_5_moe, **SLIDING_TARGETS}
+# committed state, the adapter's unit checks) also run Qwen3.5-MoE (Qwen3.5's layers with Qwen3-Next's MoE blocks),
+# the sliding-window targets and Kimi Linear; the rest of the per-target set would add CI time and little coverage.
+KEY_TEST_TARGETS = {**TINY_TARGETS, "qwen3_5_moe": tiny_qwen3_5_moe, **SLIDING_TARGETS, "kimi_linear": tiny_kimi_linear}

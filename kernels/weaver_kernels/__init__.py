@@ -9,7 +9,7 @@ seams:
 - :func:`conv_tree` — depthwise causal conv1d (+ SiLU) where each node reads its ancestors.
 - :func:`conv_tree_commit` — slide the committed conv window along the accepted path (in place).
 - :func:`kda_tree_verify`, :func:`kda_tree_commit` — the same pair for Kimi Delta Attention (per-channel gates; the
-  torch reference on every device for now).
+  torch reference on every device for now), and :func:`kda_decode` (its one-token AR step).
 
 For the AR step (one token, committed at once), :func:`gdn_decode` and :func:`conv_decode` do verify and commit in
 one launch each (the GDN one with the layer's gated RMSNorm). Then :func:`tree_attention` (a tree's queries over a
@@ -30,11 +30,12 @@ References: ``*.naive``.
 from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_decode_ref, gdn_gates, gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
 from .int8_linear.naive import int8_linear_ref, quantize_rows
-from .kda_tree.naive import kda_gates, kda_recurrent_ref, kda_tree_commit_ref, kda_tree_verify_ref
+from .kda_tree.naive import kda_decode_ref, kda_gates, kda_recurrent_ref, kda_tree_commit_ref, kda_tree_verify_ref
 from .ops import (conv_decode, conv_tree, conv_tree_commit, gdn_decode, gdn_tree_commit, gdn_tree_verify,
-                  int8_linear, kda_tree_commit, kda_tree_verify, max_tree_nodes, node_attention, pool_scores,
-                  rms_norm, tree_attention, weaver_expand)
+                  int8_linear, kda_decode, kda_tree_commit, kda_tree_verify, max_tree_nodes, node_attention,
+                  pool_scores, rms_norm, tree_attention, weaver_expand)
 from .rms_norm.naive import GATED as RMS_GATED
+from .rms_norm.naive import GATED_SIGMOID as RMS_GATED_SIGMOID
 from .rms_norm.naive import ONE_PLUS as RMS_ONE_PLUS
 from .rms_norm.naive import WEIGHT as RMS_WEIGHT
 from .rms_norm.naive import rms_norm_ref
@@ -71,6 +72,7 @@ __all__ = [
     "RMS_WEIGHT",
     "RMS_ONE_PLUS",
     "RMS_GATED",
+    "RMS_GATED_SIGMOID",
     "gdn_tree_verify_ref",
     "gdn_tree_commit_ref",
     "gdn_recurrent_ref",
@@ -78,6 +80,8 @@ __all__ = [
     "conv_tree_commit_ref",
     "kda_tree_verify",
     "kda_tree_commit",
+    "kda_decode",
+    "kda_decode_ref",
     "kda_gates",
     "kda_tree_verify_ref",
     "kda_tree_commit_ref",

@@ -19,8 +19,8 @@ from torch import Tensor
 from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_decode_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
 from .int8_linear.naive import int8_linear_ref
-from .kda_tree.naive import kda_tree_commit_ref, kda_tree_verify_ref
-from .rms_norm.naive import GATED, rms_norm_ref
+from .kda_tree.naive import kda_decode_ref, kda_tree_commit_ref, kda_tree_verify_ref
+from .rms_norm.naive import GATED_KINDS, rms_norm_ref
 from .tree_attention.naive import tree_attention_ref
 from .weaver_tree.naive import node_attention_ref, pool_scores_ref, weaver_expand_ref
 
@@ -169,6 +169,19 @@ def _kda_tree_commit_op(
 @_kda_tree_commit_op.register_fake
 def _(state, k, u, gamma, path, use_qk_l2norm_in_kernel):
     return None
+
+
+@_op("weaver::kda_decode", mutates_args=("state",))
+def _kda_decode_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, scale: float,
+    use_qk_l2norm_in_kernel: bool, A_log: Tensor | None, dt_bias: Tensor | None
+) -> Tensor:
+    return _contig(kda_decode_ref(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel, A_log, dt_bias))
+
+
+@_kda_decode_op.register_fake
+def _(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel, A_log, dt_bias):
+    return v.new_empty(v.shape)
 
 
 # --------------------------------------------------------------------------------------------------------- conv
@@ -432,6 +445,29 @@ def kda_tree_commit(
     return state
 
 
+def kda_decode(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+) -> Tensor:
+    """One committed KDA token: q, k ``[B, 1, H, K]``, v ``[B, 1, HV, V]``, g ``[B, 1, HV, K]``, beta ``[B, 1, HV]``;
+    advances ``state`` in place and returns o ``[B, 1, HV, V]`` (the AR step's form of verify + commit). With
+    ``A_log`` and ``dt_bias``, ``g`` and ``beta`` are the raw projections f and b. See
+    ``kda_tree.naive.kda_decode_ref`` (the reference on every device, as the KDA tree ops)."""
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("kda_decode: A_log and dt_bias go together")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _call(_kda_decode_op, q, k, v, g, beta, state, float(scale), bool(use_qk_l2norm_in_kernel), A_log, dt_bias)
+
+
 def conv_decode(x: Tensor, window: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None = "silu"
                 ) -> Tensor:
     """One committed token ``x [B, 1, C]``: conv1d output, the window slid in place (CUDA: one launch)."""
@@ -535,7 +571,8 @@ def weaver_expand(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: Tenso
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, kind: int, gate: Tensor | None = None) -> Tensor:
     """RMSNorm over the last dimension in one of transformers' forms (``rms_norm.naive``: 0 Llama, 1 Qwen3.5,
-    2 gated Qwen3.5 with ``gate``); output in x's dtype. CUDA: one Triton launch instead of the module's 6–9."""
-    if (kind == GATED) != (gate is not None):
-        raise ValueError("rms_norm: a gate goes with kind 2 (gated) and only with it")
+    2 gated Qwen3.5 and 3 gated KimiLinear with ``gate``); output in x's dtype. CUDA: one Triton launch instead of the
+    module's 6–9."""
+    if (kind in GATED_KINDS) != (gate is not None):
+        raise ValueError("rms_norm: a gate goes with kinds 2 and 3 (gated) and only with them")
     return _call(_rms_norm_op, x, weight, gate, float(eps), int(kind))

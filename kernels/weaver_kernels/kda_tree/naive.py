@@ -84,19 +84,23 @@ def kda_tree_commit_ref(
     """Advance ``state`` in place along the accepted ``path`` (node indices root..leaf) and return it.
 
     ``S* = Diag(exp(Γ_ℓ)) S0 + Σ_{j ∈ path} (k_j ⊙ exp(Γ_ℓ − Γ_j)) u_jᵀ`` with ℓ = path[-1]: no re-solve, no
-    speculative state. ``path`` may be right-padded with -1 (ignored; fixed-size buffers for CUDA graphs).
+    speculative state. ``path`` may be right-padded with -1 (ignored; fixed-size buffers for CUDA graphs). The padding
+    is masked, not filtered out, and the path length stays on the device: no host sync, so a CUDA graph can capture
+    it (the op runs this reference on CUDA too).
     """
     path = path.to(k.device)
-    path = path[path >= 0]
-    if path.numel() == 0:
-        return state
+    valid = path >= 0
+    count = valid.sum()
+    nodes = path.clamp(min=0)
+    leaf = nodes.gather(0, (count - 1).clamp(min=0).reshape(1))
     HV = state.shape[1]
-    kp = _expand_qk(k[:, path], HV, use_qk_l2norm_in_kernel)  # [B, HV, L, K]
-    up = _heads_last(u[:, path])  # [B, HV, L, V]
-    gp = _heads_last(gamma[:, path])  # [B, HV, L, K]
-    last = gp[..., -1:, :]  # Γ_ℓ [B, HV, 1, K]
-    new = last.exp().transpose(-1, -2) * _acc(state) + (kp * (last - gp).exp()).transpose(-1, -2) @ up
-    state.copy_(new)
+    kp = _expand_qk(k[:, nodes], HV, use_qk_l2norm_in_kernel)  # [B, HV, L, K]
+    up = _heads_last(u[:, nodes])  # [B, HV, L, V]
+    gp = _heads_last(gamma[:, nodes])  # [B, HV, L, K]
+    last = _heads_last(gamma[:, leaf])  # Γ_ℓ [B, HV, 1, K]
+    decay = (last - gp).masked_fill(~valid[:, None], float("-inf")).exp()  # 0 on the padding
+    new = last.exp().transpose(-1, -2) * _acc(state) + (kp * decay).transpose(-1, -2) @ up
+    state.copy_(torch.where(count > 0, new, _acc(state)))
     return state
 
 
@@ -120,6 +124,17 @@ def kda_recurrent_ref(q, k, v, g, beta, initial_state, scale=None, use_qk_l2norm
         S = S + kt[..., :, None] * delta[..., None, :]
         out.append(scale * (qf[..., t, :, None] * S).sum(-2))
     return torch.stack(out, dim=2).transpose(1, 2).to(v.dtype), S
+
+
+def kda_decode_ref(q, k, v, g, beta, state, scale=None, use_qk_l2norm_in_kernel=False, A_log=None, dt_bias=None):
+    """One committed token (``T = 1``): returns o ``[B, 1, HV, V]`` and advances ``state`` in place (the AR step's
+    verify + commit in one). With ``A_log`` and ``dt_bias``, ``g`` and ``beta`` are the raw projections f and b
+    (:func:`kda_gates`)."""
+    if A_log is not None:
+        g, beta = kda_gates(g, beta, A_log, dt_bias)
+    o, new = kda_recurrent_ref(q, k, v, g, beta, state, scale, use_qk_l2norm_in_kernel)
+    state.copy_(new)
+    return o
 
 
 def kda_gates(f, b, A_log, dt_bias):

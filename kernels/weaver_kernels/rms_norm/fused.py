@@ -26,6 +26,9 @@ def _rms_norm_kernel(x, weight, gate, out, D, sx, sg, so, eps, KIND: tl.constexp
     w = tl.load(weight + cols, mask=m, other=0.0).to(tl.float32)
     if KIND == 1:
         y = h * (1.0 + w)
+    elif KIND == 3:
+        gv = tl.load(gate + row * sg + cols, mask=m, other=0.0).to(tl.float32)
+        y = w * h * (1.0 / (1.0 + tl.exp(-gv)))
     else:
         y = (w * h.to(xv.dtype).to(tl.float32)).to(xv.dtype).to(tl.float32)
         if KIND == 2:
@@ -36,13 +39,13 @@ def _rms_norm_kernel(x, weight, gate, out, D, sx, sg, so, eps, KIND: tl.constexp
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None, eps: float, kind: int,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., D]`` (and ``gate`` of the same shape for kind 2) → ``[..., D]`` in x's dtype."""
+    """``x [..., D]`` (and ``gate`` of the same shape for kinds 2 and 3) → ``[..., D]`` in x's dtype."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     g2 = x2
-    if kind == 2:
+    if kind in (2, 3):
         g2 = gate.reshape(-1, D)
         if g2.stride(-1) != 1:
             g2 = g2.contiguous()
