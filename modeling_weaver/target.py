@@ -26,6 +26,7 @@ Sliding-window layers keep full committed K/V rows; the window is applied in the
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from dataclasses import dataclass
@@ -50,6 +51,27 @@ SUPPORTED_CLASSES = (
     "Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, "
     "Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM, KimiLinearForCausalLM"
 )
+
+
+@contextlib.contextmanager
+def capturable_experts(model: torch.nn.Module, device, target_step: str):
+    """The block a generation runs ``model`` in: with fixed-shape steps on CUDA outside bf16, MoE experts run
+    through transformers' ``batched_mm`` implementation (the same sums, one GEMM per routed token) instead of
+    ``grouped_mm``, whose non-bf16 path reads the group offsets on the host and so cannot be captured in a CUDA
+    graph. The model's own setting is restored on exit."""
+    config = model.config
+    current = getattr(config, "_experts_implementation", None)
+    switch = (target_step in ("graph", "compiled") and torch.device(device).type == "cuda"
+              and current in (None, "grouped_mm") and next(model.parameters()).dtype != torch.bfloat16
+              and any(hasattr(m, "_is_expert_parallel") for m in model.modules()))
+    if not switch:
+        yield
+        return
+    config._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        config._experts_implementation = current
 
 
 def text_config(config):

@@ -594,3 +594,30 @@ def test_static_draft_follows_reallocated_weights():
     gdn.in_proj_z.weight = torch.nn.Parameter(gdn.in_proj_z.weight.detach().clone())
     speculative_generate(model, ids, **kwargs)
     assert held() and not any(t is old_target for t in held())
+
+
+def test_fixed_shape_cuda_steps_run_moe_experts_capturably_and_restore_the_setting():
+    """Outside bf16, transformers' grouped-GEMM experts read their offsets on the host (not capturable): graph and
+    compiled steps on CUDA switch them to ``batched_mm`` for the call only; eager steps, CPU, bf16 and dense models
+    keep theirs. With the switch the loop is still token-identical (here on the CPU, static steps)."""
+    from test_generate import make_drafters, prompts, reference
+
+    from modeling_weaver import speculative_generate
+    from modeling_weaver.target import capturable_experts
+
+    moe, dense = TINY_TARGETS["qwen3_moe"](), TINY_TARGETS["llama"]()
+    before = moe.config._experts_implementation
+    assert before != "batched_mm"
+    with capturable_experts(moe, "cuda", "graph"):
+        assert moe.config._experts_implementation == "batched_mm"
+        drafter, weaver = make_drafters(moe)
+        ids = prompts()[0]
+        out = speculative_generate(moe, ids, drafter=drafter, weaver=weaver, mode="weaver", tree_budget=6,
+                                   max_new_tokens=24, target_step="static")
+    assert moe.config._experts_implementation == before
+    assert torch.equal(out, reference(moe, ids, 24))
+    for model, device, step in ((moe, "cuda", "eager"), (moe, "cpu", "graph"), (dense, "cuda", "graph"),
+                                (moe.to(torch.bfloat16), "cuda", "compiled")):
+        own = model.config._experts_implementation
+        with capturable_experts(model, device, step):
+            assert model.config._experts_implementation == own
