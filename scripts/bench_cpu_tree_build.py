@@ -36,9 +36,9 @@ def main() -> None:
                                        dtype=torch.float32)
     steps, build = [], drafting.tree_drafts
 
-    def record(mode, root, hidden, logits, budget, *rest):
-        steps.append((root, hidden.clone(), logits.clone(), budget, rest[1].clone()))
-        return build(mode, root, hidden, logits, budget, *rest)
+    def record(mode, root, hidden, logits, budget, weaver, last_hidden, *rest, **options):
+        steps.append((root, hidden.clone(), logits.clone(), budget, last_hidden.clone()))
+        return build(mode, root, hidden, logits, budget, weaver, last_hidden, *rest, **options)
 
     drafting.tree_drafts = record
     try:
