@@ -311,13 +311,15 @@ class AttentionLayerCache:
         self.values = torch.zeros(shape, device=device, dtype=dtype)
 
     def forward_tree(self, h: torch.Tensor, rope, tree_mask: torch.Tensor, length: torch.Tensor, slots: torch.Tensor,
-                     bound: int, depths: torch.Tensor) -> torch.Tensor:
+                     bound: int, depths: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
         """``h [1, N, H]`` → attention output ``[1, N, H]``.
 
         Args:
             tree_mask: ``[N, N]`` bool ancestor-or-self mask of the tree; depths: ``[N]`` each node's depth.
             length: 0-d committed length; slots: ``[N]`` cache rows receiving the tree's K/V (``length + arange(N)``).
             bound: cache rows attended over (the rows past ``length + N`` are masked).
+            visible: the step's ``[N, bound]`` attention mask for this layer's window, when built once for all layers
+                (:meth:`TargetAdapter.attention_masks`); None: the op builds it.
         """
         attn, N = self.attn, h.shape[1]
         q, k, v = self.qkv(h)
@@ -333,7 +335,7 @@ class AttentionLayerCache:
         self.keys.index_copy_(2, slots, k.to(self.keys.dtype))
         self.values.index_copy_(2, slots, v.to(self.values.dtype))
         out = weaver_kernels.tree_attention(q, self.keys, self.values, tree_mask, length, bound, attn.scaling,
-                                            self.sliding_window, depths, self.sinks)
+                                            self.sliding_window, depths, self.sinks, visible)
         if self.gated:
             out = out * torch.sigmoid(gate)
         return attn.o_proj(out)
@@ -628,6 +630,8 @@ class TargetAdapter:
             else:
                 self.layer_caches.append(AttentionLayerCache(attn, config, max_length, self.device, self.dtype))
         self.mlps = [mlp_forward(layer.mlp) for layer in decoder.layers]
+        self.attention_windows = sorted({c.sliding_window for c in self.layer_caches
+                                         if isinstance(c, AttentionLayerCache)})
         if self.device.type == "cuda" and before != weights_key(model):
             # the weights' old blocks are too small for the allocator to reuse: give them back (else a large target
             # keeps a large share of the device reserved that nothing uses)
@@ -677,7 +681,7 @@ class TargetAdapter:
             raise ValueError(f"a tree of {N} nodes exceeds the {self.max_tree_nodes} nodes the GDN tree kernel verifies "
                              f"at once on {self.device}")
         self._pending_tree = tree
-        return self.forward_tree(tree.tokens, tree.parents, n + N if bound is None else bound)
+        return self.forward_tree(tree.tokens, tree.parents, n + N if bound is None else bound, tree.ancestor_mask)
 
     def compile_tree_step(self) -> None:
         """Make :attr:`tree_step`, :attr:`commit_step` and :attr:`token_step` ``torch.compile``d
@@ -716,6 +720,7 @@ class TargetAdapter:
             by_type = {t: self.decoder_rotary(x, positions, t) for t in dict.fromkeys(self.rope_types)}
             ropes = [by_type[t] for t in self.rope_types]
         slots = self.length_t + torch.arange(N, device=self.device)
+        visible = self.attention_masks(tree_mask, bound, depths)
         features = {}
         layers = zip(self.mlps, self.layer_caches, self.layer_norms, ropes)
         for i, (mlp, cache, (norm_in, norm_attn_out, norm_mlp_in, norm_mlp_out), rope) in enumerate(layers):
@@ -724,7 +729,8 @@ class TargetAdapter:
                 a = (cache.forward_token(h) if advance
                      else cache.forward_tree(h, tree_mask, parents, self.max_tree_depth))
             else:
-                a = cache.forward_tree(h, rope, tree_mask, self.length_t, slots, bound, depths)
+                a = cache.forward_tree(h, rope, tree_mask, self.length_t, slots, bound, depths,
+                                       visible.get(cache.sliding_window))
             x = x + (a if norm_attn_out is None else norm_attn_out(a))
             m = mlp(norm_mlp_in(x))
             x = x + (m if norm_mlp_out is None else norm_mlp_out(m))
@@ -739,6 +745,15 @@ class TargetAdapter:
         if self.logit_softcap is not None:  # (Gemma3ForCausalLM's, in its order of ops)
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return TreeOutput(logits=logits, hidden=hidden[0], features=feats)
+
+    def attention_masks(self, tree_mask: torch.Tensor, bound: int, depths: torch.Tensor) -> dict[int, torch.Tensor]:
+        """The step's ``[N, bound]`` tree-attention masks, one per sliding window among the attention layers (0: full
+        attention), for ``weaver_kernels.tree_attention``'s ``visible``: built once per step instead of once per
+        layer. Empty on CUDA, whose kernel reads the tree mask itself."""
+        if self.device.type == "cuda":
+            return {}
+        return {w: weaver_kernels.tree_attention_mask(tree_mask, self.length_t, bound, w, depths)
+                for w in self.attention_windows}
 
     def forward_token(self, token: torch.Tensor, bound: int) -> TreeOutput:
         """One AR step, ``token [1]`` verified and committed at once (no host sync): the tree pass and commit of a

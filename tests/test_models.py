@@ -756,3 +756,87 @@ def test_weaver_released_checkpoint(tmp_path):
     torch.save({**payload, "config": {**payload["config"], "score_head": 2}}, tmp_path / "other.pth")
     with pytest.raises(ValueError, match="variant"):
         WeaverModel.from_released_checkpoint(tmp_path / "other.pth")
+
+
+def _expand_ref_before_host_sums(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
+                                 lo, hi, take, max_depth, spine=0):
+    """``weaver_expand_ref`` as it was before its CPU trims (spine sums as tensor ops, row gathers in two steps),
+    frozen here as the oracle of the test below."""
+    n = tokens.shape[0]
+    fan = f_score.shape[0] // n
+    neg_inf = float("-inf")
+    d = depth[lo:hi]
+    ids = pool_ids[d.clamp(max=max_depth - 1)]
+    logp = torch.log_softmax(cand, dim=-1)
+    cols = None
+    if spine:
+        first = logp[:spine, 0]
+        logq[1 : spine + 1] = first
+        for k in range(spine):
+            score[k + 1] = score[k] + first[k]
+        P = cand.shape[1]
+        is_parent = (torch.arange(lo, hi) < spine)[:, None]
+        cols = torch.where(is_parent, torch.arange(1, P + 1) % P, torch.arange(P))
+        logp = torch.where(is_parent & (cols == 0), neg_inf, logp.gather(-1, cols))
+    logp, order = logp.sort(dim=-1, descending=True, stable=True)
+    if cols is not None:
+        order = cols.gather(-1, order)
+    top_values, top_indices = logp[:, :fan], order[:, :fan]
+    real = (parents[lo:hi] >= 0) | (torch.arange(lo, hi) == 0)
+    publish = real & (d < max_depth)
+    f_score[lo * fan : hi * fan] = torch.where(publish[:, None], score[lo:hi, None] + top_values, neg_inf).flatten()
+    children = ids.gather(-1, top_indices)
+    if spine:
+        children = torch.where(is_parent & (top_indices == 0), 0, children)
+    f_token[lo * fan : hi * fan] = children.flatten()
+    f_logq[lo * fan : hi * fan] = top_values.flatten()
+    if take == 0:
+        return
+    best_values, best_indices = (t[:take] for t in f_score.sort(descending=True, stable=True))
+    valid = best_values > neg_inf
+    parent = best_indices // fan
+    new = slice(hi, hi + take)
+    tokens[new] = torch.where(valid, f_token[best_indices], 0)
+    parents[new] = torch.where(valid, parent, -1)
+    logq[new] = torch.where(valid, f_logq[best_indices], neg_inf)
+    depth[new] = torch.where(valid, depth[parent] + 1, 0)
+    score[new] = best_values
+    f_score.index_fill_(0, best_indices, neg_inf)
+    nodes = torch.arange(n)
+    mask[new] = (mask[parent] & valid[:, None]) | (nodes[None] == nodes[new, None])
+
+
+def _pool_scores_ref_before_unbind(query, rows, pool_ids, pool_logits, weight):
+    """``pool_scores_ref`` as it was before its CPU trims (a row select per node), frozen for the test below."""
+    ids = pool_ids[rows]
+    residual = [torch.mv(weight.index_select(0, ids[i]), query[i].to(weight.dtype)) for i in range(ids.shape[0])]
+    residual = torch.stack(residual) if residual else ids.new_zeros(ids.shape, dtype=weight.dtype)
+    return pool_logits[rows].float() + residual.float()
+
+
+@pytest.mark.parametrize("budget,spine,rounds,width,root,scale", [
+    (8, True, None, None, None, 3.0), (8, True, 0, None, None, 0.3), (16, True, 2, None, 12, 1.0),
+    (30, True, 1, 3, 32, 0.3), (12, False, None, None, None, 3.0), (7, False, None, 3, None, 0.1)])
+def test_weaver_tree_identical_to_the_untrimmed_references(budget, spine, rounds, width, root, scale, monkeypatch):
+    """The CPU tree build (the ops' references) gives bit for bit the tree — nodes, order, log-probabilities — that
+    it gave before the references' CPU trims (frozen copies above), on random Weavers and draft logits, spine and
+    best-first trees, ties included (scale 0.1-0.3: near-flat logits)."""
+    import weaver_kernels.ops as ops
+
+    from modeling_weaver.options import TreePolicy
+
+    weaver, embed, lm_head, prompt, draft_logits = _tree_inputs(budget, scale=scale)
+    if scale < 1:
+        draft_logits = draft_logits.round(decimals=1)  # equal logits: pool order and sorts meet ties
+
+    def build():
+        with torch.no_grad():
+            return weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width,
+                               spine=spine, rounds=rounds, policy=TreePolicy(root_children=root))
+
+    got = build()
+    monkeypatch.setattr(ops, "weaver_expand_ref", _expand_ref_before_host_sums)
+    monkeypatch.setattr(ops, "pool_scores_ref", _pool_scores_ref_before_unbind)
+    expected = build()
+    assert torch.equal(got.tokens, expected.tokens) and torch.equal(got.parents, expected.parents)
+    assert torch.equal(got.logq, expected.logq)

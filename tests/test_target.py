@@ -116,6 +116,31 @@ def test_commit_equals_sequential_caches(name):
     assert saw == ({"kv", "gdn"} if kind in HYBRID_GDN else {"mla", "kda"} if kind in HYBRID_KDA else {"kv"})
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_tree_attention_masks_built_once_per_step(name, monkeypatch):
+    """A verify builds its [N, bound] attention mask once per sliding window (gemma3 mixes windowed and full
+    layers), not once per layer, and the layers' outputs equal those of masks built per layer."""
+    import weaver_kernels
+
+    model = KEY_TEST_TARGETS[name]()
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, VOCAB, (11,), generator=gen)
+    shared, per_layer = TargetAdapter(model, max_length=64), TargetAdapter(model, max_length=64)
+    per_layer.attention_masks = lambda *args: {}  # every layer's op builds its own
+    for adapter in (shared, per_layer):
+        adapter.prefill(prompt)
+    calls = []
+    build = weaver_kernels.tree_attention_mask
+    monkeypatch.setattr(weaver_kernels, "tree_attention_mask", lambda *a, **k: calls.append(1) or build(*a, **k))
+    tree = random_tree(9, gen)
+    got = shared.verify(tree)
+    assert len(calls) == len(shared.attention_windows) < sum(isinstance(c, AttentionLayerCache)
+                                                                for c in shared.layer_caches)
+    assert (len(shared.attention_windows) == 2) == (name == "gemma3")
+    expected = per_layer.verify(tree)
+    assert torch.equal(got.logits, expected.logits)
+
+
 def test_token_step_equals_a_one_node_tree_pass_and_commit():
     """forward_token (the AR step: one-token GDN kernels, state advanced during the pass) gives the logits, GDN
     state, conv window, K/V and length of a one-node verify + commit, step after step; the gated norm runs inside

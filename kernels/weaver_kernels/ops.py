@@ -234,18 +234,19 @@ def _(x, window, weight, bias, activation):
 @_op("weaver::tree_attention", mutates_args=())
 def _tree_attention_op(
     q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, length: Tensor, bound: int, scale: float,
-    window: int = 0, depths: Tensor | None = None, sinks: Tensor | None = None,
+    window: int = 0, depths: Tensor | None = None, sinks: Tensor | None = None, visible: Tensor | None = None,
 ) -> Tensor:
     if q.is_cuda:
         from .tree_attention.split import tree_attention_triton
 
         return tree_attention_triton(q, keys, values, tree_mask, length, bound, scale, window=window, depths=depths,
                                      sinks=sinks)
-    return _contig(tree_attention_ref(q, keys, values, tree_mask, length, bound, scale, window, depths, sinks))
+    return _contig(tree_attention_ref(q, keys, values, tree_mask, length, bound, scale, window, depths, sinks,
+                                      visible))
 
 
 @_tree_attention_op.register_fake
-def _(q, keys, values, tree_mask, length, bound, scale, window=0, depths=None, sinks=None):
+def _(q, keys, values, tree_mask, length, bound, scale, window=0, depths=None, sinks=None, visible=None):
     _, H, N, D = q.shape
     return q.new_empty((1, N, H * D))
 
@@ -494,17 +495,19 @@ def conv_tree_commit(window: Tensor, x: Tensor, path: Tensor) -> Tensor:
 
 def tree_attention(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, length: Tensor, bound: int,
                    scale: float, window: int = 0, depths: Tensor | None = None,
-                   sinks: Tensor | None = None) -> Tensor:
+                   sinks: Tensor | None = None, visible: Tensor | None = None) -> Tensor:
     """Attention of a tree's queries ``q [1, H, N, D]`` over a KV cache ``[1, HKV, L, D]`` whose rows ``< length``
     are committed and rows ``length .. length+N-1`` hold the tree (see ``tree_attention.naive``); ``[1, N, H * D]``.
     ``window`` (0: none): a sliding window (query position − row position < ``window``), the nodes at positions
     ``length + depths`` (``[N]`` long), or ``length + i`` without ``depths`` (a DFlash block). ``sinks``: ``[H]``
-    attention-sink logits (GPT-OSS), in each softmax's denominator only.
+    attention-sink logits (GPT-OSS), in each softmax's denominator only. ``visible``: optional, the ``[N, bound]``
+    mask :func:`tree_attention_mask` gives for these arguments, built once by a caller whose layers share it (the
+    reference then skips building it per layer; the Triton kernel never reads it).
     CUDA: a split-KV Triton kernel whose cost follows ``length``, not ``bound``; elsewhere masked SDPA."""
     if window < 0:
         raise ValueError(f"tree_attention: window must be >= 0, got {window}")
     return _call(_tree_attention_op, q, keys, values, tree_mask, length, int(bound), float(scale), int(window),
-                 depths, sinks)
+                 depths, sinks, visible)
 
 
 def pool_scores(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: Tensor, weight: Tensor) -> Tensor:

@@ -33,7 +33,7 @@ def tree_attention_mask(tree_mask: Tensor, length: Tensor, bound: int, window: i
 
 def tree_attention_ref(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tensor, length: Tensor, bound: int,
                        scale: float, window: int = 0, depths: Tensor | None = None,
-                       sinks: Tensor | None = None) -> Tensor:
+                       sinks: Tensor | None = None, visible: Tensor | None = None) -> Tensor:
     """Attention of the tree's queries over the cache.
 
     Args:
@@ -47,11 +47,13 @@ def tree_attention_ref(q: Tensor, keys: Tensor, values: Tensor, tree_mask: Tenso
         depths: ``[N]`` long, each node's depth (its position is ``length + depth``); None: a block, node i at
             ``length + i``. Read only with a window.
         sinks: ``[H]`` per-head sink logits (None: none).
+        visible: ``[N, bound]`` bool, :func:`tree_attention_mask` of the arguments above when the caller has it
+            already (None: built here).
     Returns:
         ``[1, N, H * D]`` in q's dtype (heads side by side, the o_proj input).
     """
     H, N = q.shape[1], q.shape[2]
-    mask = tree_attention_mask(tree_mask, length, bound, window, depths)
+    mask = tree_attention_mask(tree_mask, length, bound, window, depths) if visible is None else visible
     if sinks is None:
         out = F.scaled_dot_product_attention(q, keys[:, :, :bound], values[:, :, :bound], attn_mask=mask, scale=scale,
                                              enable_gqa=H != keys.shape[1])

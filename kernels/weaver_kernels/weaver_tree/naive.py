@@ -15,6 +15,7 @@ build; rounds are Python-unrolled (``lo``, ``hi``, ``take`` are ints).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,8 +31,9 @@ def pool_scores_ref(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: 
         weight: ``[V, d_model]`` the target's lm_head weight (only the pool's rows are read).
     """
     ids = pool_ids[rows]
-    # node by node: one [P, d_model] gather in cache at a time, not [M, P, d_model] at once (faster on a CPU)
-    residual = [torch.mv(weight.index_select(0, ids[i]), query[i].to(weight.dtype)) for i in range(ids.shape[0])]
+    # node by node: one [P, d_model] gather in cache at a time, not [M, P, d_model] at once (faster on a CPU); rows
+    # unbound in one op each (a round's per-node indexing is small ops, most of its time on a CPU)
+    residual = [torch.mv(weight.index_select(0, i), q) for i, q in zip(ids.unbind(0), query.to(weight.dtype).unbind(0))]
     residual = torch.stack(residual) if residual else ids.new_zeros(ids.shape, dtype=weight.dtype)
     return pool_logits[rows].float() + residual.float()
 
@@ -60,8 +62,14 @@ def weaver_expand_ref(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: T
     if spine:
         first = logp[:spine, 0]
         logq[1 : spine + 1] = first
-        for k in range(spine):  # fp32 adds down the chain, in the kernel's order (cumsum may add in another)
-            score[k + 1] = score[k] + first[k]
+        # fp32 adds down the chain, in the kernel's order (cumsum may add in another), on host scalars: one read and
+        # one write instead of four small ops per spine node
+        scalar = {torch.float32: np.float32, torch.float64: np.float64}[score.dtype]
+        total, sums = scalar(score[0].item()), []
+        for value in first.tolist():
+            total = total + scalar(value)
+            sums.append(total)
+        score[1 : spine + 1] = torch.tensor(sums, dtype=score.dtype).to(score.device)
         # A spine parent's column 0 is its spine child, no frontier candidate: looked at last, as -inf (the kernel
         # never frees it).
         P = cand.shape[1]
