@@ -544,7 +544,7 @@ class LatentAttentionLayerCache:
         self.latent = torch.zeros(1, 1, max_length, self.rank + self.rope, device=device, dtype=dtype)
 
     def forward_tree(self, h: torch.Tensor, rope, tree_mask: torch.Tensor, length: torch.Tensor, slots: torch.Tensor,
-                     bound: int, depths: torch.Tensor) -> torch.Tensor:
+                     bound: int, depths: torch.Tensor, visible: torch.Tensor | None = None) -> torch.Tensor:
         """``h [1, N, H]`` → attention output ``[1, N, H]`` (arguments as :meth:`AttentionLayerCache.forward_tree`'s;
         ``rope`` is None: no rotation)."""
         attn, N, H = self.attn, h.shape[1], self.num_heads
@@ -558,7 +558,8 @@ class LatentAttentionLayerCache:
         w = attn.kv_b_proj.weight.view(H, self.nope + self.v_dim, self.rank)
         q_latent = torch.einsum("nhd,hdr->hnr", q_nope, w[:, : self.nope])
         query = torch.cat([q_latent, q_rope.transpose(0, 1)], dim=-1)[None]  # [1, H, N, R + r]
-        out = weaver_kernels.tree_attention(query, self.latent, self.latent, tree_mask, length, bound, attn.scaling)
+        out = weaver_kernels.tree_attention(query, self.latent, self.latent, tree_mask, length, bound, attn.scaling,
+                                            visible=visible)
         mixed = out.view(N, H, self.rank + self.rope)[..., : self.rank]
         o = torch.einsum("nhr,hvr->nhv", mixed, w[:, self.nope :])
         return attn.o_proj(o.reshape(1, N, H * self.v_dim))
@@ -631,7 +632,7 @@ class TargetAdapter:
                 self.layer_caches.append(AttentionLayerCache(attn, config, max_length, self.device, self.dtype))
         self.mlps = [mlp_forward(layer.mlp) for layer in decoder.layers]
         self.attention_windows = sorted({c.sliding_window for c in self.layer_caches
-                                         if isinstance(c, AttentionLayerCache)})
+                                         if isinstance(c, (AttentionLayerCache, LatentAttentionLayerCache))})
         if self.device.type == "cuda" and before != weights_key(model):
             # the weights' old blocks are too small for the allocator to reuse: give them back (else a large target
             # keeps a large share of the device reserved that nothing uses)
