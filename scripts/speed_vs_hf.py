@@ -26,19 +26,25 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="of the target, drafter and Weaver")
     ap.add_argument("--pair", action="append", default=None, metavar="DIR",
                     help="a folder with dflash/ and weaver/ (repeat to compare; default: the shipped pair)")
+    ap.add_argument("--tree-budget", action="append", default=None, metavar="N|auto",
+                    help="tree budget (repeat to compare; default: speculative_generate's own default)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     target, tokenizer = smollm2.load_target("smollm2", dtype=dtype, device=torch.device("cpu"))
-    pairs = {}
-    for folder in args.pair or [str(DEFAULT_SHIPPED_DRAFTERS)]:
-        pairs[folder] = tuple(AutoModel.from_pretrained(f"{folder}/{part}", trust_remote_code=True, dtype=dtype)
-                              for part in ("dflash", "weaver"))
-    warm = torch.tensor([chat_prompt_ids(tokenizer, "Hello")])  # one-time costs (packing, allocations) untimed
+    budgets = [None if b is None else b if b == "auto" else int(b) for b in args.tree_budget or [None]]
+    models = {folder: tuple(AutoModel.from_pretrained(f"{folder}/{part}", trust_remote_code=True, dtype=dtype)
+                            for part in ("dflash", "weaver"))
+              for folder in args.pair or [str(DEFAULT_SHIPPED_DRAFTERS)]}
+    runs = {(folder, budget): pair for folder, pair in models.items() for budget in budgets}
+    warm = torch.tensor([chat_prompt_ids(tokenizer, "Hello")])  # one-time costs (packing, calibration) untimed
     target.generate(warm, max_new_tokens=4, do_sample=False)
-    for drafter, weaver in pairs.values():
-        speculative_generate(target, warm, drafter=drafter, weaver=weaver, mode=args.mode, max_new_tokens=4)
-    ratios = {folder: [] for folder in pairs}
-    hf_total, ours_total = 0.0, dict.fromkeys(pairs, 0.0)
+    for (folder, budget), (drafter, weaver) in runs.items():
+        speculative_generate(target, warm, drafter=drafter, weaver=weaver, mode=args.mode, tree_budget=budget,
+                             max_new_tokens=4)
+    names = {run: " ".join(x for x in (run[0] if len(models) > 1 else "",
+                                       f"budget {run[1]}" if len(budgets) > 1 else "") if x) for run in runs}
+    ratios = {run: [] for run in runs}
+    hf_total, ours_total = 0.0, dict.fromkeys(runs, 0.0)
     for dataset, items in load_eval_prompts().items():
         for p in items[:args.per_dataset]:
             ids = torch.tensor([chat_prompt_ids(tokenizer, p.text)])
@@ -48,22 +54,22 @@ def main() -> None:
             n = ref.shape[1] - ids.shape[1]
             hf_total += hf
             line = f"{dataset} {p.id}: {n} tokens, HF {n / hf:.2f} tok/s"
-            for folder, (drafter, weaver) in pairs.items():
+            for run, (drafter, weaver) in runs.items():
                 start = time.perf_counter()
                 out, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=args.mode,
-                                                  max_new_tokens=args.max_new_tokens, return_stats=True)
+                                                  tree_budget=run[1], max_new_tokens=args.max_new_tokens,
+                                                  return_stats=True)
                 ours = time.perf_counter() - start
-                ratios[folder].append(hf / ours)
-                ours_total[folder] += ours
-                name = f" [{folder}]" if len(pairs) > 1 else ""
+                ratios[run].append(hf / ours)
+                ours_total[run] += ours
+                name = f" [{names[run]}]" if names[run] else ""
                 line += (f"; ours{name} {n / ours:.2f} tok/s = {hf / ours:.2f}x, MAL {stats.mean_accepted_length:.2f},"
                          f" identical {torch.equal(out, ref)}")
             print(line, flush=True)
-    for folder in pairs:
-        name = f"{folder}: " if len(pairs) > 1 else ""
-        print(f"{name}overall {hf_total / ours_total[folder]:.2f}x (time-weighted), per prompt "
-              f"{min(ratios[folder]):.2f}-{max(ratios[folder]):.2f}x")
-
+    for run in runs:
+        name = f"{names[run]}: " if names[run] else ""
+        print(f"{name}overall {hf_total / ours_total[run]:.2f}x (time-weighted), per prompt "
+              f"{min(ratios[run]):.2f}-{max(ratios[run]):.2f}x")
 
 if __name__ == "__main__":
     main()
