@@ -21,7 +21,8 @@ from modeling_weaver.decoding import budget as budget_module
 from modeling_weaver.decoding import step_cache
 from modeling_weaver.decoding.verify import BucketedTarget
 from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, expected_length,
-                                             expected_lengths, pick_size, reach_sums, step_costs)
+                                             expected_lengths, pick_drafted, pick_size, reach_sums,
+                                             step_costs)
 from modeling_weaver.decoding.drafting import DFlashRunner
 from modeling_weaver.generate import _decode, generate, speculative_generate
 from modeling_weaver.options import StepOptions, TreePolicy
@@ -78,6 +79,28 @@ def test_a_large_tree_when_verify_is_cheap_and_the_drafter_sure():
     assert pick_size(SIZES, [1.0, 3.0, 4.0, 5.0, 6.0], STEEP) == 4
     assert pick_size(SIZES, [1.0, 3.0, 4.0, 5.0, 6.0], FLAT) == 32
     assert pick_size(SIZES, [1.0, 1.05, 1.1, 1.1, 1.1], STEEP) == 0
+
+
+def test_a_drafted_tree_is_verified_when_it_beats_its_verify_time():
+    """A CPU-like table (a draft costs 0.6 AR steps, a 8-node verify 1.4): at an expected 1.7 tokens, steady drafting
+    loses to AR (1.7 tokens in 2.0 AR steps), so the next steps do not draft; but the tree this step has drafted
+    already gives 1.55–1.7 tokens for 1.2–1.4 AR steps of verify: it is verified, not thrown away for an AR step."""
+    cpu = CostTable(((0, 52.6), (4, 64.7), (8, 73.7), (16, 90.0), (32, 111.4)), 32.0)
+    lengths = [1.0, 1.55, 1.7, 1.75, 1.78]
+    assert pick_size(SIZES, lengths, cpu) == 0
+    assert pick_drafted(SIZES, lengths, cpu) == 4  # 0.32 tokens beyond its verify time, 8 nodes: 0.30
+    assert pick_drafted(SIZES, [1.0, 1.1, 1.15, 1.2, 1.2], cpu) == 0  # too unsure even with the draft spent
+    assert pick_drafted(SIZES, [1.0, 3.0, 4.0, 5.0, 6.0], STEEP) == 4  # where drafting pays, the steady choice
+    assert pick_drafted(SIZES, [1.0, 3.0, 4.0, 5.0, 6.0], FLAT) == 32
+    sizer = AutoBudget(BudgetPolicy(), cpu, SIZES, BLOCK - 1)
+    sizer.factors = lambda: [1.0] * BLOCK  # noqa: E731 (the tree's scores taken as they are)
+    tree = bushy(0.45, width=1)  # one chain: 1.78 tokens expected from 4 nodes
+    nodes = best_first(tree.parents.tolist(), tree.logq.tolist())
+    lengths = expected_lengths(nodes, SIZES, [1.0] * BLOCK)
+    assert pick_size(SIZES, lengths, cpu, len(nodes)) == 0 and pick_drafted(SIZES, lengths, cpu, len(nodes)) > 0
+    chosen = sizer.choose(tree)
+    assert chosen.num_drafts == pick_drafted(SIZES, lengths, cpu, len(nodes)) and sizer.reach is not None
+    assert [sizer.drafts() for _ in range(2)] == [False, True]  # and the next step does not draft
 
 
 def test_expected_length_formula():
@@ -274,7 +297,7 @@ def test_sampling_with_auto_is_exact_in_distribution():
         return three_token_distribution(target, prompt, lambda logits: (logits / temp).softmax(-1))
 
     # costs where a tree pays only when the drafter is sure (and the calibration agrees): AR and tree steps both
-    costs = CostTable(((0, 10.0), (1, 11.0), (2, 12.0), (3, 13.0)), 4.0)
+    costs = CostTable(((0, 10.0), (1, 13.0), (2, 15.0), (3, 17.0)), 4.0)
     gen = torch.Generator().manual_seed(7)
     counts = torch.zeros(vocab ** 3, dtype=torch.float64)
     sizes: dict[int, int] = {}

@@ -11,9 +11,10 @@
   ``r_d = min(r_{d-1}, c_d · Σ_{nodes of depth d} exp(path log q))`` (``r_0 = 1``): the chance to reach depth d,
   where ``c_d`` corrects the scores (which are not acceptance probabilities) by the decayed ratio of observed to
   predicted reach at that depth.
-- **Policy** (:func:`pick_size`, :class:`AutoBudget`): the size maximising expected length / step time, or 0 (an AR
-  step: the root alone, then AR steps without drafting until the next look at the drafter, their number doubling
-  while AR keeps winning, in units of a draft's time in AR steps).
+- **Policy** (:func:`pick_size`, :func:`pick_drafted`, :class:`AutoBudget`): the size maximising expected length /
+  step time, or 0 (AR: the next steps do not draft until the next look at the drafter, their number doubling while
+  AR keeps winning, in units of a draft's time in AR steps). The tree already drafted in a step is then cut to the
+  prefix worth most beyond its verify time at that best rate, which may be the root alone.
 
 Any tree a step verifies is a function of what was committed before it, so every acceptance rule stays lossless.
 """
@@ -137,6 +138,15 @@ def pick_size(sizes, lengths: list[float], costs: CostTable, available: int | No
     return best
 
 
+def pick_drafted(sizes, lengths: list[float], costs: CostTable, available: int | None = None) -> int:
+    """The size to verify once the tree is drafted (its draft time spent): the most expected tokens beyond what the
+    verify's time would give at the best steady rate (:func:`pick_size`'s, draft time included), so that a tree
+    worth less than drafting it can still be worth verifying rather than thrown away for an AR step."""
+    clamp = (lambda k: k) if available is None else (lambda k: min(k, available))  # noqa: E731
+    rate = max(length / costs.step_ms(clamp(k)) for k, length in zip(sizes, lengths))
+    return -max((length - rate * costs.verify(clamp(k)), -k) for k, length in zip(sizes, lengths))[1]
+
+
 def candidate_sizes(policy: BudgetPolicy, target, device) -> tuple[int, ...]:
     """The policy's sizes up to its largest tree on ``device`` and the target's bound (the largest is built)."""
     if not policy.sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in policy.sizes):
@@ -173,16 +183,21 @@ class AutoBudget:
         return True
 
     def choose(self, tree: Tree) -> Tree:
-        """The best-first prefix of ``tree`` of the chosen size (the root alone: an AR step)."""
+        """The best-first prefix of ``tree`` of the chosen size (the root alone: an AR step). Whether the next steps
+        draft follows the steady rule (draft time counted); what this step verifies, the drafted one (it is spent)."""
         nodes = best_first(tree.parents.tolist(), tree.logq.tolist())
-        size = pick_size(self.sizes, expected_lengths(nodes, self.sizes, self.factors()), self.costs, len(nodes))
-        if size == 0:  # AR wins: a few more AR steps without drafting, more while it keeps winning
-            self.reach = None
+        lengths = expected_lengths(nodes, self.sizes, self.factors())
+        if pick_size(self.sizes, lengths, self.costs, len(nodes)) == 0:
+            # AR wins: a few more AR steps without drafting, more while it keeps winning
             self.backoff = min(max(1, 2 * self.backoff), self.policy.max_backoff)
             # (in units of a draft's time in AR steps: a probe then costs at most 1 / backoff of the AR time)
             self.skip = self.backoff * max(1, round(self.costs.propose_ms / self.costs.step_ms(0)))
+        else:
+            self.backoff = 0
+        size = pick_drafted(self.sizes, lengths, self.costs, len(nodes))
+        if size == 0:
+            self.reach = None
             return subtree(tree, [])
-        self.backoff = 0
         kept = nodes[:size]
         self.reach = reach_sums(kept)
         if len(kept) == len(tree) - 1:
@@ -361,4 +376,4 @@ def step_costs(target, runner, weaver, mode: str, sizes: tuple[int, ...], tree_p
 
 
 __all__ = ["AutoBudget", "CostTable", "best_first", "candidate_sizes", "expected_length", "expected_lengths",
-           "measure_costs", "pick_size", "reach_sums", "step_costs"]
+           "measure_costs", "pick_drafted", "pick_size", "reach_sums", "step_costs"]
