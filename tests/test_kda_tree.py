@@ -415,19 +415,19 @@ def test_ops_run_triton_on_gpu(case):
     args = (x.q, x.k, x.v, x.f, x.b, x.S0, x.M)
     want = fused.kda_tree_verify_triton(*args, use_qk_l2norm_in_kernel=True, **raw)  # (compiles the kernels first)
     S_want = commit.kda_tree_commit_triton(x.S0.clone(), x.k, want[1], want[2], x.path, True)
+    one = [t[:, :1] for t in (x.q, x.k, x.v, x.f, x.b)]  # the AR step's token (kda_decode: the reference on CUDA)
+    S, S_dec = x.S0.clone(), x.S0.clone()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         o, u, gamma = wk.kda_tree_verify(*args, use_qk_l2norm_in_kernel=True, **raw)
-        S = wk.kda_tree_commit(x.S0.clone(), x.k, u, gamma, x.path, use_qk_l2norm_in_kernel=True)
+        wk.kda_tree_commit(S, x.k, u, gamma, x.path, use_qk_l2norm_in_kernel=True)
+        o_dec = wk.kda_decode(*one, S_dec, use_qk_l2norm_in_kernel=True, **raw)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(torch.equal(a, b) for a, b in zip((o, u, gamma), want)) and torch.equal(S, S_want)
     _assert_near_refs(o, u, gamma, S, refs, dtype)
 
-    one = [t[:, :1] for t in (x.q, x.k, x.v, x.f, x.b)]
-    S_dec = x.S0.clone()
-    o_dec = wk.kda_decode(*one, S_dec, use_qk_l2norm_in_kernel=True, **raw)
     S_static, S_dec_static = x.S0.clone(), x.S0.clone()
 
     def step():
