@@ -298,6 +298,26 @@ def qwen3_next_80b_a3b_config():
     )
 
 
+def kimi_linear_48b_a3b_config():
+    """Kimi Linear 48B-A3B (``KimiLinearConfig``): 27 layers, KDA and MLA 3:1 (the MLA layers 4, 8, …, 24 and the
+    last), hidden 2304, 32 heads (KDA 128-dim; MLA latent rank 512, q heads 128 + 64 RoPE dims, values 128), 256
+    experts (8 routed + 1 shared, 1024 wide) after one dense layer (FFN 9216), vocab 163840. Public-config values as
+    recalled (transformers' defaults for this class are the same sizes), not read from the Hub here: the layer pattern
+    and the 1M positions are assumed."""
+    from transformers import KimiLinearConfig
+
+    mla = [4, 8, 12, 16, 20, 24, 27]  # 1-based, as the checkpoint's linear_attn_config lists them
+    return KimiLinearConfig(
+        vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024, num_hidden_layers=27,
+        num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, num_local_experts=256, num_experts_per_tok=8, n_shared_experts=1,
+        n_group=1, topk_group=1, routed_scaling_factor=2.446, max_position_embeddings=1048576, rms_norm_eps=1e-5,
+        first_k_dense_replace=1, linear_attn_config=dict(
+            full_attn_layers=mla, kda_layers=[i for i in range(1, 28) if i not in mla], head_dim=128, num_heads=32,
+            short_conv_kernel_size=4),
+    )
+
+
 def smollm2_135m_config():
     """HuggingFaceTB/SmolLM2-135M-Instruct (Llama; docs/DESIGN.md §7 plus its published config.json)."""
     from transformers import LlamaConfig
@@ -380,6 +400,17 @@ HUB_SPECS: dict[str, HubSpec] = {
                                                              mask_token_id=None),
             weaver=lambda t, d: WeaverConfig.from_target_config(t, d),
             card={"status": _CONFIG_ONLY, "target_license": "Apache-2.0"},
+        ),
+        HubSpec(
+            # no published DFlash drafter is known for it: the package's default drafter shape (32 heads of hidden /
+            # heads = 72: its head_dim is MLA's RoPE part), a learned mask embedding (no mask token of its vocabulary
+            # is assumed)
+            folder="kimi-linear-48b-a3b", target_name="moonshotai/Kimi-Linear-48B-A3B-Instruct",
+            target=kimi_linear_48b_a3b_config,
+            dflash=lambda t: DFlashConfig.from_target_config(t, num_hidden_layers=5, block_size=16,
+                                                             mask_token_id=None),
+            weaver=lambda t, d: WeaverConfig.from_target_config(t, d),
+            card={"status": _CONFIG_ONLY},  # (its license is not checked here: the card asks for it)
         ),
         HubSpec(
             folder="smollm2-135m-instruct", target_name="HuggingFaceTB/SmolLM2-135M-Instruct",

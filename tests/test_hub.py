@@ -434,6 +434,26 @@ def test_hybrid_moe_hub_configs_load_and_pair_with_their_targets(name):
     assert spec["target_config"]["model_type"] == target.model_type
 
 
+def test_kimi_linear_hub_config_loads_and_pairs():
+    """Kimi Linear 48B-A3B: KDA and MLA layers 3:1 in the spec's target; the drafter's heads 32 × 72 (hidden / heads,
+    not MLA's 64 RoPE dims), a learned mask embedding; pairs with the published sizes built in transformers' class."""
+    from test_models import kimi_linear_48b_a3b
+
+    folder = ROOT / "hub_configs" / "kimi-linear-48b-a3b"
+    dflash, drafter = _load(folder / "dflash", meta=True)
+    weaver_config, _ = _load(folder / "weaver", meta=True)
+    target = HUB_SPECS["kimi-linear-48b-a3b"].target()
+    assert target.layer_types.count("full_attention") == 7 and target.layer_types[3] == "full_attention"
+    assert target.layer_types[-1] == "full_attention" and target.mlp_layer_types.count("dense") == 1
+    assert (dflash.num_attention_heads, dflash.num_key_value_heads, dflash.head_dim) == (32, 32, 72)
+    assert dflash.mask_token_id is None and drafter.mask_embedding is not None
+    assert dflash.num_target_layers == 27 and dflash.hidden_size == weaver_config.d_model == 2304
+    check_pair(target, dflash, weaver_config)
+    check_pair(kimi_linear_48b_a3b(), dflash, weaver_config)
+    spec = json.loads((folder / "speculative_config.json").read_text())
+    assert spec["target_config"]["model_type"] == "kimi_linear" and spec["target_config"]["vocab_size"] == 163840
+
+
 def test_qwen3_6_hub_config_takes_zlab_weights_unchanged():
     """A z-lab-format Qwen3.6-27B drafter config (their spellings) implies exactly our folder's tensor shapes."""
     from modeling_weaver.convert import _expected_shapes

@@ -315,6 +315,148 @@ def test_triton_verify_and_commit_on_gpu(case):
     _check_verify_and_commit(SimpleNamespace(fused=fused, commit=commit), case, "cuda")
 
 
+def _raw_gate_case(kind, T, H, K, V, dtype, seed):
+    """A tree and KimiLinear's layer inputs as the adapter hands them to the ops: q, k, v, the raw projections f and b,
+    ``A_log [1, 1, H, 1]`` and ``dt_bias [H·K]`` as the module holds them, the fp32 committed state, and a deepest
+    leaf's path right-padded with -1."""
+    parents = _tree(kind, T, random.Random(seed))
+    q, k, v, _, _, S0 = kda_inputs(1, T, H, H, K, V, dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    f = (torch.randn(1, T, H, K, generator=gen) * 3).to(dtype)
+    b = torch.randn(1, T, H, generator=gen).to(dtype)
+    A_log = (torch.randn(1, 1, H, 1, generator=gen) * 0.5).to(dtype)
+    dt_bias = torch.randn(H * K, generator=gen).to(dtype)
+    leaf = max(range(T), key=lambda i: (depths(parents)[i], i))
+    path = torch.tensor(path_to(parents, leaf) + [-1] * 3)
+    return SimpleNamespace(q=q, k=k, v=v, f=f, b=b, A_log=A_log, dt_bias=dt_bias, S0=S0.float(),
+                           M=ancestor_mask(parents), path=path)
+
+
+def _raw_gate_refs(c):
+    """The fp64 references of a :func:`_raw_gate_case`: the gates formed as transformers forms them (β in b's dtype),
+    then verify and the commit of ``c.path``."""
+    g, beta = kda_gates(c.f, c.b, c.A_log, c.dt_bias)
+    d = lambda t: t.double()  # noqa: E731
+    o, u, gamma = kda_tree_verify_ref(d(c.q), d(c.k), d(c.v), d(g), d(beta), d(c.S0), c.M,
+                                      use_qk_l2norm_in_kernel=True)
+    return o, u, gamma, kda_tree_commit_ref(d(c.S0), d(c.k), u, gamma, c.path, True)
+
+
+def _assert_near_refs(o, u, gamma, S, refs, dtype):
+    """The tolerances of :func:`_check_verify_and_commit`."""
+    ro, ru, rg, rS = refs
+    tol = 1e-5 if dtype == torch.float32 else 5e-3  # bf16: the output's rounding
+    assert o.dtype == dtype and _rel(o.cpu(), ro) <= tol
+    assert _rel(u.cpu(), ru) <= 1e-5 and _rel(gamma.cpu(), rg) <= 1e-5 and _rel(S.cpu(), rS) <= 1e-5
+
+
+def test_ops_take_the_triton_kernels_for_cuda_tensors(ik, monkeypatch):
+    """``kda_tree_verify`` / ``kda_tree_commit`` send CUDA tensors to the Triton verify and commit with the adapter's
+    raw gates as they are, and CPU tensors to the references. On the CPU: inputs that say they are on CUDA, the
+    interpreted kernels standing in for the compiled ones (tiny Kimi Linear's heads of 8: key and value blocks
+    masked), against the fp64 references."""
+    import weaver_kernels as wk
+    from weaver_kernels.kda_tree import commit, fused
+
+    class OnCuda(torch.Tensor):  # what the op bodies' dispatch reads; the kernels get plain CPU tensors
+        @property
+        def is_cuda(self):
+            return True
+
+    calls = []
+
+    def stand_in(name, kernel):
+        plain = lambda x: x.as_subclass(torch.Tensor) if isinstance(x, torch.Tensor) else x  # noqa: E731
+
+        def run(*args, **kwargs):
+            calls.append((name, sorted(kwargs)))
+            return kernel(*map(plain, args), **{key: plain(x) for key, x in kwargs.items()})
+        return run
+
+    monkeypatch.setattr(fused, "kda_tree_verify_triton", stand_in("verify", ik.fused.kda_tree_verify_triton))
+    monkeypatch.setattr(commit, "kda_tree_commit_triton", stand_in("commit", ik.commit.kda_tree_commit_triton))
+    c = _raw_gate_case("random", 21, 4, 8, 8, torch.float32, seed=6)
+    refs = _raw_gate_refs(c)
+    o, u, gamma = wk.kda_tree_verify(c.q.as_subclass(OnCuda), c.k, c.v, c.f, c.b, c.S0, c.M,
+                                     use_qk_l2norm_in_kernel=True, A_log=c.A_log, dt_bias=c.dt_bias)
+    S = c.S0.clone()
+    wk.kda_tree_commit(S.as_subclass(OnCuda), c.k, u, gamma, c.path, use_qk_l2norm_in_kernel=True)
+    assert calls == [("verify", ["A_log", "dt_bias"]), ("commit", [])]
+    _assert_near_refs(o, u, gamma, S, refs, torch.float32)
+
+    o, u, gamma = wk.kda_tree_verify(c.q, c.k, c.v, c.f, c.b, c.S0, c.M, use_qk_l2norm_in_kernel=True,
+                                     A_log=c.A_log, dt_bias=c.dt_bias)
+    S = wk.kda_tree_commit(c.S0.clone(), c.k, u, gamma, c.path, use_qk_l2norm_in_kernel=True)
+    assert len(calls) == 2  # CPU tensors: the references
+    _assert_near_refs(o, u, gamma, S, refs, torch.float32)
+    assert wk.max_tree_nodes("cuda") == fused.MAX_NODES and wk.max_tree_nodes("cpu") is None
+
+
+#: tiny Kimi Linear's heads (4 of 8), then Kimi Linear's KDA shape (32 heads of 128) with a 64-node tree.
+OP_GPU_CASES = [("random", 33, 4, 8, 8, torch.float32), ("random", 64, 32, 128, 128, torch.bfloat16),
+                ("deep", 64, 32, 128, 128, torch.float32)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case", OP_GPU_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-H{c[2]}-K{c[3]}V{c[4]}-{str(c[5])[6:]}")
+def test_ops_run_triton_on_gpu(case):
+    """The ops on CUDA with the adapter's raw gates: the Triton kernels' results (bit for bit), within the fp64
+    references' tolerances; no host sync (sync debug mode, then verify + commit + decode captured in a CUDA graph and
+    replayed from a fresh state); fake implementations against the kernels (``opcheck``, small case)."""
+    import weaver_kernels as wk
+    from weaver_kernels.kda_tree import commit, fused
+
+    kind, T, H, K, V, dtype = case
+    c = _raw_gate_case(kind, T, H, K, V, dtype, seed=T)
+    refs = _raw_gate_refs(c)
+    x = SimpleNamespace(**{name: t.cuda() for name, t in vars(c).items()})
+    raw = dict(A_log=x.A_log, dt_bias=x.dt_bias)
+    args = (x.q, x.k, x.v, x.f, x.b, x.S0, x.M)
+    want = fused.kda_tree_verify_triton(*args, use_qk_l2norm_in_kernel=True, **raw)  # (compiles the kernels first)
+    S_want = commit.kda_tree_commit_triton(x.S0.clone(), x.k, want[1], want[2], x.path, True)
+    one = [t[:, :1] for t in (x.q, x.k, x.v, x.f, x.b)]  # the AR step's token (kda_decode: the reference on CUDA)
+    S, S_dec = x.S0.clone(), x.S0.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        o, u, gamma = wk.kda_tree_verify(*args, use_qk_l2norm_in_kernel=True, **raw)
+        wk.kda_tree_commit(S, x.k, u, gamma, x.path, use_qk_l2norm_in_kernel=True)
+        o_dec = wk.kda_decode(*one, S_dec, use_qk_l2norm_in_kernel=True, **raw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(a, b) for a, b in zip((o, u, gamma), want)) and torch.equal(S, S_want)
+    _assert_near_refs(o, u, gamma, S, refs, dtype)
+
+    S_static, S_dec_static = x.S0.clone(), x.S0.clone()
+
+    def step():
+        o, u, gamma = wk.kda_tree_verify(*args, use_qk_l2norm_in_kernel=True, **raw)
+        wk.kda_tree_commit(S_static, x.k, u, gamma, x.path, use_qk_l2norm_in_kernel=True)
+        return o, wk.kda_decode(*one, S_dec_static, use_qk_l2norm_in_kernel=True, **raw)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_static, o_dec_static = step()
+    for _ in range(2):
+        S_static.copy_(x.S0)
+        S_dec_static.copy_(x.S0)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o_static, o) and torch.equal(S_static, S)
+    assert torch.equal(o_dec_static, o_dec) and torch.equal(S_dec_static, S_dec)
+
+    if T <= 33:
+        torch.library.opcheck(torch.ops.weaver.kda_tree_verify.default,
+                              (*args, K**-0.5, True, x.A_log, x.dt_bias))
+        torch.library.opcheck(torch.ops.weaver.kda_tree_commit.default, (x.S0.clone(), x.k, u, gamma, x.path, True))
+
+
 def test_triton_forgetting_channels_interpreter(ik):
     """Off-path Γ differences past the exp's range (a channel with g = −1000) stay masked in the kernels too."""
     parents = random_parents(20, random.Random(5))

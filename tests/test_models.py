@@ -317,6 +317,33 @@ def test_dflash_from_target_config(family):
     assert model(torch.randn(1, 8, H), torch.randn(1, 2, 3 * H), torch.arange(10)[None]).shape == (1, 8, H)
 
 
+def kimi_linear_48b_a3b():
+    """Kimi Linear 48B-A3B's published sizes, in transformers' class (MLA: q heads 128 + 64 RoPE dims, latent 512)."""
+    from transformers import KimiLinearConfig
+
+    return KimiLinearConfig(
+        vocab_size=163840, hidden_size=2304, intermediate_size=9216, moe_intermediate_size=1024, num_hidden_layers=27,
+        num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, num_local_experts=256, num_experts_per_tok=8, linear_head_dim=128,
+        linear_num_heads=32)
+
+
+def test_dflash_from_target_config_kimi_linear():
+    """Kimi Linear's ``head_dim`` is MLA's RoPE part (64 at 48B-A3B, 4 in the tiny one): the drafter takes hidden /
+    heads instead (72: 32 heads as wide as the hidden state), and the dense layer's FFN."""
+    from tiny_targets import tiny_kimi_linear
+
+    for target, heads, head_dim, ffn in ((kimi_linear_48b_a3b(), 32, 72, 9216), (tiny_kimi_linear().config, 4, 8, 64)):
+        assert target.head_dim == target.qk_rope_head_dim != head_dim
+        config = DFlashConfig.from_target_config(target, num_hidden_layers=2, block_size=8, target_layer_ids=[0, 1])
+        assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (heads, heads, head_dim)
+        assert config.num_attention_heads * config.head_dim == config.hidden_size == target.hidden_size
+        assert config.intermediate_size == ffn and config.vocab_size == target.vocab_size
+    model = DFlashDraftModel(config)  # (the tiny one's)
+    assert model.layers[0].self_attn.q_proj.weight.shape == (32, 32)
+    assert model(torch.randn(1, 8, 32), torch.randn(1, 2, 64), torch.arange(10)[None]).shape == (1, 8, 32)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

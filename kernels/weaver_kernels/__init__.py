@@ -8,8 +8,8 @@ seams:
 - :func:`gdn_tree_commit` — advance the committed state along the accepted path (in place, no re-solve).
 - :func:`conv_tree` — depthwise causal conv1d (+ SiLU) where each node reads its ancestors.
 - :func:`conv_tree_commit` — slide the committed conv window along the accepted path (in place).
-- :func:`kda_tree_verify`, :func:`kda_tree_commit` — the same pair for Kimi Delta Attention (per-channel gates; the
-  torch reference on every device for now), and :func:`kda_decode` (its one-token AR step).
+- :func:`kda_tree_verify`, :func:`kda_tree_commit` — the same pair for Kimi Delta Attention (per-channel gates), and
+  :func:`kda_decode` (its one-token AR step; the torch reference on every device).
 
 For the AR step (one token, committed at once), :func:`gdn_decode` and :func:`conv_decode` do verify and commit in
 one launch each (the GDN one with the layer's gated RMSNorm). Then :func:`tree_attention` (a tree's queries over a

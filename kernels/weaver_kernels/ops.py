@@ -1,8 +1,8 @@
 """``torch.library`` custom ops ``weaver::*`` for the tree seams, the one-token decode, tree attention and RMSNorm,
 with fake (meta) implementations.
 
-Dispatch: Triton kernels for CUDA tensors, the plain torch references otherwise (CPU; the KDA ops' on every device,
-until their Triton kernels are checked on a GPU). Being custom ops with fake implementations, they trace as single
+Dispatch: Triton kernels for CUDA tensors, the plain torch references otherwise (CPU; ``kda_decode``'s on every
+device: it has no Triton kernel). Being custom ops with fake implementations, they trace as single
 opaque nodes: ``torch.compile(fullgraph=True)`` of a layer's tree forward has no graph breaks, and the commits are
 declared as in-place mutations (``mutates_args``), so functionalization handles them. Triton is imported only when a
 CUDA tensor arrives (CPU-only installs never need it).
@@ -26,7 +26,8 @@ from .weaver_tree.naive import node_attention_ref, pool_scores_ref, weaver_expan
 
 
 def max_tree_nodes(device) -> int | None:
-    """Largest tree the GDN verify op takes on ``device`` (the Triton kernel's limit on CUDA; None = unbounded)."""
+    """Largest tree the GDN and KDA verify ops take on ``device`` (the Triton kernels' limit on CUDA, the same for
+    both; None = unbounded)."""
     if torch.device(device).type != "cuda":
         return None
     from .gdn_tree.dispatch import MAX_NODES
@@ -131,7 +132,6 @@ def _(q, k, v, g, beta, state, norm_weight, gate, scale, eps, use_qk_l2norm_in_k
 
 
 # ---------------------------------------------------------------------------------------------------------- KDA
-# the torch reference on every device: kda_tree's Triton kernels are checked under the interpreter only (DESIGN §13)
 @_op("weaver::kda_tree_verify", mutates_args=())
 def _kda_tree_verify_op(
     q: Tensor,
@@ -146,8 +146,12 @@ def _kda_tree_verify_op(
     A_log: Tensor | None,
     dt_bias: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    o, u, gamma = kda_tree_verify_ref(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel,
-                                      A_log=A_log, dt_bias=dt_bias)
+    args = (q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel)
+    if q.is_cuda:
+        from .kda_tree.fused import kda_tree_verify_triton
+
+        return kda_tree_verify_triton(*args, A_log=A_log, dt_bias=dt_bias)
+    o, u, gamma = kda_tree_verify_ref(*args, A_log=A_log, dt_bias=dt_bias)
     return _contig(o), _contig(u), _contig(gamma)
 
 
@@ -163,7 +167,12 @@ def _(q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel
 def _kda_tree_commit_op(
     state: Tensor, k: Tensor, u: Tensor, gamma: Tensor, path: Tensor, use_qk_l2norm_in_kernel: bool
 ) -> None:
-    kda_tree_commit_ref(state, k, u, gamma, path, use_qk_l2norm_in_kernel)
+    if state.is_cuda:
+        from .kda_tree.commit import kda_tree_commit_triton
+
+        kda_tree_commit_triton(state, k, u, gamma, path, use_qk_l2norm_in_kernel)
+    else:
+        kda_tree_commit_ref(state, k, u, gamma, path, use_qk_l2norm_in_kernel)
 
 
 @_kda_tree_commit_op.register_fake
@@ -427,8 +436,8 @@ def kda_tree_verify(
     """Tree Kimi Delta Attention (per-channel gates ``g [B, T, HV, K]``) from the committed state; writes no state.
     See ``kda_tree.naive.kda_tree_verify_ref``. Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32,
     ``gamma [B, T, HV, K]`` fp32. With ``A_log`` (HV entries) and ``dt_bias`` (HV·K), ``g`` and ``beta`` are the raw
-    projections f and b (KimiLinear's gates, :func:`~weaver_kernels.kda_gates`). The torch reference on every device
-    for now (``kda_tree.fused`` is not yet checked on a GPU)."""
+    projections f and b (KimiLinear's gates, :func:`~weaver_kernels.kda_gates`), formed in the verify launch on CUDA.
+    CUDA: Triton (``kda_tree.fused``, one launch, T ≤ 256 nodes); elsewhere the reference."""
     if (A_log is None) != (dt_bias is None):
         raise ValueError("kda_tree_verify: A_log and dt_bias go together")
     if scale is None:
@@ -441,7 +450,8 @@ def kda_tree_commit(
     state: Tensor, k: Tensor, u: Tensor, gamma: Tensor, path: Tensor, use_qk_l2norm_in_kernel: bool = False
 ) -> Tensor:
     """Advance the KDA ``state`` in place along the accepted ``path`` (root..leaf, may be right-padded with -1) from
-    :func:`kda_tree_verify`'s ``u`` and ``gamma``; returns it."""
+    :func:`kda_tree_verify`'s ``u`` and ``gamma``; returns it. CUDA: Triton (``kda_tree.commit``, one launch; the
+    path stays on the device)."""
     _call(_kda_tree_commit_op, state, k, u, gamma, path, bool(use_qk_l2norm_in_kernel))
     return state
 
@@ -461,7 +471,8 @@ def kda_decode(
     """One committed KDA token: q, k ``[B, 1, H, K]``, v ``[B, 1, HV, V]``, g ``[B, 1, HV, K]``, beta ``[B, 1, HV]``;
     advances ``state`` in place and returns o ``[B, 1, HV, V]`` (the AR step's form of verify + commit). With
     ``A_log`` and ``dt_bias``, ``g`` and ``beta`` are the raw projections f and b. See
-    ``kda_tree.naive.kda_decode_ref`` (the reference on every device, as the KDA tree ops)."""
+    ``kda_tree.naive.kda_decode_ref`` (the reference on every device: no Triton decode kernel yet; it syncs nothing
+    with the host, so CUDA graphs capture it)."""
     if (A_log is None) != (dt_bias is None):
         raise ValueError("kda_decode: A_log and dt_bias go together")
     if scale is None:
