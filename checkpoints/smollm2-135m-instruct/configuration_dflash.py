@@ -143,15 +143,16 @@ class DFlashConfig(Qwen3Config):
         **overrides,
     ) -> DFlashConfig:
         """A drafter config shaped for ``target_config`` (Llama, Mistral, Gemma3, GPT-OSS, Qwen3, Qwen3-MoE, Qwen3-Next,
-        Qwen3.5 and Qwen3.5-MoE text or multimodal wrapper).
+        Qwen3.5 and Qwen3.5-MoE text or multimodal wrapper, Kimi Linear).
 
         Copies hidden/vocab/FFN sizes, attention heads and head dim, norm eps, RoPE frequencies and maximum positions
-        from the target's decoder config (a target with RoPE per layer type: its full-attention layers'). The drafter
-        is dense: a MoE target gives it its dense ``intermediate_size`` where the config has one (Qwen3-MoE,
-        Qwen3-Next), else 4 × hidden (Qwen3.5-MoE has none). The target's partial / multimodal RoPE settings are
-        dropped: the drafter rotates its full head dim. ``target_layer_ids`` defaults to ``num_hidden_layers`` layers
-        spread by :func:`dflash_target_layer_ids`. With ``mask_token_id=None`` the drafter gets a learned
-        ``mask_embedding``.
+        from the target's decoder config (a target with RoPE per layer type: its full-attention layers'; a latent
+        attention target, Kimi Linear: hidden / heads for the head dim, its ``head_dim`` being the RoPE part). The
+        drafter is dense: a MoE target gives it its dense ``intermediate_size`` where the config has one (Qwen3-MoE,
+        Qwen3-Next, Kimi Linear), else 4 × hidden (Qwen3.5-MoE has none). The target's partial / multimodal RoPE
+        settings are dropped: the drafter rotates its full head dim. ``target_layer_ids`` defaults to
+        ``num_hidden_layers`` layers spread by :func:`dflash_target_layer_ids`. With ``mask_token_id=None`` the
+        drafter gets a learned ``mask_embedding``.
         Any config field can be overridden through ``overrides`` (e.g. z-lab's Qwen3.6-27B drafter uses
         ``num_attention_heads=32, num_key_value_heads=8, head_dim=128`` where the target has 24 / 4 / 256).
         """
@@ -175,6 +176,9 @@ class DFlashConfig(Qwen3Config):
 
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        if getattr(text, "kv_lora_rank", None):
+            # MLA's head_dim is a latent head's RoPE part: hidden / heads keeps q/o square (a 192-dim MLA q head: 2.7×)
+            head_dim = text.hidden_size // heads
         rope = dict(getattr(text, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 10000.0})
         if isinstance(rope.get("full_attention"), dict):  # per-layer-type RoPE (Gemma3): the full layers' schedule
             rope = dict(rope["full_attention"])

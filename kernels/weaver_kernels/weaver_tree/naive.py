@@ -15,7 +15,6 @@ build; rounds are Python-unrolled (``lo``, ``hi``, ``take`` are ints).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -62,14 +61,10 @@ def weaver_expand_ref(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: T
     if spine:
         first = logp[:spine, 0]
         logq[1 : spine + 1] = first
-        # fp32 adds down the chain, in the kernel's order (cumsum may add in another), on host scalars: one read and
-        # one write instead of four small ops per spine node
-        scalar = {torch.float32: np.float32, torch.float64: np.float64}[score.dtype]
-        total, sums = scalar(score[0].item()), []
-        for value in first.tolist():
-            total = total + scalar(value)
-            sums.append(total)
-        score[1 : spine + 1] = torch.tensor(sums, dtype=score.dtype).to(score.device)
+        # fp32 adds down the chain, in the kernel's order (cumsum may add in another); on the device: captured
+        # steps run this reference too, so no host reads here
+        for k in range(spine):
+            score[k + 1] = score[k] + first[k]
         # A spine parent's column 0 is its spine child, no frontier candidate: looked at last, as -inf (the kernel
         # never frees it).
         P = cand.shape[1]
