@@ -5,6 +5,8 @@
 #
 #   run carry=[".smol/a"]                  bash zoo/smollm2-135m-instruct/calls.sh carry a
 #   run carry=[".smol/b"]                  bash zoo/smollm2-135m-instruct/calls.sh carry b
+#   run carry=[".zoo/v4a"]                bash zoo/smollm2-135m-instruct/calls.sh init .zoo/v4a  # optional, see INIT
+#   run carry=[".zoo/v4b"]                bash zoo/smollm2-135m-instruct/calls.sh init .zoo/v4b
 #   run carry=[".smol/c", ".whl"]          bash zoo/smollm2-135m-instruct/calls.sh data      # GGUF, data, DFlash starts
 #   run                                    bash zoo/smollm2-135m-instruct/calls.sh dflash    # DFlash resumed, Weaver, back
 #   run carry=[".whl"]                     bash zoo/smollm2-135m-instruct/calls.sh bench     # profile, bench, GPU tests
@@ -13,9 +15,11 @@
 # the working tree's checkpoints/smollm2-135m-instruct and bench there after carrying the GGUF again (a, b, c).
 # Each session continues from the shipped pair (checkpoints/smollm2-135m-instruct) on fresh data: TAG_BASE names the
 # session's shards and SEED_BASE their seeds (two generators: SEED_BASE+1, +2); both must be new (data_manifest.jsonl).
+# INIT=/tmp/smol/init starts from an unshipped pair instead, carried by `init` calls (a pair is larger than one call
+# carries beside the working tree: split model.safetensors into .part0/.part1, which `init` joins once both came).
 set -u
 export PYTHONPATH=/tmp/site:$PWD:$PWD/kernels MODELING_WEAVER_CACHE=/tmp/smol/cache
-S=checkpoints/smollm2-135m-instruct W=/tmp/smol/work
+S=checkpoints/smollm2-135m-instruct W=/tmp/smol/work INIT=${INIT:-checkpoints/smollm2-135m-instruct}
 E=$W/eval L=$W/logs OUT=${OUT:-/tmp/smol/out}
 MIX=${MIX:-self=0.3,template=0.25,math=0.1,code=0.25,passage=0.1}
 # WSD: constant lr, then a linear cooldown over the last 30 % of the session's DFlash minutes (runs.md: what the
@@ -24,12 +28,18 @@ DFLASH_FLAGS=${DFLASH_FLAGS:-"--schedule wsd --decay 0.3 --lr 3e-4 --ema 0.999"}
 DFLASH_TOTAL=${DFLASH_TOTAL:-10}  # minutes of schedule across the data and dflash calls (the dflash call: their sum)
 mkdir -p $E $L $OUT /tmp/smol/cache
 train() {  # DFlash from the shipped drafter (or resumed), for $1 minutes of this call
-  WORK=$W DFLASH_INIT=$S/dflash DFLASH_TOTAL=$DFLASH_TOTAL DFLASH_MIN=$1 DFLASH_FLAGS="$DFLASH_FLAGS" \
+  WORK=$W DFLASH_INIT=$INIT/dflash DFLASH_TOTAL=$DFLASH_TOTAL DFLASH_MIN=$1 DFLASH_FLAGS="$DFLASH_FLAGS" \
     timeout $(( ${1%.*} * 60 + 90 )) bash scripts/train_smollm2.sh dflash >> $L/dflash.log 2>&1
   echo "dflash rc=$?"; tail -2 $L/dflash.log
 }
-case ${1:?carry|data|dflash|bench} in
+case ${1:?carry|init|data|dflash|bench} in
   carry)   mkdir -p /tmp/smol && cp .smol/$2/* /tmp/smol/ && ls -la /tmp/smol ;;
+  init)    mkdir -p /tmp/smol/init && cp -r ${2:?}/. /tmp/smol/init/ && cd /tmp/smol/init &&
+    for d in dflash weaver; do
+      if [ -f $d/model.safetensors.part0 ] && [ -f $d/model.safetensors.part1 ]; then
+        cat $d/model.safetensors.part0 $d/model.safetensors.part1 > $d/model.safetensors && rm $d/model.safetensors.part*
+      fi
+    done; ls -la /tmp/smol/init/* ;;
   data)    # ≈ 9 min: GGUF (30 s), two batch-2048 generators (four do not fit in the GPU's memory), DFlash for the rest
     cp .smol/c/*.part2 /tmp/smol/ && cp -r .smol/c/eval /tmp/smol/cache/
     WORK=$W timeout 120 bash scripts/train_smollm2.sh gguf > $L/gguf.log 2>&1 || { tail -20 $L/gguf.log; exit 1; }
@@ -45,7 +55,7 @@ case ${1:?carry|data|dflash|bench} in
     # Weaver from the shipped one on it (the DFlash frozen); weights back
     DFLASH_TOTAL=$(awk "BEGIN { print ${DATA_CALL_DFLASH_MIN:-2.5} + ${DFLASH_CALL_MIN:-5.5} }") \
       train ${DFLASH_CALL_MIN:-5.5}
-    WORK=$W DFLASH_DIR=$W/dflash WEAVER_INIT=$S/weaver WEAVER_MIN=${WEAVER_MIN:-1.5} WEAVER_TOTAL=${WEAVER_MIN:-1.5} \
+    WORK=$W DFLASH_DIR=$W/dflash WEAVER_INIT=$INIT/weaver WEAVER_MIN=${WEAVER_MIN:-1.5} WEAVER_TOTAL=${WEAVER_MIN:-1.5} \
       timeout 170 bash scripts/train_smollm2.sh weaver > $L/weaver.log 2>&1; echo "weaver rc=$?"; tail -1 $L/weaver.log
     WORK=$W bash scripts/train_smollm2.sh back
     (cd $W && tar cf - logs) | xz -T0 -6 > $OUT/dflash-call.tar.xz; ls -la $OUT ;;
