@@ -16,6 +16,7 @@ from modeling_weaver import speculative_generate
 from modeling_weaver.cli import DEFAULT_SHIPPED_DRAFTERS
 from modeling_weaver.lab import smollm2
 from modeling_weaver.lab.data import chat_prompt_ids, load_eval_prompts
+from modeling_weaver.options import TreePolicy
 
 
 def main() -> None:
@@ -28,6 +29,9 @@ def main() -> None:
                     help="a folder with dflash/ and weaver/ (repeat to compare; default: the shipped pair)")
     ap.add_argument("--tree-budget", action="append", default=None, metavar="N|auto",
                     help="tree budget (repeat to compare; default: speculative_generate's own default)")
+    ap.add_argument("--spine-rounds", action="append", type=int, default=None, metavar="N",
+                    help="Weaver rounds after the spine (TreePolicy.spine_rounds; repeat to compare; default: the "
+                         "device's own)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     target, tokenizer = smollm2.load_target("smollm2", dtype=dtype, device=torch.device("cpu"))
@@ -35,14 +39,17 @@ def main() -> None:
     models = {folder: tuple(AutoModel.from_pretrained(f"{folder}/{part}", trust_remote_code=True, dtype=dtype)
                             for part in ("dflash", "weaver"))
               for folder in args.pair or [str(DEFAULT_SHIPPED_DRAFTERS)]}
-    runs = {(folder, budget): pair for folder, pair in models.items() for budget in budgets}
+    rounds = args.spine_rounds or [None]
+    runs = {(folder, budget, r): pair for folder, pair in models.items() for budget in budgets for r in rounds}
+    policy = {r: None if r is None else TreePolicy(spine_rounds=r) for r in rounds}
     warm = torch.tensor([chat_prompt_ids(tokenizer, "Hello")])  # one-time costs (packing, calibration) untimed
     target.generate(warm, max_new_tokens=4, do_sample=False)
-    for (folder, budget), (drafter, weaver) in runs.items():
+    for (folder, budget, r), (drafter, weaver) in runs.items():
         speculative_generate(target, warm, drafter=drafter, weaver=weaver, mode=args.mode, tree_budget=budget,
-                             max_new_tokens=4)
+                             tree_policy=policy[r], max_new_tokens=4)
     names = {run: " ".join(x for x in (run[0] if len(models) > 1 else "",
-                                       f"budget {run[1]}" if len(budgets) > 1 else "") if x) for run in runs}
+                                       f"budget {run[1]}" if len(budgets) > 1 else "",
+                                       f"rounds {run[2]}" if len(rounds) > 1 else "") if x) for run in runs}
     ratios = {run: [] for run in runs}
     hf_total, ours_total = 0.0, dict.fromkeys(runs, 0.0)
     for dataset, items in load_eval_prompts().items():
@@ -57,7 +64,8 @@ def main() -> None:
             for run, (drafter, weaver) in runs.items():
                 start = time.perf_counter()
                 out, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=args.mode,
-                                                  tree_budget=run[1], max_new_tokens=args.max_new_tokens,
+                                                  tree_budget=run[1], tree_policy=policy[run[2]],
+                                                  max_new_tokens=args.max_new_tokens,
                                                   return_stats=True)
                 ours = time.perf_counter() - start
                 ratios[run].append(hf / ours)

