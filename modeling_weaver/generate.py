@@ -18,7 +18,6 @@ from .decoding.drafting import DFlashRunner
 from .decoding.loop import PHASES, TARGET_STEPS, PhaseTimer, SpeculativeStats, _decode
 from .options import BudgetPolicy, StepOptions, TreePolicy
 from .packed import generation_packing
-from .target import capturable_experts
 from .tree import default_tree_budget
 from .validation import (LENGTH_PROCESSORS, MODES, REFUSED, ROW_WISE_PROCESSORS, VERIFICATIONS, check_call,
                          check_processors, check_room, check_settings, prepare_settings, refuse)
@@ -185,8 +184,7 @@ def _run(target, input_ids: torch.Tensor, *, drafter, weaver, step_options: Step
     packed for the generation where the device gains from it."""
     options = step_options or StepOptions()
     models = [m for m in (target, drafter, weaver) if m is not None]
-    with generation_packing(options, input_ids.device, models, target_step), \
-            capturable_experts(target, input_ids.device, target_step):
+    with generation_packing(options, input_ids.device, models, target_step):
         return _decode(target, input_ids[0], runner=DFlashRunner(drafter, target, options), weaver=weaver,
                        target_step=target_step, step_options=options, **loop)
 

@@ -57,7 +57,8 @@ class StepOptions:
 
     Attributes:
         int8_head: the drafter projects with an int8 copy of the target's lm_head (None: on CUDA, where the Triton
-            kernel makes it faster; the CPU reference dequantises on every call).
+            kernel makes it faster, and on CPUs where torch has fbgemm's int8 GEMM, a quarter of the fp32 head's
+            bytes; elsewhere the reference dequantises on every call).
         node_table: fixed-shape Weaver proposers gather node inputs from ``weaver.node_input_table`` (one table per
             drafter and Weaver) instead of a norm and matmul per round.
         gates_in_kernel: the GDN ops get the raw gate projections and form g and β inside their kernels.
@@ -79,7 +80,14 @@ class StepOptions:
 
     def int8_head_on(self, device) -> bool:
         """Whether drafters on ``device`` project with the int8 head."""
-        return torch.device(device).type == "cuda" if self.int8_head is None else self.int8_head
+        if self.int8_head is not None:
+            return self.int8_head
+        kind = torch.device(device).type
+        if kind == "cpu":
+            import weaver_kernels  # (options imports nothing of the step at module level)
+
+            return weaver_kernels.cpu_int8_available()
+        return kind == "cuda"
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ at its next call. :func:`unpack_cpu_linears` restores the modules.
 
 **int8 weights for a drafter** — :func:`int8_linears` routes every ``nn.Linear`` call of at most ``max_rows`` rows
 through an int8 copy of the weight (one scale per output row, ``weaver_kernels.int8_linear``: on CUDA one Triton
-launch reading each weight byte once, half of bf16's bytes; elsewhere the torch reference, which dequantises on every
-call). Meant for drafters, whose outputs only shape proposal trees: a speculative step's drafting is a few rows
+launch reading each weight byte once, half of bf16's bytes; on a CPU with torch's int8 GEMM,
+``weaver_kernels.cpu_int8_linear`` — fbgemm's, a quarter of fp32's bytes, the activations rounded per call too;
+elsewhere the torch reference, which dequantises on every call). Meant for drafters, whose outputs only shape proposal trees: a speculative step's drafting is a few rows
 through the drafter's whole weights, memory-bound. Calls with more rows (a prompt's context) and autograd use the
 original weight. The copy is made once: after changing the weights, :func:`remove_int8_linears` and apply it again.
 Both drop the models' cached fixed-shape steps (CUDA graphs and compiled steps traced through the old forward).
@@ -180,7 +181,10 @@ def _int8_forward(module: torch.nn.Linear, max_rows: int):
         if (x.numel() > max_rows * x.shape[-1]
                 or (torch.is_grad_enabled() and (module.weight.requires_grad or x.requires_grad))):
             return F.linear(x, module.weight, module.bias)
-        return weaver_kernels.int8_linear(x, *getattr(module, _INT8), module.bias)
+        q, scale, packed = getattr(module, _INT8)
+        if packed is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
+            return weaver_kernels.cpu_int8_linear(x, packed)
+        return weaver_kernels.int8_linear(x, q, scale, module.bias)
 
     return forward
 
@@ -191,7 +195,9 @@ def int8_linears(*models: torch.nn.Module, max_rows: int = 64) -> int:
     a patched forward: not after :func:`pack_cpu_linears`) through an int8 copy of its weight; returns how many."""
     count = 0
     for module in list(_plain_linears(models)):
-        setattr(module, _INT8, weaver_kernels.quantize_rows(module.weight))
+        q, scale = weaver_kernels.quantize_rows(module.weight)
+        cpu = module.weight.device.type == "cpu" and weaver_kernels.cpu_int8_available()
+        setattr(module, _INT8, (q, scale, weaver_kernels.cpu_int8_pack(q, scale, module.bias) if cpu else None))
         module.forward = _int8_forward(module, max_rows)
         count += 1
     if count:

@@ -59,19 +59,21 @@ def capturable_experts(model: torch.nn.Module, device, target_step: str):
     through transformers' ``batched_mm`` implementation (the same sums, one GEMM per routed token) instead of
     ``grouped_mm``, whose non-bf16 path reads the group offsets on the host and so cannot be captured in a CUDA
     graph. The model's own setting is restored on exit."""
-    config = model.config
-    current = getattr(config, "_experts_implementation", None)
+    # transformers' experts classes (use_experts_implementation) read `self.config._experts_implementation` at every
+    # call; their classes all get `_apply_gate` from that decorator, across versions
+    configs = {id(c): c for m in model.modules()
+               if hasattr(type(m), "_apply_gate") and (c := getattr(m, "config", None)) is not None}
     switch = (target_step in ("graph", "compiled") and torch.device(device).type == "cuda"
-              and current in (None, "grouped_mm") and next(model.parameters()).dtype != torch.bfloat16
-              and any(hasattr(m, "_is_expert_parallel") for m in model.modules()))
-    if not switch:
-        yield
-        return
-    config._experts_implementation = "batched_mm"
+              and next(model.parameters()).dtype != torch.bfloat16)
+    saved = {k: getattr(c, "_experts_implementation", None) for k, c in configs.items()} if switch else {}
+    saved = {k: v for k, v in saved.items() if v in (None, "grouped_mm")}
     try:
+        for k in saved:
+            configs[k]._experts_implementation = "batched_mm"
         yield
     finally:
-        config._experts_implementation = current
+        for k, v in saved.items():
+            configs[k]._experts_implementation = v
 
 
 def text_config(config):

@@ -6,6 +6,8 @@
     # add a point: greedy MAL from a `weaver bench` folder + profiles + how much training is behind it
     python scripts/zoo_curve.py record --ledger zoo/smollm2-135m-instruct/learning_curve.jsonl --label s1 \\
         --gpu-minutes 45.2 --data-tokens 25e6 --bench bench-s1 --profile-eval pe --profile-heldout ph
+    # training tokens/s of runs side by side (after a warm-up), e.g. one GPU against eight (#32)
+    python scripts/zoo_curve.py rate WORK/scale-1 WORK/scale-8 --skip 50
     # the table (markdown) and the plot (PNG) of every point
     python scripts/zoo_curve.py report --ledger zoo/smollm2-135m-instruct/learning_curve.jsonl \\
         --png zoo/smollm2-135m-instruct/learning_curve.png
@@ -67,6 +69,29 @@ def record(args) -> int:
     with open(ledger, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
     print(json.dumps(row))
+    return 0
+
+
+def training_rate(folder: str | Path, skip: int) -> dict:
+    """Sequence tokens/s of a training run's ``train_log.jsonl`` (all ranks) from the first logged step past ``skip``
+    to the last one: the first steps (allocation, autotuning) are not the steady rate."""
+    rows = [json.loads(x) for x in (Path(folder) / "train_log.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "tokens" in r]
+    first = next((r for r in rows if r["step"] > skip), None)
+    last = rows[-1] if rows else None
+    if first is None or last is None or last["step"] == first["step"]:
+        raise SystemExit(f"{folder}: too few logged steps past step {skip} for a rate")
+    seconds = last["elapsed"] - first["elapsed"]
+    return {"steps": last["step"] - first["step"], "tokens": last["tokens"] - first["tokens"],
+            "seconds": round(seconds, 2), "tokens_per_s": round((last["tokens"] - first["tokens"]) / seconds)}
+
+
+def rate(args) -> int:
+    base = None
+    for folder in args.folders:
+        r = training_rate(folder, args.skip)
+        base = base or r["tokens_per_s"]
+        print(f"{folder}: {json.dumps(r)}, {r['tokens_per_s'] / base:.2f}x the first")
     return 0
 
 
@@ -134,6 +159,10 @@ def main(argv=None) -> int:
     p.add_argument("--date", default=None)
     p.add_argument("--note", default="")
     p.set_defaults(func=record)
+    p = sub.add_parser("rate", help="training tokens/s of runs side by side (the first is the base)")
+    p.add_argument("folders", nargs="+", help="training output folders (train_log.jsonl)")
+    p.add_argument("--skip", type=int, default=50, help="steps of warm-up left out")
+    p.set_defaults(func=rate)
     p = sub.add_parser("report", help="markdown table and PNG of the ledger")
     p.add_argument("--ledger", required=True)
     p.add_argument("--png", default=None, help="plot file to write (a new file, or --overwrite)")

@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from modeling_weaver import DFlashConfig, DFlashDraftModel
 from modeling_weaver.decoding.drafting import StaticDraft, StaticProposer
 from modeling_weaver.generate import DFlashRunner
+from modeling_weaver.options import StepOptions
 from modeling_weaver.target import text_config
 
 
@@ -309,7 +310,8 @@ def test_compiled_and_plain_proposers_keep_their_own_graphs(monkeypatch):
     monkeypatch.setattr(graphs, "capture_graph", capture_without_rules)
     target = TINY_TARGETS["llama"]()
     drafter, _ = make_drafters(target, mask_token_id=96)
-    draft = static_draft(drafter, target, 64, capture=True)
+    # (the fp32 head: a CPU's default int8 head is fbgemm's GEMM, which compiled steps replace by the reference)
+    draft = static_draft(drafter, target, 64, capture=True, options=StepOptions(int8_head=False))
     context = torch.randn(5, drafter.fc.in_features)
     trees = [draft.proposer("ddtree", 8, compile=c).propose(3, context, 5, torch.zeros(drafter.config.hidden_size))[2]
              for c in (False, True)]

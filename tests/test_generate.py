@@ -512,13 +512,14 @@ def test_bf16_drafter_with_fp32_target_stays_exact(target_step):
     for mode in MODES:
         for ids in prompts(2):
             got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=10,
-                                       max_new_tokens=32, target_step=target_step)
+                                       max_new_tokens=32, target_step=target_step,
+                                       step_options=StepOptions(int8_head=False))  # (CPU default: int8)
             assert torch.equal(got, reference(target, ids, 32)), mode
-    head = draft_head(target, torch.bfloat16)
-    assert head.cast_weight.dtype == torch.bfloat16 and draft_head(target, torch.bfloat16) is head  # cached
+    head = draft_head(target, torch.bfloat16, int8=False)
+    assert head.cast_weight.dtype == torch.bfloat16 and draft_head(target, torch.bfloat16, int8=False) is head
     with torch.no_grad():
         target.get_output_embeddings().weight.mul_(2.0)
-    assert torch.equal(draft_head(target, torch.bfloat16).cast_weight,
+    assert torch.equal(draft_head(target, torch.bfloat16, int8=False).cast_weight,
                        target.get_output_embeddings().weight.bfloat16())
     # the cached copy does not keep the target's weight alive: both go with the target
     import gc
@@ -529,7 +530,7 @@ def test_bf16_drafter_with_fp32_target_stays_exact(target_step):
 
     weight = weakref.ref(target.get_output_embeddings().weight)
     key = (id(weight()), torch.bfloat16, False)
-    assert key in _DRAFT_HEADS and draft_head(target, torch.float32).weight is weight()  # (same dtype: not cached)
+    assert key in _DRAFT_HEADS and draft_head(target, torch.float32, int8=False).weight is weight()  # (not cached)
     release_static_targets(target)  # (fixed-shape steps live as long as their models, or until released)
     release_static_targets(drafter)
     del target, drafter, weaver, head
@@ -544,8 +545,10 @@ def test_int8_draft_head_stays_exact(target_step, monkeypatch):
 
     import weaver_kernels
 
-    calls, int8_linear = [], weaver_kernels.int8_linear
+    calls, int8_linear, cpu_int8_linear = [], weaver_kernels.int8_linear, weaver_kernels.cpu_int8_linear
     monkeypatch.setattr(weaver_kernels, "int8_linear", lambda *a: calls.append(a[1].shape) or int8_linear(*a))
+    monkeypatch.setattr(weaver_kernels, "cpu_int8_linear",  # (fbgemm's GEMM on a CPU that has it)
+                        lambda x, packed: calls.append(tuple(packed.unpack()[0].shape)) or cpu_int8_linear(x, packed))
     target = TINY_TARGETS["qwen3_5"]()
     drafter, weaver = make_drafters(target, mask_token_id=VOCAB - 1)
     for mode in MODES:
@@ -556,7 +559,8 @@ def test_int8_draft_head_stays_exact(target_step, monkeypatch):
                                        step_options=StepOptions(int8_head=True))
             assert torch.equal(got, reference(target, ids, 32)), mode
         assert calls and all(shape == target.get_output_embeddings().weight.shape for shape in calls), mode
-    assert not drafting.draft_head(target, torch.float32).int8  # the default: on CUDA only
+    # the default: on CUDA, and on CPUs with fbgemm's int8 GEMM
+    assert drafting.draft_head(target, torch.float32).int8 == weaver_kernels.cpu_int8_available()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -573,6 +577,14 @@ def test_int8_draft_head_logits(dtype):
     head = DraftHead(weight, bias, dtype, int8=True)
     assert head.quantised.dtype == torch.int8 and head.quantised.abs().max() == 127 and head.scale[3] == 1.0
     assert head.quantised.float().mul(head.scale[:, None]).sub(weight.float()).abs().max() <= head.scale.max() / 2
+    if head.cpu_packed is not None:  # fbgemm's GEMM: the same rows, the activations rounded too (test_packed)
+        from test_packed import _within_activation_rounding
+
+        fast = head(hidden)
+        assert fast.shape == (2, 15, 97) and fast.dtype == dtype
+        _within_activation_rounding(fast.float().view(-1, 97), hidden.float().view(-1, 40), head.quantised,
+                                    head.scale, bias.float())
+        head.cpu_packed = None  # then the reference: the dequantised product
     got = head(hidden)
     assert got.shape == (2, 15, 97) and got.dtype == dtype
     expected = hidden.float() @ (head.quantised.float() * head.scale[:, None]).T + bias.float()

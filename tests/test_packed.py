@@ -1,6 +1,7 @@
 """pack_cpu_linears: prepacked oneDNN CPU linears, the same models' outputs, a lossless loop on them, and the ways
 back to F.linear (other devices/dtypes, autograd, changed weights, unpacking). int8_linears: a drafter's linears on
-int8 weights (the op's torch reference here), its outputs those of the dequantised weights, a lossless loop."""
+int8 weights (the op's torch reference, and fbgemm's int8 GEMM within its rounding bound), its outputs those of the
+dequantised weights, a lossless loop; the drafter's int8 lm_head on CPU."""
 
 from __future__ import annotations
 
@@ -10,11 +11,23 @@ from test_generate import make_drafters, prompts, reference
 from tiny_targets import TINY_TARGETS
 
 import weaver_kernels
-from modeling_weaver import (int8_linears, pack_cpu_linears, remove_int8_linears, speculative_generate,
-                             unpack_cpu_linears)
+from modeling_weaver import (StepOptions, int8_linears, pack_cpu_linears, remove_int8_linears,
+                             speculative_generate, unpack_cpu_linears)
 from modeling_weaver.packed import _INT8, _PACKED
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN (mkldnn)")
+needs_fbgemm = pytest.mark.skipif(not weaver_kernels.cpu_int8_available(), reason="needs torch's int8 GEMM (x86)")
+
+
+def _within_activation_rounding(out, x, q, scale, bias=None):
+    """``out`` is ``x @ (q · scale).T (+ bias)`` up to rounding ``x`` to fbgemm's 7-bit grid (one step for the whole
+    tensor: (max(x, 0) - min(x, 0)) / 127), whose error in output row i is at most half a step times Σ_j |w_ij|."""
+    w = q.double() * scale.double()[:, None]
+    ref = x.double() @ w.T + (0 if bias is None else bias.double())
+    step = (x.double().clamp(min=0).max() - x.double().clamp(max=0).min()) / 127
+    bound = 0.5 * step * w.abs().sum(1) * 1.001 + 1e-5
+    assert (out.double() - ref).abs().le(bound).all(), float(((out.double() - ref).abs() / bound).max())
+    return (out.double() - ref).abs().max()
 
 
 def _linears(*models):
@@ -93,12 +106,18 @@ def test_int8_drafter_keeps_the_loop_lossless(kind):
     assert n == len(_linears(drafter)) > 0 and all(hasattr(m, _INT8) for m in _linears(drafter))
     assert drafter not in _STATIC_TARGETS  # its cached steps are dropped
     assert int8_linears(drafter) == 0  # already routed
+    packs = {m: getattr(m, _INT8) for m in _linears(drafter)}
+    assert all((p[2] is not None) == weaver_kernels.cpu_int8_available() for p in packs.values())
+    for m, (q, scale, _) in packs.items():  # the reference path: exactly the rounded weights
+        setattr(m, _INT8, (q, scale, None))
     feats = torch.randn(1, 5, drafter.fc.in_features, generator=torch.Generator().manual_seed(2))
     block = torch.randn(1, drafter.block_size, drafter.config.hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         kwargs = dict(noise_embedding=block, target_hidden=feats,
                       position_ids=torch.arange(5 + drafter.block_size)[None])
         torch.testing.assert_close(drafter(**kwargs), rounded(**kwargs), rtol=1e-5, atol=1e-5)
+    for m, pack in packs.items():  # (the loop below: fbgemm's GEMM where the CPU has it)
+        setattr(m, _INT8, pack)
     for ids in prompts(2):
         expected = reference(target, ids, 24)
         for mode in ("chain", "ddtree", "weaver"):
@@ -115,10 +134,13 @@ def test_int8_linear_falls_back_for_many_rows_and_autograd():
     lin = torch.nn.Linear(32, 48)
     weight = lin.weight.detach().clone()
     assert int8_linears(lin, max_rows=4) == 1
-    q, scale = getattr(lin, _INT8)
+    q, scale, packed = getattr(lin, _INT8)
     x = torch.randn(4, 32)
     with torch.no_grad():
-        torch.testing.assert_close(lin(x), x @ (q.float() * scale[:, None]).T + lin.bias)
+        if packed is None:
+            torch.testing.assert_close(lin(x), x @ (q.float() * scale[:, None]).T + lin.bias)
+        else:
+            _within_activation_rounding(lin(x), x, q, scale, lin.bias)
     many = torch.randn(2, 3, 32)  # 6 rows > max_rows: the original weight
     with torch.no_grad():
         torch.testing.assert_close(lin(many), torch.nn.functional.linear(many, weight, lin.bias))
@@ -200,15 +222,16 @@ def test_drafts_project_through_the_packed_lm_head_for_the_depths_a_tree_can_use
     for mode in ("ddtree", "weaver"):
         rows.clear()
         got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=3,
-                                   max_new_tokens=12)
+                                   max_new_tokens=12, step_options=StepOptions(int8_head=False))
         assert torch.equal(got, reference(target, ids, 12)), mode
         assert 3 in rows and max(rows) >= 4, rows  # the drafts' 3 depths; the verify's 4 nodes and the prompt
         assert BLOCK - 1 not in rows, rows  # never the whole block
     unpack_cpu_linears(target, drafter, weaver)
     width = len(drafter.config.target_layer_ids) * target.config.hidden_size
     context = torch.randn(5, width, generator=torch.Generator().manual_seed(0))
-    hidden, logits = DFlashRunner(drafter, target).draft(3, context, 5)
-    cut_hidden, cut = DFlashRunner(drafter, target).draft(3, context, 5, depths=2)
+    fp32 = StepOptions(int8_head=False)  # (fbgemm's int8 head rounds the rows of a call with one scale)
+    hidden, logits = DFlashRunner(drafter, target, fp32).draft(3, context, 5)
+    cut_hidden, cut = DFlashRunner(drafter, target, fp32).draft(3, context, 5, depths=2)
     assert logits.shape[0] == BLOCK - 1 and cut.shape[0] == 2 and torch.equal(cut_hidden, hidden)
     torch.testing.assert_close(cut, logits[:2])
 
@@ -220,3 +243,39 @@ def test_bf16_linears_are_packed_only_where_the_cpu_has_bf16_kernels(monkeypatch
     assert pack_cpu_linears(torch.nn.Linear(8, 8).bfloat16()) == 0  # (oneDNN's reorder would refuse it there)
     if torch.backends.mkldnn.is_available():
         assert pack_cpu_linears(torch.nn.Linear(8, 8)) == 1
+
+
+@needs_fbgemm
+def test_cpu_int8_gemm_is_the_rows_up_to_activation_rounding():
+    """fbgemm's GEMM on quantize_rows' own int8 values: within half a 7-bit activation step of the dequantised product
+    for every output (and not exact: the activations are rounded), bias included, in the input's dtype."""
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
+    q, scale = weaver_kernels.quantize_rows(weight)
+    packed = weaver_kernels.cpu_int8_pack(q, scale, bias)
+    for rows in (1, 9):
+        x = torch.randn(rows, 64, generator=g) * 3
+        err = _within_activation_rounding(weaver_kernels.cpu_int8_linear(x, packed), x, q, scale, bias)
+        assert err > 0
+    assert weaver_kernels.cpu_int8_linear(x.bfloat16(), packed).dtype == torch.bfloat16
+
+
+@needs_fbgemm
+def test_drafts_on_cpu_take_the_int8_head_by_default():
+    """On a CPU with torch's int8 GEMM the drafter's lm_head is fbgemm's int8 copy by default (StepOptions.int8_head
+    None), the fp32 head when asked; logits within the rounding bound of the int8 rows; the loop stays lossless."""
+    from modeling_weaver.decoding.drafting import draft_head
+
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    head = draft_head(target, torch.float32)
+    assert head.int8 and head.cpu_packed is not None
+    assert not draft_head(target, torch.float32, int8=False).int8
+    hidden = torch.randn(3, target.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _within_activation_rounding(head(hidden), hidden, head.quantised, head.scale)
+    ids = prompts(1)[0]
+    for mode in ("chain", "ddtree", "weaver"):
+        got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=8,
+                                   max_new_tokens=16)
+        assert torch.equal(got, reference(target, ids, 16)), mode

@@ -17,7 +17,8 @@ static KV cache, split over the cache rows: a captured step's cost follows the u
 :func:`rms_norm` (transformers' RMSNorm forms in one launch: the decode step runs ~200 of them). For the Weaver
 tree build, :func:`node_attention` (a layer's RoPE, node K/V writes and attention for a round's nodes in one launch),
 :func:`pool_scores` and :func:`weaver_expand`: one expansion round's candidate scoring and frontier bookkeeping in
-two launches. For drafters, :func:`int8_linear` (a few rows through int8 weights: the draft's lm_head).
+two launches. For drafters, :func:`int8_linear` (a few rows through int8 weights: the draft's lm_head), and on a
+CPU :func:`cpu_int8_linear` (fbgemm's int8 GEMM on a prepacked copy; activations rounded too: drafts only).
 
 Kernels: :mod:`.gdn_tree.chunk` (verify: the forms in :mod:`.gdn_tree.fused`, :mod:`.gdn_tree.resident` and
 :mod:`.gdn_tree.neumann`, chosen in :mod:`.gdn_tree.dispatch`), :mod:`.gdn_tree.commit`, :mod:`.conv_tree.conv`,
@@ -29,6 +30,7 @@ References: ``*.naive``.
 
 from .conv_tree.naive import conv_decode_ref, conv_tree_commit_ref, conv_tree_ref
 from .gdn_tree.naive import gdn_decode_ref, gdn_gates, gdn_recurrent_ref, gdn_tree_commit_ref, gdn_tree_verify_ref
+from .int8_linear.cpu import cpu_int8_available, cpu_int8_linear, cpu_int8_pack
 from .int8_linear.naive import int8_linear_ref, quantize_rows
 from .kda_tree.naive import kda_decode_ref, kda_gates, kda_recurrent_ref, kda_tree_commit_ref, kda_tree_verify_ref
 from .ops import (conv_decode, conv_tree, conv_tree_commit, gdn_decode, gdn_tree_commit, gdn_tree_verify,
@@ -45,6 +47,9 @@ from .weaver_tree.naive import node_attention_ref, pool_scores_ref, weaver_expan
 
 __all__ = [
     "NODE_ATTENTION_MAX_ROWS",
+    "cpu_int8_available",
+    "cpu_int8_linear",
+    "cpu_int8_pack",
     "gdn_tree_verify",
     "gdn_tree_commit",
     "conv_tree",

@@ -43,7 +43,9 @@ class DraftHead:
     than the target's: in its own ``dtype`` (a bf16 drafter of an fp32 target: on CPUs with bf16 matmuls that halves
     the drafting cost), or with ``int8`` int8 rows with one scale each through ``weaver_kernels.int8_linear``: half of
     bf16's bytes for the draft's largest read, at a small error on the logits (an e4m3 copy was tried: larger error,
-    less acceptance, and slower; BENCHMARKS.md).
+    less acceptance, and slower; BENCHMARKS.md); on a CPU, fbgemm's int8 GEMM (``weaver_kernels.
+    cpu_int8_linear``: a quarter of fp32's bytes, the rows of a call rounded with one scale, so a depth's logits
+    depend on how many depths are projected; compiled steps, which cannot trace it, take the reference).
     ``weight`` is the target's own weight, held weakly: a cached copy must not keep the target alive. ``module``: the
     lm_head itself, called when no copy is needed (so a drafter projects as the target does: through its packed CPU
     weight inside a generation, ``StepOptions.packed_linears``).
@@ -56,6 +58,8 @@ class DraftHead:
         self.cast_bias = cast(bias)
         self.cast_weight = None if int8 else cast(weight)
         self.quantised, self.scale = weaver_kernels.quantize_rows(weight) if int8 else (None, None)
+        self.cpu_packed = (weaver_kernels.cpu_int8_pack(self.quantised, self.scale, bias)
+                           if int8 and weight.device.type == "cpu" and weaver_kernels.cpu_int8_available() else None)
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -66,6 +70,8 @@ class DraftHead:
             return self.module(hidden.to(self.dtype))
         if not self.int8:
             return F.linear(hidden.to(self.dtype), self.cast_weight, self.cast_bias)
+        if self.cpu_packed is not None and hidden.device.type == "cpu" and not torch.compiler.is_compiling():
+            return weaver_kernels.cpu_int8_linear(hidden.to(self.dtype), self.cpu_packed)
         return weaver_kernels.int8_linear(hidden.to(self.dtype), self.quantised, self.scale, self.cast_bias)
 
 

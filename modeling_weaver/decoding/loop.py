@@ -21,7 +21,7 @@ from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
 from ..accept import DeviceAcceptance, accept_greedy, accept_target_only, accept_traversal
 from ..options import BudgetPolicy, StepOptions, TreePolicy
-from ..target import TargetAdapter
+from ..target import TargetAdapter, capturable_experts
 from ..tree import Tree, node_depths
 from ..validation import row_wise
 from .budget import AutoBudget, candidate_sizes, step_costs
@@ -309,28 +309,30 @@ def _decode(target, prompt: torch.Tensor, *, runner, weaver, mode: str, tree_bud
     stats, out = SpeculativeStats(), _Output(prompt, max_new_tokens, stopping_criteria, streamer)
     scores = Scores(processors, do_sample, out)
     max_length = prompt.shape[0] + max_new_tokens + tree_budget + 2
-    plan = plan_steps(target, runner, mode=mode, tree_budget=tree_budget, weaver=weaver, target_step=target_step,
-                      max_length=max_length, device=prompt.device, accept=accept, scores=scores, timed=timer or untimed,
-                      generator=generator, verification=verification or ("traversal" if mode == "weaver"
-                                                                          else "target_only"),
-                      tree_policy=tree_policy, step_options=step_options, auto=budget_policy, sizes=sizes)
-    verifier = plan.verifier
-    verified = verifier.prefill(prompt)
-    bonus = scores.first_token(verified.logits[-1], generator)
-    stats.num_new_tokens += out.emit([bonus])
-    if not out.done:  # (arming may run the drafter over the prompt: not for an output that is complete already)
-        plan.steps.arm(bonus, verified.features, verified.hidden[-1])
-    # Launch a fused step ahead only if one more fits in the caches and the step in flight (≤ block new tokens)
-    # cannot reach max_new_tokens: a step launched after the last one is a whole step of wasted GPU time.
-    block = runner.block_size
-    with contextlib.closing(plan.steps.run(ahead=lambda: verifier.length + block + tree_budget + 1
-                                           <= verifier.max_length and stats.num_new_tokens + block < max_new_tokens)
-                            ) as steps:
-        while not out.done:
-            tokens, bonus, size = next(steps)
-            stats.accepted_lengths.append(len(tokens))
-            stats.tree_sizes.append(size)
-            stats.num_new_tokens += out.emit(tokens[1:] + [bonus])
+    # (every capture of a generation happens inside: its verify, fused and bucketed steps, and the calibration's)
+    with capturable_experts(target, prompt.device, target_step):
+        plan = plan_steps(target, runner, mode=mode, tree_budget=tree_budget, weaver=weaver,
+                          target_step=target_step, max_length=max_length, device=prompt.device, accept=accept,
+                          scores=scores, timed=timer or untimed, generator=generator,
+                          verification=verification or ("traversal" if mode == "weaver" else "target_only"),
+                          tree_policy=tree_policy, step_options=step_options, auto=budget_policy, sizes=sizes)
+        verifier = plan.verifier
+        verified = verifier.prefill(prompt)
+        bonus = scores.first_token(verified.logits[-1], generator)
+        stats.num_new_tokens += out.emit([bonus])
+        if not out.done:  # (arming may run the drafter over the prompt: not for an output that is complete already)
+            plan.steps.arm(bonus, verified.features, verified.hidden[-1])
+        # Launch a fused step ahead only if one more fits in the caches and the step in flight (≤ block new tokens)
+        # cannot reach max_new_tokens: a step launched after the last one is a whole step of wasted GPU time.
+        block = runner.block_size
+        ahead = (lambda: verifier.length + block + tree_budget + 1 <= verifier.max_length
+                 and stats.num_new_tokens + block < max_new_tokens)
+        with contextlib.closing(plan.steps.run(ahead=ahead)) as steps:
+            while not out.done:
+                tokens, bonus, size = next(steps)
+                stats.accepted_lengths.append(len(tokens))
+                stats.tree_sizes.append(size)
+                stats.num_new_tokens += out.emit(tokens[1:] + [bonus])
     if timer is not None:
         stats.phase_ms = timer.totals_ms()
     if plan.sizer is not None:

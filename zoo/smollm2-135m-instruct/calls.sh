@@ -11,6 +11,10 @@
 #   run                                    bash zoo/smollm2-135m-instruct/calls.sh dflash    # DFlash resumed, Weaver, back
 #   run carry=[".whl"]                     bash zoo/smollm2-135m-instruct/calls.sh bench     # profile, bench, GPU tests
 #
+# On a machine of N GPUs (nvidia-h200-x8, #32): `data` with RANKS=N generates on every GPU (one torchrun, shards
+# TAG_BASE0..N-1), `scale` times the DFlash recipe on one GPU and on N side by side, and RUN="torchrun --standalone
+# --nproc-per-node N" makes `dflash` (and the data call's DFlash) DDP on all of them.
+#
 # The weights come back at the end of the dflash call: if the machine goes cold before the bench call, put them into
 # the working tree's checkpoints/smollm2-135m-instruct and bench there after carrying the GGUF again (a, b, c).
 # Each session continues from the shipped pair (checkpoints/smollm2-135m-instruct) on fresh data: TAG_BASE names the
@@ -32,7 +36,7 @@ train() {  # DFlash from the shipped drafter (or resumed), for $1 minutes of thi
     timeout $(( ${1%.*} * 60 + 90 )) bash scripts/train_smollm2.sh dflash >> $L/dflash.log 2>&1
   echo "dflash rc=$?"; tail -2 $L/dflash.log
 }
-case ${1:?carry|init|data|dflash|bench} in
+case ${1:?carry|init|data|scale|dflash|bench} in
   carry)   mkdir -p /tmp/smol && cp .smol/$2/* /tmp/smol/ && ls -la /tmp/smol ;;
   init)    mkdir -p /tmp/smol/init && cp -r ${2:?}/. /tmp/smol/init/ && cd /tmp/smol/init &&
     for d in dflash weaver; do
@@ -44,11 +48,17 @@ case ${1:?carry|init|data|dflash|bench} in
     cp .smol/c/*.part2 /tmp/smol/ && cp -r .smol/c/eval /tmp/smol/cache/
     WORK=$W timeout 120 bash scripts/train_smollm2.sh gguf > $L/gguf.log 2>&1 || { tail -20 $L/gguf.log; exit 1; }
     nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader; date -u
-    for i in 1 2; do
-      WORK=$W MIX=$MIX TAG=${TAG_BASE:?}$i SEED=$(( ${SEED_BASE:?} + i )) DATA_MIN=${DATA_MIN:-4.5} \
-        CODE_PACKAGES="numpy sympy networkx" timeout 360 bash scripts/train_smollm2.sh data > $L/data-$i.log 2>&1 &
-    done
-    wait; for i in 1 2; do tail -1 $L/data-$i.log; done
+    if [ -n "${RANKS:-}" ]; then  # one generator per GPU (seeds SEED_BASE+1 + 1000·rank)
+      WORK=$W MIX=$MIX TAG="${TAG_BASE:?}{rank}" SEED=$(( ${SEED_BASE:?} + 1 )) DATA_MIN=${DATA_MIN:-4.5} \
+        RUN="torchrun --standalone --nproc-per-node $RANKS" CODE_PACKAGES="numpy sympy networkx" \
+        timeout 360 bash scripts/train_smollm2.sh data > $L/data.log 2>&1; grep "^rank" $L/data.log
+    else
+      for i in 1 2; do
+        WORK=$W MIX=$MIX TAG=${TAG_BASE:?}$i SEED=$(( ${SEED_BASE:?} + i )) DATA_MIN=${DATA_MIN:-4.5} \
+          CODE_PACKAGES="numpy sympy networkx" timeout 360 bash scripts/train_smollm2.sh data > $L/data-$i.log 2>&1 &
+      done
+      wait; for i in 1 2; do tail -1 $L/data-$i.log; done
+    fi
     train ${DATA_CALL_DFLASH_MIN:-2.5}
     (cd $W && tar cf - data/manifest-*.json logs) | xz -T0 -6 > $OUT/data-call.tar.xz; ls -la $OUT ;;
   dflash)  # ≈ 9 min: the DFlash resumed to the end of its schedule (DFLASH_TOTAL: both calls' minutes), then the
@@ -59,12 +69,23 @@ case ${1:?carry|init|data|dflash|bench} in
       timeout 170 bash scripts/train_smollm2.sh weaver > $L/weaver.log 2>&1; echo "weaver rc=$?"; tail -1 $L/weaver.log
     WORK=$W bash scripts/train_smollm2.sh back
     (cd $W && tar cf - logs) | xz -T0 -6 > $OUT/dflash-call.tar.xz; ls -la $OUT ;;
+  scale)   # ≈ 3 min after `data`: the DFlash recipe from INIT for SCALE_STEPS steps on one GPU, then on every GPU
+    # (DDP, the same batch per GPU); tokens/s of each past the warm-up, side by side (fresh folders, nothing kept)
+    n=$(nvidia-smi -L | wc -l) steps=${SCALE_STEPS:-300}
+    flags="--data $W/data --init-from $INIT/dflash --num-layers ${DFLASH_LAYERS:-5} --anchors 64 --batch-size 32 \
+      --max-steps $steps --save-every 0 --log-every 25 --no-progress $DFLASH_FLAGS"
+    rm -rf $W/scale-1 $W/scale-$n
+    timeout 150 python3 -m modeling_weaver.cli train-dflash $flags --output-dir $W/scale-1 > $L/scale-1.log 2>&1
+    timeout 150 torchrun --standalone --nproc-per-node $n -m modeling_weaver.cli train-dflash $flags \
+      --output-dir $W/scale-$n > $L/scale-$n.log 2>&1
+    tail -1 $L/scale-1.log $L/scale-$n.log; python3 scripts/zoo_curve.py rate $W/scale-1 $W/scale-$n --skip 50
+    (cd $W && tar cf - logs scale-*/train_log.jsonl) | xz -T0 -6 > $OUT/scale-call.tar.xz; ls -la $OUT ;;
   bench)  # ≈ 7 min: the profile beside the greedy bench (budgets 64 and 16) and, with .whl/test carried (pytest
     # wheels), the GPU tests of the loop, the adaptive budget and the KDA kernels: the bench's MAL does not depend
     # on the GPU being quiet
     ( WORK=$W DFLASH_DIR=$W/dflash PROFILE_NAME=${POINT:?} HELDOUT_N=32 timeout 280 bash scripts/train_smollm2.sh profile
     ) > $L/profile.log 2>&1 &
-    if [ -d .whl/test ]; then
+    if [ -d .whl/test ] && [ -z "${NO_TESTS:-}" ]; then  # (NO_TESTS=1: the bench and profile alone)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site-test .whl/test/*.whl
       PYTHONPATH=/tmp/site-test:$PYTHONPATH:$PWD/tests timeout ${TESTS_S:-420} python3 -m pytest -v -m gpu \
         -p no:cacheprovider tests/test_gpu_loop.py tests/test_sampler.py tests/test_kda_tree.py \
