@@ -16,7 +16,7 @@ from modeling_weaver import speculative_generate
 from modeling_weaver.cli import DEFAULT_SHIPPED_DRAFTERS
 from modeling_weaver.lab import smollm2
 from modeling_weaver.lab.data import chat_prompt_ids, load_eval_prompts
-from modeling_weaver.options import TreePolicy
+from modeling_weaver.options import BudgetPolicy, TreePolicy
 
 
 def main() -> None:
@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--spine-rounds", action="append", type=int, default=None, metavar="N",
                     help="Weaver rounds after the spine (TreePolicy.spine_rounds; repeat to compare; default: the "
                          "device's own)")
+    ap.add_argument("--auto-max-size", type=int, default=None, metavar="N",
+                    help='tree_budget="auto": the largest tree it builds (BudgetPolicy.max_size; default its own)')
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     target, tokenizer = smollm2.load_target("smollm2", dtype=dtype, device=torch.device("cpu"))
@@ -42,11 +44,13 @@ def main() -> None:
     rounds = args.spine_rounds or [None]
     runs = {(folder, budget, r): pair for folder, pair in models.items() for budget in budgets for r in rounds}
     policy = {r: None if r is None else TreePolicy(spine_rounds=r) for r in rounds}
+    sizing = {b: BudgetPolicy(max_size=args.auto_max_size) if b == "auto" and args.auto_max_size else None
+              for b in budgets}
     warm = torch.tensor([chat_prompt_ids(tokenizer, "Hello")])  # one-time costs (packing, calibration) untimed
     target.generate(warm, max_new_tokens=4, do_sample=False)
     for (folder, budget, r), (drafter, weaver) in runs.items():
         speculative_generate(target, warm, drafter=drafter, weaver=weaver, mode=args.mode, tree_budget=budget,
-                             tree_policy=policy[r], max_new_tokens=4)
+                             tree_policy=policy[r], budget_policy=sizing[budget], max_new_tokens=4)
     names = {run: " ".join(x for x in (run[0] if len(models) > 1 else "",
                                        f"budget {run[1]}" if len(budgets) > 1 else "",
                                        f"rounds {run[2]}" if len(rounds) > 1 else "") if x) for run in runs}
@@ -65,6 +69,7 @@ def main() -> None:
                 start = time.perf_counter()
                 out, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=args.mode,
                                                   tree_budget=run[1], tree_policy=policy[run[2]],
+                                                  budget_policy=sizing[run[1]],
                                                   max_new_tokens=args.max_new_tokens,
                                                   return_stats=True)
                 ours = time.perf_counter() - start

@@ -7,7 +7,8 @@
 #   run carry=[".smol/b"]                  bash zoo/smollm2-135m-instruct/calls.sh carry b
 #   run carry=[".zoo/v4a"]                bash zoo/smollm2-135m-instruct/calls.sh init .zoo/v4a  # optional, see INIT
 #   run carry=[".zoo/v4b"]                bash zoo/smollm2-135m-instruct/calls.sh init .zoo/v4b
-#   run carry=[".smol/c", ".whl"]          bash zoo/smollm2-135m-instruct/calls.sh data      # GGUF, data, DFlash starts
+#   run carry=[".smol/c", ".whl/gguf-0.19.0-py3-none-any.whl"]  calls.sh data  # GGUF, data, DFlash starts (the test
+#                                          # wheels in .whl/test would take the call past 64 MiB)
 #   run                                    bash zoo/smollm2-135m-instruct/calls.sh dflash    # DFlash resumed, Weaver, back
 #   run carry=[".whl"]                     bash zoo/smollm2-135m-instruct/calls.sh bench     # profile, bench, GPU tests
 #
