@@ -96,8 +96,9 @@ class BudgetPolicy:
 
     Attributes:
         sizes: the candidate draft counts; 0 is a plain AR step (no speculation). Capped by ``max_size``.
-        max_size: the largest tree built each step, then cut to the chosen size (None: 64 on CUDA, 32 elsewhere; at
-            most :func:`~modeling_weaver.tree.max_tree_budget`).
+        max_size: the largest tree built each step, then cut to the chosen size (None: 64 on CUDA, 8 elsewhere —
+            every drafting step builds this tree, and on a CPU building and verifying more than 8 drafts costs more
+            than their extra acceptance brings, BENCHMARKS.md; at most :func:`~modeling_weaver.tree.max_tree_budget`).
         decay: how fast the acceptance calibration forgets (per step; the weight of the step ``k`` steps back is
             ``decay**k``).
         max_backoff: after choosing AR, the next steps skip drafting too, twice as many after each further AR choice,
@@ -126,7 +127,7 @@ class BudgetPolicy:
         """The largest candidate size on ``device`` before the target's own bound."""
         if self.max_size is not None:
             return self.max_size
-        return 64 if torch.device(device).type == "cuda" else 32
+        return 64 if torch.device(device).type == "cuda" else 8
 
 
 __all__ = ["BudgetPolicy", "StepOptions", "TreePolicy"]

@@ -188,14 +188,15 @@ def test_greedy_identity_with_auto(name, mode):
         expected = reference(target, ids, new)
         got, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget="auto",
                                           max_new_tokens=new, return_stats=True,
-                                          budget_policy=BudgetPolicy(costs=MIXED))
+                                          budget_policy=BudgetPolicy(costs=MIXED, max_size=32))
         assert torch.equal(got, expected), (name, mode, seed)
         assert stats.calibration["costs"]["source"] == "given" and stats.calibration["sizes"] == list(SIZES)
         runner = AlternatingOracle(reference(target, ids, new + 2 * BLOCK), text_config(target.config).hidden_size,
                                    seed=seed)
         got, stats = _decode(target, ids[0], runner=runner, weaver=oracle_weaver, mode=mode, tree_budget="auto",
                              max_new_tokens=new, processors=LogitsProcessorList(), do_sample=False,
-                             verification=None, generator=None, streamer=None, budget_policy=BudgetPolicy(costs=STEEP),
+                             verification=None, generator=None, streamer=None,
+                             budget_policy=BudgetPolicy(costs=STEEP, max_size=32),
                              stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + new)]))
         assert torch.equal(got, expected), (name, mode, seed, "oracle")
         histogram = stats.size_histogram
@@ -208,7 +209,7 @@ def test_custom_generate_with_auto():
     drafter, weaver = make_drafters(target)
     ids = prompts(2)[1]
     got = target.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=generate, drafter=drafter,
-                          weaver=weaver, tree_budget="auto", budget_policy=BudgetPolicy(costs=MIXED),
+                          weaver=weaver, tree_budget="auto", budget_policy=BudgetPolicy(costs=MIXED, max_size=32),
                           max_new_tokens=24, do_sample=False, pad_token_id=0)
     assert torch.equal(got, reference(target, ids, 24))
 
@@ -226,12 +227,12 @@ def test_greedy_identity_with_auto_in_fixed_shape_steps(name):
     new, ids = 40, prompts(2)[1]
     expected = reference(target, ids, new)
     got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget="auto", max_new_tokens=new,
-                               target_step="static", budget_policy=BudgetPolicy(costs=MIXED))
+                               target_step="static", budget_policy=BudgetPolicy(costs=MIXED, max_size=32))
     assert torch.equal(got, expected)
     runner = AlternatingOracle(reference(target, ids, new + 2 * BLOCK), text_config(target.config).hidden_size, seed=1)
     got, stats = _decode(target, ids[0], runner=runner, weaver=oracle_weaver, mode="weaver", tree_budget="auto",
                          max_new_tokens=new, processors=LogitsProcessorList(), do_sample=False, verification=None,
-                         generator=None, streamer=None, budget_policy=BudgetPolicy(costs=STEEP),
+                         generator=None, streamer=None, budget_policy=BudgetPolicy(costs=STEEP, max_size=32),
                          target_step="static",
                          stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + new)]))
     assert torch.equal(got, expected), "oracle"
