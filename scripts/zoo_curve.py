@@ -82,6 +82,8 @@ def training_rate(folder: str | Path, skip: int) -> dict:
     if first is None or last is None or last["step"] == first["step"]:
         raise SystemExit(f"{folder}: too few logged steps past step {skip} for a rate")
     seconds = last["elapsed"] - first["elapsed"]
+    if seconds <= 0:
+        raise SystemExit(f"{folder}: no time logged between steps {first['step']} and {last['step']}")
     return {"steps": last["step"] - first["step"], "tokens": last["tokens"] - first["tokens"],
             "seconds": round(seconds, 2), "tokens_per_s": round((last["tokens"] - first["tokens"]) / seconds)}
 

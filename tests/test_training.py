@@ -173,6 +173,11 @@ def test_ddp_trains_as_one_process_on_the_global_batch(tiny, trained_dflash):
     _torchrun("train-dflash", *dflash, "--batch-size", 2, "--output-dir", ddp)
     _same_run(single, ddp, 3)
     assert "| world_size | 2 |" in (ddp / "README.md").read_text()
+    from test_nothing_lost import _script  # the scaling read-out (#32): tokens/s between logged steps
+
+    log, rate = _log(ddp), _script("zoo_curve").training_rate(ddp, skip=1)
+    assert rate["tokens"] == log[-1]["tokens"] - log[1]["tokens"] > 0 and rate["steps"] == 1
+    assert rate["tokens_per_s"] == round(rate["tokens"] / (log[-1]["elapsed"] - log[1]["elapsed"]))
     weaver = ["--d-rank", 32, "--num-heads", 2, "--pool", 16, "--anchors", 16, "--lr", 3e-3, "--max-steps", 3,
               "--log-every", 1, "--no-progress", "--save-every", 0, "--target", tiny / "target", "--data",
               tiny / "data", "--drafter", trained_dflash]
