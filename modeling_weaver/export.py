@@ -410,7 +410,7 @@ HUB_SPECS: dict[str, HubSpec] = {
             dflash=lambda t: DFlashConfig.from_target_config(t, num_hidden_layers=5, block_size=16,
                                                              mask_token_id=None),
             weaver=lambda t, d: WeaverConfig.from_target_config(t, d),
-            card={"status": _CONFIG_ONLY},  # (its license is not checked here: the card asks for it)
+            card={"status": _CONFIG_ONLY, "target_license": "MIT"},
         ),
         HubSpec(
             folder="smollm2-135m-instruct", target_name="HuggingFaceTB/SmolLM2-135M-Instruct",
