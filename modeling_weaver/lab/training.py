@@ -813,7 +813,9 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
         for micro in range(args.grad_accum):
             positions = _batch_positions(step, micro, args.grad_accum, runtime, args.batch_size)
             idx = _batch_indices(positions, len(dataset), args.seed, perms)
-            batch = collate([dataset[i] for i in idx], pad_id).to(runtime.device)
+            batch = collate([dataset[i] for i in idx], pad_id)
+            running["tokens"] += float(batch.lengths.sum())  # (counted on the host, before the copy: no sync)
+            batch = batch.to(runtime.device)
             gen = [torch.Generator().manual_seed(args.seed * 1_000_003 + g) for g in positions]
             sync = micro == args.grad_accum - 1 or not runtime.distributed
             with (contextlib.nullcontext() if sync else wrapper.no_sync()), runtime.autocast():
@@ -821,7 +823,6 @@ def train_loop(args, spec: LoopSpec, dataset: TokenDataset, runtime: Runtime, pa
             (loss / args.grad_accum).backward()
             for k, v in {"loss": float(loss.detach()), **m}.items():
                 running[k] = running.get(k, 0.0) + v / args.grad_accum
-            running["tokens"] += float(batch.lengths.sum())
         running = runtime.mean_over_ranks(running)  # (the loss: the global batch's, each rank holding its share)
         tokens += round(running.pop("tokens") * runtime.world_size)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.clip) if args.clip > 0 else torch.tensor(0.0)
