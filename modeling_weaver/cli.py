@@ -167,8 +167,9 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
                                     "the cache, fetched and converted on first use)")
     p.add_argument("--drafters", help=f"pair folder with dflash/ and weaver/ (default: the shipped SmolLM2 drafters, "
                                       f"{DEFAULT_SHIPPED_DRAFTERS.relative_to(SOURCE_ROOT)}/ in a source checkout)")
-    p.add_argument("--mode", choices=("weaver", "ddtree", "chain"), default="weaver", help="tree policy (default: "
-                                                                                           "weaver)")
+    p.add_argument("--mode", choices=("weaver", "ddtree", "chain"), default=None,
+                   help="tree policy (default: the device's, weaver on CUDA and ddtree on CPU — on a CPU a Weaver "
+                        "build costs more than its extra acceptance brings; BENCHMARKS.md)")
     p.add_argument("--tree-budget", type=tree_budget_value, default=None,
                    help="draft nodes per tree, or 'auto': each step's size chosen from step costs measured once "
                         "(cached) and the drafter's confidence, AR steps included (default: the device's, 8 on CPU "
@@ -324,7 +325,7 @@ def run_demo(args) -> int:
     label = "tiny random target" if args.tiny else "target"
     linears = f", {packed} linears packed" if packed else ""
     budget = args.tree_budget or default_tree_budget(prompts[0].device)
-    print(f"[{label}, {args.mode} trees, budget {budget}{linears}] first prompt and output:\n"
+    print(f"[{label}, {stats.mode} trees, budget {budget}{linears}] first prompt and output:\n"
           f"> {asked}\n{shown}\n")
     ar_rate, spec_rate = ar_tokens / max(ar_time, 1e-9), spec_tokens / max(spec_time, 1e-9)
     hf_rate = hf_tokens / max(hf_time, 1e-9)
@@ -405,10 +406,11 @@ def _add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="repo folder to write")
     p.add_argument("--name", help="repo name in the card (default: the --out folder name)")
     p.add_argument("--mode", choices=("weaver", "ddtree", "chain"), default=None,
-                   help="generation default written to speculative_config.json (default: weaver if a Weaver is "
-                        "given, else ddtree)")
-    p.add_argument("--tree-budget", type=positive_int, default=64,
-                   help="generation default tree budget (default: 64)")
+                   help="generation default written to speculative_config.json (default: none, the device's at "
+                        "generation time: weaver on CUDA when the repo has a Weaver, ddtree on CPU)")
+    p.add_argument("--tree-budget", type=positive_int, default=None,
+                   help="generation default tree budget (default: none, the device's at generation time: 64 on "
+                        "CUDA, 8 on CPU)")
     p.add_argument("--card", help="JSON file of model-card fields (training data/steps, results_table, "
                                   "results_command, licences, ...; see MODEL_CARD.md)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="cast the saved weights")

@@ -163,6 +163,14 @@ def render_card(fields: dict, template: str | None = None) -> str:
     return _FIELD.sub(value, text)
 
 
+def _defaults_line(defaults: dict) -> str:
+    """The card's line for a repo's generation defaults; a missing one is the device's at generation time."""
+    mode, budget = defaults.get("mode"), defaults.get("tree_budget")
+    mode = f'`mode="{mode}"`' if mode else "the device's mode (weaver on CUDA, ddtree on CPU)"
+    budget = f"`tree_budget={budget}`" if budget else "the device's budget (64 on CUDA, 8 on CPU)"
+    return f"{mode}, {budget}"
+
+
 def _card_fields(name, target_name, target_config, dflash_config, weaver_config, defaults, extra) -> dict:
     fields = {
         "repo_name": name,
@@ -172,8 +180,8 @@ def _card_fields(name, target_name, target_config, dflash_config, weaver_config,
         "dflash_shape": _shape_line(dflash_config),
         "weaver_shape": _shape_line(weaver_config) if weaver_config is not None else "none (DFlash only)",
         "block_size": dflash_config.block_size,
-        "mode": defaults.get("mode"),
-        "tree_budget": defaults.get("tree_budget"),
+        "generation_defaults": _defaults_line(defaults),
+        "tree_budget": defaults.get("tree_budget") or 64,  # (the card's example runs on CUDA)
         "license": "apache-2.0",
         "extra_limitations": "",
     }
@@ -213,14 +221,17 @@ def _write_repo(out: Path, *, name: str, target_name: str, target_config, dflash
 
 
 def export_pair(out, drafter: DFlashDraftModel, weaver: WeaverModel | None = None, *, target_config,
-                target_name: str, name: str | None = None, mode: str | None = None, tree_budget: int = 64,
+                target_name: str, name: str | None = None, mode: str | None = None, tree_budget: int | None = None,
                 card: dict | None = None, dtype=None, overwrite: bool = False, inputs=()) -> Path:
     """Assemble a complete Hub repo folder from trained models: weights, configs, code, ``custom_generate/``,
     ``speculative_config.json`` and the model card (fields not given in ``card`` are left as marked placeholders).
 
     Args:
         out: the repo folder to write (must not exist unless ``overwrite``).
-        drafter, weaver: trained models (``weaver=None`` exports a DFlash-only repo; default mode "ddtree").
+        drafter, weaver: trained models (``weaver=None`` exports a DFlash-only repo).
+        mode, tree_budget: the generation defaults written to ``speculative_config.json``; None: the device's at
+            generation time (:func:`~modeling_weaver.tree.default_tree_mode`,
+            :func:`~modeling_weaver.tree.default_tree_budget`: Weaver trees of 64 on CUDA, DDTree of 8 on a CPU).
         target_config: the target's config (checked with :func:`check_pair` before anything is written).
         target_name: Hub id of the target, e.g. ``"Qwen/Qwen3.6-27B"``.
         card: model-card fields (see ``MODEL_CARD.md``): training data / steps, ``results_table``,
@@ -230,11 +241,13 @@ def export_pair(out, drafter: DFlashDraftModel, weaver: WeaverModel | None = Non
         inputs: paths the models were read from; ``out`` must not overlap them.
     """
     out = Path(out)
-    mode = mode or ("weaver" if weaver is not None else "ddtree")
+    if mode is not None and mode not in ("weaver", "ddtree", "chain"):
+        raise ValueError(f'mode must be "weaver", "ddtree", "chain" or None (the device\'s), got {mode!r}')
     if mode == "weaver" and weaver is None:
         raise ValueError('mode="weaver" needs a Weaver; export one or choose mode="ddtree"/"chain"')
-    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or tree_budget < 1:
-        raise ValueError(f"tree_budget must be a whole number >= 1, got {tree_budget!r}")
+    if tree_budget is not None and (isinstance(tree_budget, bool) or not isinstance(tree_budget, int)
+                                    or tree_budget < 1):
+        raise ValueError(f"tree_budget must be a whole number >= 1 or None (the device's), got {tree_budget!r}")
 
     def saver(model):
         def save(folder: Path):

@@ -18,7 +18,7 @@ from .decoding.drafting import DFlashRunner
 from .decoding.loop import PHASES, TARGET_STEPS, PhaseTimer, SpeculativeStats, _decode
 from .options import BudgetPolicy, StepOptions, TreePolicy
 from .packed import generation_packing
-from .tree import default_tree_budget
+from .tree import default_tree_budget, default_tree_mode
 from .validation import (LENGTH_PROCESSORS, MODES, REFUSED, ROW_WISE_PROCESSORS, VERIFICATIONS, check_call,
                          check_processors, check_room, check_settings, prepare_settings, refuse)
 
@@ -29,7 +29,7 @@ def speculative_generate(
     *,
     drafter,
     weaver=None,
-    mode: str = "weaver",
+    mode: str | None = None,
     tree_budget: int | str | None = None,
     max_new_tokens: int | None = None,
     do_sample: bool = False,
@@ -60,7 +60,9 @@ def speculative_generate(
         drafter: :class:`~modeling_weaver.modeling_dflash.DFlashDraftModel` trained for this target.
         weaver: :class:`~modeling_weaver.modeling_weaver.WeaverModel`; required for ``mode="weaver"``.
         mode: ``"weaver"`` (Weaver best-first tree), ``"ddtree"`` (best-first over DFlash marginals) or
-            ``"chain"`` (plain DFlash).
+            ``"chain"`` (plain DFlash); default :func:`~modeling_weaver.tree.default_tree_mode`: ``"weaver"`` on
+            accelerators when ``weaver`` is given, else ``"ddtree"`` (on a CPU a Weaver build costs more than it
+            brings; ``stats.mode`` says which ran). Every mode gives the same tokens.
         tree_budget: draft nodes per tree (the root/bonus token is extra), at most
             :func:`~modeling_weaver.tree.max_tree_budget`; default :func:`~modeling_weaver.tree.default_tree_budget`
             (8 on CPU, 64 elsewhere); or ``"auto"``: each step verifies the size that maximises expected tokens per second, AR steps included, from step costs measured once and
@@ -91,6 +93,7 @@ def speculative_generate(
         ``[1, T + new]`` token ids, and a :class:`SpeculativeStats` when ``return_stats=True``.
     """
     tree_budget = _budget_or_default(tree_budget, input_ids)
+    mode = _mode_or_default(mode, weaver, input_ids)
     check_call(target, input_ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=tree_budget,
                verification=verification, do_sample=do_sample, temperature=temperature, eos_token_id=eos_token_id,
                attention_mask=generation_kwargs.pop("attention_mask", None), max_new_tokens=max_new_tokens)
@@ -124,7 +127,7 @@ def generate(
     streamer=None,
     drafter=None,
     weaver=None,
-    mode: str = "weaver",
+    mode: str | None = None,
     tree_budget: int | str | None = None,
     verification: str | None = None,
     tree_streamer=None,
@@ -136,7 +139,7 @@ def generate(
 ):
     """``target.generate(input_ids, custom_generate=generate, drafter=..., weaver=..., mode=..., tree_budget=...)``.
 
-    ``tree_budget`` (``"auto"`` too), ``target_step``, ``tree_policy``, ``step_options``, ``budget_policy`` as in
+    ``mode`` (default: the device's), ``tree_budget`` (``"auto"`` too), ``target_step``, ``tree_policy``, ``step_options``, ``budget_policy`` as in
     :func:`speculative_generate` (``"graph"``: CUDA-graph steps on CUDA).
 
     transformers has already prepared ``generation_config`` and built the processors and stopping criteria this loop
@@ -151,6 +154,7 @@ def generate(
     check_settings(generation_config, assistant_model=model_kwargs.get("assistant_model"))
     do_sample = bool(generation_config.do_sample)
     tree_budget = _budget_or_default(tree_budget, input_ids)
+    mode = _mode_or_default(mode, weaver, input_ids)
     check_call(model, input_ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=tree_budget,
                verification=verification, do_sample=do_sample, attention_mask=model_kwargs.get("attention_mask"))
     check_processors(logits_processor)
@@ -178,11 +182,17 @@ def _budget_or_default(tree_budget, input_ids):
     return default_tree_budget(getattr(input_ids, "device", "cpu")) if tree_budget is None else tree_budget
 
 
+def _mode_or_default(mode, weaver, input_ids):
+    """The device's default tree mode when none is given (a Weaver given on a CPU is then left unused)."""
+    return default_tree_mode(getattr(input_ids, "device", "cpu"), weaver) if mode is None else mode
+
+
 def _run(target, input_ids: torch.Tensor, *, drafter, weaver, step_options: StepOptions | None, target_step: str,
          **loop):
     """What both entry points run once the call is checked: the DFlash runner and the loop, with the models' linears
     packed for the generation where the device gains from it."""
     options = step_options or StepOptions()
+    weaver = weaver if loop["mode"] == "weaver" else None  # (other trees never call it: nothing of it to pack)
     models = [m for m in (target, drafter, weaver) if m is not None]
     with generation_packing(options, input_ids.device, models, target_step):
         return _decode(target, input_ids[0], runner=DFlashRunner(drafter, target, options), weaver=weaver,

@@ -516,6 +516,13 @@ def default_tree_budget(device) -> int:
     return 8 if torch.device(device).type == "cpu" else 64
 
 
+def default_tree_mode(device, weaver=None) -> str:
+    """The tree mode a generation on ``device`` uses when none is given: Weaver trees on accelerators when a Weaver is
+    given, DDTree otherwise. On a CPU a Weaver build is some hundred small ops (~10 ms on two cores against ~1 ms for
+    DDTree's), more than its extra acceptance brings at the budgets a CPU verifies (BENCHMARKS.md)."""
+    return "weaver" if weaver is not None and torch.device(device).type != "cpu" else "ddtree"
+
+
 def max_tree_budget(target, device=None) -> int:
     """The largest ``tree_budget`` a step of ``target`` takes on ``device`` (default: the target's).
 

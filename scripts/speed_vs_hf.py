@@ -3,7 +3,7 @@
 pair (or each --pair, side by side in one run): tokens/s of each per prompt, identical output checked (issue #28's
 comparison; CPU by default).
 
-    PYTHONPATH=$PWD:$PWD/kernels python scripts/speed_vs_hf.py --per-dataset 4 --max-new-tokens 128 --mode weaver
+    PYTHONPATH=$PWD:$PWD/kernels python scripts/speed_vs_hf.py --per-dataset 4 --max-new-tokens 128 --mode weaver --mode ddtree
 """
 
 import argparse
@@ -23,7 +23,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--per-dataset", type=int, default=8, help="first N MT-Bench and N HumanEval prompts")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--mode", default="weaver", choices=("weaver", "ddtree", "chain"))
+    ap.add_argument("--mode", action="append", default=None, choices=("weaver", "ddtree", "chain"),
+                    help="tree mode (repeat to compare; default: weaver)")
     ap.add_argument("--dtype", default="float32", help="of the target, drafter and Weaver")
     ap.add_argument("--pair", action="append", default=None, metavar="DIR",
                     help="a folder with dflash/ and weaver/ (repeat to compare; default: the shipped pair)")
@@ -41,19 +42,21 @@ def main() -> None:
     models = {folder: tuple(AutoModel.from_pretrained(f"{folder}/{part}", trust_remote_code=True, dtype=dtype)
                             for part in ("dflash", "weaver"))
               for folder in args.pair or [str(DEFAULT_SHIPPED_DRAFTERS)]}
-    rounds = args.spine_rounds or [None]
-    runs = {(folder, budget, r): pair for folder, pair in models.items() for budget in budgets for r in rounds}
+    rounds, modes = args.spine_rounds or [None], args.mode or ["weaver"]
+    runs = {(folder, budget, r, mode): pair for folder, pair in models.items() for budget in budgets for r in rounds
+            for mode in modes}
     policy = {r: None if r is None else TreePolicy(spine_rounds=r) for r in rounds}
     sizing = {b: BudgetPolicy(max_size=args.auto_max_size) if b == "auto" and args.auto_max_size else None
               for b in budgets}
     warm = torch.tensor([chat_prompt_ids(tokenizer, "Hello")])  # one-time costs (packing, calibration) untimed
     target.generate(warm, max_new_tokens=4, do_sample=False)
-    for (folder, budget, r), (drafter, weaver) in runs.items():
-        speculative_generate(target, warm, drafter=drafter, weaver=weaver, mode=args.mode, tree_budget=budget,
+    for (folder, budget, r, mode), (drafter, weaver) in runs.items():
+        speculative_generate(target, warm, drafter=drafter, weaver=weaver, mode=mode, tree_budget=budget,
                              tree_policy=policy[r], budget_policy=sizing[budget], max_new_tokens=4)
     names = {run: " ".join(x for x in (run[0] if len(models) > 1 else "",
                                        f"budget {run[1]}" if len(budgets) > 1 else "",
-                                       f"rounds {run[2]}" if len(rounds) > 1 else "") if x) for run in runs}
+                                       f"rounds {run[2]}" if len(rounds) > 1 else "",
+                                       run[3] if len(modes) > 1 else "") if x) for run in runs}
     ratios = {run: [] for run in runs}
     hf_total, ours_total = 0.0, dict.fromkeys(runs, 0.0)
     for dataset, items in load_eval_prompts().items():
@@ -67,7 +70,7 @@ def main() -> None:
             line = f"{dataset} {p.id}: {n} tokens, HF {n / hf:.2f} tok/s"
             for run, (drafter, weaver) in runs.items():
                 start = time.perf_counter()
-                out, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=args.mode,
+                out, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=run[3],
                                                   tree_budget=run[1], tree_policy=policy[run[2]],
                                                   budget_policy=sizing[run[1]],
                                                   max_new_tokens=args.max_new_tokens,

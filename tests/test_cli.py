@@ -133,8 +133,10 @@ def test_convert_zlab_and_weaver_then_export(tmp_path, capsys):
     assert code == 0, err
     assert "[TO FILL]" in out  # the unfinished card is pointed out
     spec = json.loads((tmp_path / "repo" / "speculative_config.json").read_text())
-    assert spec["target_model"] == "tiny/qwen3" and spec["generation_defaults"] == {"mode": "weaver",
-                                                                                   "tree_budget": 64}
+    # no --mode / --tree-budget: none written, the device's defaults apply at generation time
+    assert spec["target_model"] == "tiny/qwen3" and spec["generation_defaults"] == {"mode": None,
+                                                                                   "tree_budget": None}
+    assert "the device's mode (weaver on CUDA, ddtree on CPU)" in (tmp_path / "repo" / "README.md").read_text()
     assert "weaver bench --subset 4" in (tmp_path / "repo" / "README.md").read_text()
 
 

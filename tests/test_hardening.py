@@ -80,6 +80,32 @@ def test_tree_budget_defaults_to_the_devices(models, monkeypatch):
     assert seen == [8, 8]
 
 
+def test_tree_mode_defaults_to_the_devices(models, monkeypatch):
+    """No mode given: Weaver trees on accelerators when a Weaver is given, DDTree otherwise (on a CPU always); the
+    stats say which ran, and a given mode is kept. Every mode gives the AR tokens."""
+    from modeling_weaver.decoding import loop
+    from modeling_weaver.tree import default_tree_mode
+
+    cuda = torch.device("cuda", 0)
+    assert default_tree_mode("cpu", weaver=object()) == default_tree_mode("cpu") == "ddtree"
+    assert default_tree_mode(cuda, weaver=object()) == "weaver" and default_tree_mode(cuda) == "ddtree"
+    seen = []
+    real = loop.plan_steps
+    monkeypatch.setattr(loop, "plan_steps", lambda *a, **k: seen.append((k["mode"], k["weaver"])) or real(*a, **k))
+    target, drafter, weaver = models
+    expected = target.generate(IDS, max_new_tokens=6, do_sample=False)
+    got, stats = speculative_generate(target, IDS, drafter=drafter, weaver=weaver, max_new_tokens=6,
+                                      return_stats=True)
+    assert torch.equal(got, expected) and stats.mode == "ddtree"
+    via = target.generate(IDS, custom_generate=generate, drafter=drafter, weaver=weaver, max_new_tokens=6)
+    assert torch.equal(via, expected)
+    got, stats = speculative_generate(target, IDS, drafter=drafter, weaver=weaver, mode="weaver", max_new_tokens=6,
+                                      return_stats=True)
+    assert torch.equal(got, expected) and stats.mode == "weaver"
+    # (a DDTree generation is not handed the Weaver: nothing of it is packed or called)
+    assert seen == [("ddtree", None), ("ddtree", None), ("weaver", weaver)]
+
+
 def test_sampling_without_temperature(models):
     message = raises(TypeError, "temperature", spec, models, do_sample=True, temperature=None)
     assert "do_sample" in message

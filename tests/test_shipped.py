@@ -37,7 +37,7 @@ def test_shipped_pair_matches_smollm2_and_is_small():
     check_pair(HUB_SPECS["smollm2-135m-instruct"].target(), drafter.config, weaver.config)
     spec = json.loads((SHIPPED / "speculative_config.json").read_text())
     assert spec["target_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    assert spec["generation_defaults"] == {"mode": "weaver", "tree_budget": 16}
+    assert spec["generation_defaults"] == {"mode": None, "tree_budget": None}  # (the device's at generation time)
     size = sum(f.stat().st_size for f in SHIPPED.rglob("*.safetensors"))
     assert size < 40 * 2**20, size
     assert "[TO FILL" not in (SHIPPED / "README.md").read_text()

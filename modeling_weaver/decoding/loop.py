@@ -39,6 +39,7 @@ class SpeculativeStats:
     accepted_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
     num_new_tokens: int = 0
+    mode: str = ""  # the tree mode that ran ("weaver", "ddtree" or "chain")
     phase_ms: dict[str, float] = field(default_factory=dict)  # summed over steps, when timed (PhaseTimer)
     calibration: dict | None = None  # tree_budget="auto": the costs, candidate sizes and final depth factors used
 
@@ -306,7 +307,7 @@ def _decode(target, prompt: torch.Tensor, *, runner, weaver, mode: str, tree_bud
         tree_budget = max(sizes)
     elif budget_policy is not None:
         raise ValueError(f'budget_policy applies to tree_budget="auto" only, got tree_budget={tree_budget!r}')
-    stats, out = SpeculativeStats(), _Output(prompt, max_new_tokens, stopping_criteria, streamer)
+    stats, out = SpeculativeStats(mode=mode), _Output(prompt, max_new_tokens, stopping_criteria, streamer)
     scores = Scores(processors, do_sample, out)
     max_length = prompt.shape[0] + max_new_tokens + tree_budget + 2
     # (every capture of a generation happens inside: its verify, fused and bucketed steps, and the calibration's)
