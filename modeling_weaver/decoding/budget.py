@@ -11,7 +11,7 @@
   ``r_d = min(r_{d-1}, c_d · Σ_{nodes of depth d} exp(path log q))`` (``r_0 = 1``): the chance to reach depth d,
   where ``c_d`` corrects the scores (which are not acceptance probabilities) by the decayed ratio of observed to
   predicted reach at that depth.
-- **Policy** (:func:`pick_size`, :func:`pick_drafted`, :class:`AutoBudget`): the size maximising expected length /
+- **Policy** (:func:`steady_rates`, :func:`pick_size`, :func:`pick_drafted`, :class:`AutoBudget`): the size maximising expected length /
   step time, or 0 (AR: the next steps do not draft until the next look at the drafter, their number doubling while
   AR keeps winning, in units of a draft's time in AR steps). The tree already drafted in a step is then cut to the
   prefix worth most beyond its verify time at that best rate, which may be the root alone.
@@ -127,23 +127,25 @@ def expected_lengths(nodes: list[tuple[int, int, float]], sizes, factors: list[f
 # ----------------------------------------------------------------------------------------------------------- policy
 
 
-def pick_size(sizes, lengths: list[float], costs: CostTable, available: int | None = None) -> int:
-    """The size in ``sizes`` with the most expected tokens per ms (the smaller among equals); a size past the
+def steady_rates(sizes, lengths: list[float], costs: CostTable, available: int | None = None) -> list[float]:
+    """Expected tokens per ms of each size in ``sizes`` as a steady choice (draft time included); a size past the
     ``available`` nodes costs what that many do."""
-    best, best_rate = sizes[0], -1.0
-    for k, length in zip(sizes, lengths):
-        rate = length / costs.step_ms(k if available is None else min(k, available))
-        if rate > best_rate:
-            best, best_rate = k, rate
-    return best
+    return [length / costs.step_ms(k if available is None else min(k, available)) for k, length in zip(sizes, lengths)]
 
 
-def pick_drafted(sizes, lengths: list[float], costs: CostTable, available: int | None = None) -> int:
+def pick_size(sizes, lengths: list[float], costs: CostTable, available: int | None = None) -> int:
+    """The size in ``sizes`` (ascending) with the most expected tokens per ms (the smaller among equals)."""
+    rates = steady_rates(sizes, lengths, costs, available)
+    return sizes[rates.index(max(rates))]
+
+
+def pick_drafted(sizes, lengths: list[float], costs: CostTable, available: int | None = None,
+                 rate: float | None = None) -> int:
     """The size to verify once the tree is drafted (its draft time spent): the most expected tokens beyond what the
-    verify's time would give at the best steady rate (:func:`pick_size`'s, draft time included), so that a tree
-    worth less than drafting it can still be worth verifying rather than thrown away for an AR step."""
+    verify's time would give at the best steady ``rate`` (default: :func:`steady_rates`' best), so that a tree worth
+    less than drafting it can still be worth verifying rather than thrown away for an AR step."""
     clamp = (lambda k: k) if available is None else (lambda k: min(k, available))  # noqa: E731
-    rate = max(length / costs.step_ms(clamp(k)) for k, length in zip(sizes, lengths))
+    rate = max(steady_rates(sizes, lengths, costs, available)) if rate is None else rate
     return -max((length - rate * costs.verify(clamp(k)), -k) for k, length in zip(sizes, lengths))[1]
 
 
@@ -187,14 +189,16 @@ class AutoBudget:
         draft follows the steady rule (draft time counted); what this step verifies, the drafted one (it is spent)."""
         nodes = best_first(tree.parents.tolist(), tree.logq.tolist())
         lengths = expected_lengths(nodes, self.sizes, self.factors())
-        if pick_size(self.sizes, lengths, self.costs, len(nodes)) == 0:
+        rates = steady_rates(self.sizes, lengths, self.costs, len(nodes))
+        best = max(rates)
+        if self.sizes[rates.index(best)] == 0:
             # AR wins: a few more AR steps without drafting, more while it keeps winning
             self.backoff = min(max(1, 2 * self.backoff), self.policy.max_backoff)
             # (in units of a draft's time in AR steps: a probe then costs at most 1 / backoff of the AR time)
             self.skip = self.backoff * max(1, round(self.costs.propose_ms / self.costs.step_ms(0)))
         else:
             self.backoff = 0
-        size = pick_drafted(self.sizes, lengths, self.costs, len(nodes))
+        size = pick_drafted(self.sizes, lengths, self.costs, len(nodes), rate=best)
         if size == 0:
             self.reach = None
             return subtree(tree, [])
@@ -376,4 +380,4 @@ def step_costs(target, runner, weaver, mode: str, sizes: tuple[int, ...], tree_p
 
 
 __all__ = ["AutoBudget", "CostTable", "best_first", "candidate_sizes", "expected_length", "expected_lengths",
-           "measure_costs", "pick_drafted", "pick_size", "reach_sums", "step_costs"]
+           "measure_costs", "pick_drafted", "pick_size", "reach_sums", "steady_rates", "step_costs"]
