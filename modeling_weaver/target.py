@@ -284,6 +284,13 @@ class TreeOutput:
     features: torch.Tensor | None
 
 
+def compact_rows(buffers, rows: torch.Tensor, dst: torch.Tensor) -> None:
+    """An attention cache's commit: the accepted tree rows ``rows`` of each ``[1, heads, L, D]`` buffer moved to ``dst``
+    (both ``[P]``; rows past the path are scratch)."""
+    for buffer in buffers:
+        buffer.index_copy_(2, dst, buffer.index_select(2, rows))
+
+
 class AttentionLayerCache:
     """Committed K/V of one attention layer, and tree attention over prefix + ancestor-or-self.
 
@@ -343,9 +350,7 @@ class AttentionLayerCache:
         return attn.o_proj(out)
 
     def commit(self, rows: torch.Tensor, dst: torch.Tensor):
-        """Compact the accepted tree rows ``rows`` to ``dst`` (both ``[P]``; rows past the path are scratch)."""
-        for cache in (self.keys, self.values):
-            cache.index_copy_(2, dst, cache.index_select(2, rows))
+        compact_rows((self.keys, self.values), rows, dst)
 
 
 class GatedDeltaNetLayerCache:
@@ -567,8 +572,7 @@ class LatentAttentionLayerCache:
         return attn.o_proj(o.reshape(1, N, H * self.v_dim))
 
     def commit(self, rows: torch.Tensor, dst: torch.Tensor):
-        """Compact the accepted tree rows ``rows`` to ``dst`` (both ``[P]``; rows past the path are scratch)."""
-        self.latent.index_copy_(2, dst, self.latent.index_select(2, rows))
+        compact_rows((self.latent,), rows, dst)
 
 
 # the layers whose committed state is a recurrent state and conv window (advanced along a path, not compacted)

@@ -297,8 +297,7 @@ def grow_drafter(drafter: DFlashDraftModel, num_layers: int, target) -> DFlashDr
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else target.model
     if len(decoder.layers) < num_layers:
         raise ValueError(f"--num-layers {num_layers}: the target has only {len(decoder.layers)} layers to start from")
-    head = copy.deepcopy(grown)  # a donor of the new layers' shapes, started from the target's last num_layers
-    init_from_target_layers(head, target)
+    init_from_target_layers(grown, target)  # (the new first layers keep this start; the others take the drafter's)
     mine = grown.state_dict()
     for name, value in drafter.state_dict().items():
         if name.startswith("layers."):
@@ -306,8 +305,8 @@ def grow_drafter(drafter: DFlashDraftModel, num_layers: int, target) -> DFlashDr
             name = f"layers.{int(index) + extra}.{rest}"
         mine[name] = value
     for i in range(extra):
-        for name, value in head.layers[i].state_dict().items():
-            mine[f"layers.{i}.{name}"] = torch.zeros_like(value) if name in _RESIDUAL_OUTPUTS else value
+        for name in _RESIDUAL_OUTPUTS:
+            mine[f"layers.{i}.{name}"] = torch.zeros_like(mine[f"layers.{i}.{name}"])
     grown.load_state_dict(mine)
     return grown
 
