@@ -65,8 +65,9 @@ def speculative_generate(
             brings; ``stats.mode`` says which ran). Every mode gives the same tokens.
         tree_budget: draft nodes per tree (the root/bonus token is extra), at most
             :func:`~modeling_weaver.tree.max_tree_budget`; default :func:`~modeling_weaver.tree.default_tree_budget`
-            (8 on CPU, 64 elsewhere); or ``"auto"``: each step verifies the size that maximises expected tokens per second, AR steps included, from step costs measured once and
-            cached and the drafter's confidence (docs/DESIGN.md §12; ``stats.size_histogram``, ``stats.calibration``).
+            (8 on CPU, 64 elsewhere); or ``"auto"``: each step verifies the size that maximises expected tokens per
+            second, AR steps included, from step costs measured once and cached and the drafter's confidence
+            (docs/DESIGN.md §12; ``stats.size_histogram``, ``stats.calibration``).
         max_new_tokens: default: ``generation_config``'s ``max_new_tokens`` or ``max_length``, else 128.
         do_sample, temperature, top_k, top_p: this function's own (greedy unless ``do_sample``; they override
             ``generation_config``'s); the values are checked as transformers' warpers check them.
@@ -139,8 +140,8 @@ def generate(
 ):
     """``target.generate(input_ids, custom_generate=generate, drafter=..., weaver=..., mode=..., tree_budget=...)``.
 
-    ``mode`` (default: the device's), ``tree_budget`` (``"auto"`` too), ``target_step``, ``tree_policy``, ``step_options``, ``budget_policy`` as in
-    :func:`speculative_generate` (``"graph"``: CUDA-graph steps on CUDA).
+    ``mode`` (default: the device's), ``tree_budget`` (``"auto"`` too), ``target_step``, ``tree_policy``,
+    ``step_options``, ``budget_policy`` as in :func:`speculative_generate` (``"graph"``: CUDA-graph steps on CUDA).
 
     transformers has already prepared ``generation_config`` and built the processors and stopping criteria this loop
     honours (length-only processors such as ``min_new_tokens`` per tree node); the settings of :data:`REFUSED` raise.

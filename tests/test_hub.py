@@ -553,7 +553,7 @@ def test_export_writes_a_complete_repo(exported):
                     target_name="x")
 
 
-def test_custom_generate_folder_matches_speculative_generate(exported):
+def test_custom_generate_folder_matches_speculative_generate(exported, monkeypatch):
     target, drafter, weaver, out = exported
     ids = prompts()[1]
     expected = reference(target, ids, 20)
@@ -564,12 +564,17 @@ def test_custom_generate_folder_matches_speculative_generate(exported):
                                   weaver=weaver, mode=mode, tree_budget=10, max_new_tokens=20, do_sample=False)
         assert torch.equal(via_hub, direct) and torch.equal(direct, expected), mode
     # drafters given as the repo folder: loaded from dflash/ and weaver/, generation defaults from
-    # speculative_config.json (mode "weaver", tree_budget 16)
-    direct, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="weaver", tree_budget=16,
-                                         max_new_tokens=20, return_stats=True)
+    # speculative_config.json (tree_budget 16; no mode written: the device's, DDTree on a CPU)
+    from modeling_weaver.decoding import loop
+
+    direct = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="ddtree", tree_budget=16,
+                                  max_new_tokens=20)
+    seen, real = [], loop.plan_steps
+    monkeypatch.setattr(loop, "plan_steps", lambda *a, **k: seen.append((k["mode"], k["tree_budget"])) or real(*a, **k))
     by_path = target.generate(ids, custom_generate=str(out), trust_remote_code=True, drafter=str(out),
                               weaver=str(out), max_new_tokens=20, do_sample=False)
-    assert torch.equal(by_path, direct)
+    monkeypatch.setattr(loop, "plan_steps", real)
+    assert torch.equal(by_path, direct) and seen == [("ddtree", 16)]
     # the source checkout itself is a custom_generate repo (top-level custom_generate/)
     at_root = target.generate(ids, custom_generate=str(ROOT), trust_remote_code=True, drafter=drafter,
                               weaver=weaver, mode="chain", max_new_tokens=20, do_sample=False)

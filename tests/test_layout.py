@@ -1,4 +1,4 @@
-"""The package's layout: the core imports without the lab, and the core's imports form no cycle.
+"""The package's layout: the core imports without the lab, the core's imports form no cycle, the loop stays short.
 
 Core: every module in ``modeling_weaver/`` but the lab (the ``decoding/`` package included). Lab:
 ``modeling_weaver/lab/`` (replay, benchmark, training, data, the SmolLM2 fetch); it imports the core, the core never
@@ -168,3 +168,12 @@ def test_lab_module_level_imports_have_no_cycles():
     top, _ = import_edges()
     graph = {m: {n for n in top[m] if n.startswith(f"{LAB}.")} for m in top if m.startswith(f"{LAB}.")}
     assert _cycle(graph) is None, f"module-level import cycle in the lab: {' -> '.join(_cycle(graph))}"
+
+
+def test_the_loop_stays_short():
+    """One step read top to bottom: ``_decode`` (signature, docstring and body) stays within 50 lines; setup that
+    grows belongs in the factory (``plan_steps``) or a helper."""
+    tree = ast.parse((ROOT / "modeling_weaver" / "decoding" / "loop.py").read_text())
+    (decode,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_decode"]
+    first = min([decode.lineno, *(d.lineno for d in decode.decorator_list)])
+    assert decode.end_lineno - first + 1 <= 50, decode.end_lineno - first + 1

@@ -11,10 +11,10 @@
   ``r_d = min(r_{d-1}, c_d · Σ_{nodes of depth d} exp(path log q))`` (``r_0 = 1``): the chance to reach depth d,
   where ``c_d`` corrects the scores (which are not acceptance probabilities) by the decayed ratio of observed to
   predicted reach at that depth.
-- **Policy** (:func:`steady_rates`, :func:`pick_size`, :func:`pick_drafted`, :class:`AutoBudget`): the size maximising expected length /
-  step time, or 0 (AR: the next steps do not draft until the next look at the drafter, their number doubling while
-  AR keeps winning, in units of a draft's time in AR steps). The tree already drafted in a step is then cut to the
-  prefix worth most beyond its verify time at that best rate, which may be the root alone.
+- **Policy** (:func:`steady_rates`, :func:`pick_size`, :func:`pick_drafted`, :class:`AutoBudget`): the size maximising
+  expected length / step time, or 0 (AR: the next steps do not draft until the next look at the drafter, their number
+  doubling while AR keeps winning, in units of a draft's time in AR steps). The tree already drafted in a step is then
+  cut to the prefix worth most beyond its verify time at that best rate, which may be the root alone.
 
 Any tree a step verifies is a function of what was committed before it, so every acceptance rule stays lossless.
 """

@@ -287,6 +287,18 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
     return Plan(verifier, SplitSteps(proposer, verifier, rule, scores, timed, sizer), sizer)
 
 
+def auto_sizes(tree_budget: int | str, policy: BudgetPolicy | None, target, device):
+    """``(budget, policy, sizes)``: for ``tree_budget="auto"`` the largest candidate size, the policy (default
+    :class:`~modeling_weaver.options.BudgetPolicy`) and its candidate sizes; else the budget as given, no policy."""
+    if tree_budget == "auto":
+        policy = policy or BudgetPolicy()
+        sizes = candidate_sizes(policy, target, device)
+        return max(sizes), policy, sizes
+    if policy is not None:
+        raise ValueError(f'budget_policy applies to tree_budget="auto" only, got tree_budget={tree_budget!r}')
+    return tree_budget, None, ()
+
+
 @torch.no_grad()
 def _decode(target, prompt: torch.Tensor, *, runner, weaver, mode: str, tree_budget: int | str, max_new_tokens: int,
             processors: LogitsProcessorList, do_sample: bool, verification: str | None,
@@ -300,13 +312,7 @@ def _decode(target, prompt: torch.Tensor, *, runner, weaver, mode: str, tree_bud
     each step's size as ``budget_policy`` (default :class:`~modeling_weaver.options.BudgetPolicy`) says."""
     if target_step not in TARGET_STEPS:
         raise ValueError(f"target_step must be one of {TARGET_STEPS}, got {target_step!r}")
-    sizes: tuple[int, ...] = ()
-    if tree_budget == "auto":
-        budget_policy = budget_policy or BudgetPolicy()
-        sizes = candidate_sizes(budget_policy, target, prompt.device)
-        tree_budget = max(sizes)
-    elif budget_policy is not None:
-        raise ValueError(f'budget_policy applies to tree_budget="auto" only, got tree_budget={tree_budget!r}')
+    tree_budget, budget_policy, sizes = auto_sizes(tree_budget, budget_policy, target, prompt.device)
     stats, out = SpeculativeStats(mode=mode), _Output(prompt, max_new_tokens, stopping_criteria, streamer)
     scores = Scores(processors, do_sample, out)
     max_length = prompt.shape[0] + max_new_tokens + tree_budget + 2
