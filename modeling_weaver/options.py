@@ -95,7 +95,8 @@ class BudgetPolicy:
     """How ``tree_budget="auto"`` picks each step's tree size (docs/DESIGN.md §12).
 
     Attributes:
-        sizes: the candidate draft counts; 0 is a plain AR step (no speculation). Capped by ``max_size``.
+        sizes: the candidate draft counts whose costs are measured; 0 is a plain AR step (no speculation). Capped by
+            ``max_size``. Eager steps choose among every count up to the largest (``every_size``).
         max_size: the largest tree built each step, then cut to the chosen size (None: 64 on CUDA, 8 elsewhere —
             every drafting step builds this tree, and on a CPU building and verifying more than 8 drafts costs more
             than their extra acceptance brings, BENCHMARKS.md; at most :func:`~modeling_weaver.tree.max_tree_budget`).
@@ -111,6 +112,8 @@ class BudgetPolicy:
         cache_dir: the folder of the cached tables (None: ``$MODELING_WEAVER_CACHE`` or ``~/.cache/modeling_weaver``).
         calibration_context: committed tokens under the calibration's steps (their attention reads them).
         calibration_reps: timed repetitions per measurement (the median is kept), after one warm-up.
+        every_size: choose among every draft count up to the largest candidate, their costs interpolated between the
+            measured sizes (None: on eager steps, which verify any size; fixed-shape steps keep to their buckets).
     """
 
     sizes: tuple[int, ...] = (0, 4, 8, 16, 32, 64)
@@ -122,6 +125,15 @@ class BudgetPolicy:
     cache_dir: str | None = None
     calibration_context: int = 128
     calibration_reps: int = 5
+    every_size: bool | None = None
+
+    def choices(self, sizes: tuple[int, ...], target_step: str) -> tuple[int, ...]:
+        """The sizes a generation of ``target_step`` chooses among, from the measured candidate ``sizes``."""
+        every = target_step == "eager" if self.every_size is None else self.every_size
+        if not every or not any(sizes):
+            return sizes
+        low = 1 if 0 in sizes else min(s for s in sizes if s)  # (below the least measured size nothing is cheaper)
+        return tuple(sorted({s for s in sizes if s == 0} | set(range(low, max(sizes) + 1))))
 
     def max_size_on(self, device) -> int:
         """The largest candidate size on ``device`` before the target's own bound."""

@@ -113,6 +113,27 @@ def test_expected_length_formula():
     # factors scale each depth's reach, capped by the depth above
     assert expected_length(reach_sums(nodes), [1.0, 0.5, 4.0, 1.0]) == pytest.approx(1 + 0.5 + 0.5 + 0.25)
     assert expected_lengths(nodes, (0, 1, 6), [1.0] * 4) == pytest.approx([1.0, 1.5, 2.75])
+    # (built up node by node for all sizes at once: the same as each prefix on its own, in any order of sizes)
+    factors = [1.0, 0.5, 4.0, 1.0]
+    sizes = (6, 0, 3, 2, 9, 3)
+    assert expected_lengths(nodes, sizes, factors) == [
+        expected_length(reach_sums(nodes[:k]), factors) if k else 1.0 for k in sizes]
+
+
+def test_eager_steps_choose_among_every_size():
+    """Eager steps verify any size, so auto chooses among every draft count up to the largest (costs interpolated);
+    fixed-shape steps keep to their buckets; ``every_size`` overrides either way."""
+    policy = BudgetPolicy()
+    assert policy.choices((0, 4, 8), "eager") == tuple(range(9))
+    assert policy.choices((0, 4, 8), "graph") == policy.choices((0, 4, 8), "static") == (0, 4, 8)
+    assert policy.choices((4, 8), "eager") == (4, 5, 6, 7, 8)  # (no AR measured: nothing below the least size)
+    assert BudgetPolicy(every_size=False).choices((0, 4, 8), "eager") == (0, 4, 8)
+    assert BudgetPolicy(every_size=True).choices((0, 4), "graph") == (0, 1, 2, 3, 4)
+    # a tree worth 5 drafts on a linear cost: chosen at 5, between the measured 4 and 8
+    linear = CostTable(((0, 10.0), (4, 14.0), (8, 18.0)), 2.0)
+    tree = bushy(0.97, depth=5, width=3)  # a sure chain of 5, side chains worth less than a node's cost
+    assert AutoBudget(policy, linear, tuple(range(9)), BLOCK - 1).choose(tree).num_drafts == 5
+    assert AutoBudget(policy, linear, (0, 4, 8), BLOCK - 1).choose(tree).num_drafts in (4, 8)
 
 
 def test_calibration_follows_observed_acceptance():
@@ -190,7 +211,8 @@ def test_greedy_identity_with_auto(name, mode):
                                           max_new_tokens=new, return_stats=True,
                                           budget_policy=BudgetPolicy(costs=MIXED, max_size=32))
         assert torch.equal(got, expected), (name, mode, seed)
-        assert stats.calibration["costs"]["source"] == "given" and stats.calibration["sizes"] == list(SIZES)
+        # (eager steps choose among every draft count up to the largest, costs interpolated)
+        assert stats.calibration["costs"]["source"] == "given" and stats.calibration["sizes"] == list(range(33))
         runner = AlternatingOracle(reference(target, ids, new + 2 * BLOCK), text_config(target.config).hidden_size,
                                    seed=seed)
         got, stats = _decode(target, ids[0], runner=runner, weaver=oracle_weaver, mode=mode, tree_budget="auto",

@@ -120,8 +120,16 @@ def expected_length(sums: list[float], factors: list[float]) -> float:
 
 
 def expected_lengths(nodes: list[tuple[int, int, float]], sizes, factors: list[float]) -> list[float]:
-    """:func:`expected_length` of the best-first prefix of each size in ``sizes`` (0: 1, an AR step)."""
-    return [expected_length(reach_sums(nodes[:k]), factors) if k else 1.0 for k in sizes]
+    """:func:`expected_length` of the best-first prefix of each size in ``sizes`` (0: 1, an AR step); the reach sums
+    grow node by node, once for all sizes."""
+    sums, taken, by_size = [1.0], 0, {}
+    for k in sorted(set(sizes)):
+        for _, d, p in nodes[taken:k]:
+            sums.extend([0.0] * (d + 1 - len(sums)))
+            sums[d] += p
+        taken = max(taken, min(k, len(nodes)))
+        by_size[k] = expected_length(sums, factors) if k else 1.0
+    return [by_size[k] for k in sizes]
 
 
 # ----------------------------------------------------------------------------------------------------------- policy

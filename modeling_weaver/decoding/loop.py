@@ -257,7 +257,7 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
     sizer = None
     if auto is not None:  # (first: a fixed-shape calibration runs the generation's own steps, which are reset below)
         costs = step_costs(target, runner, weaver, mode, sizes, tree_policy, step_options, auto, target_step)
-        sizer = AutoBudget(auto, costs, sizes, depth)
+        sizer = AutoBudget(auto, costs, auto.choices(sizes, target_step), depth)
     if target_step == "eager":
         verifier = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids,
                                  max_tree_depth=depth, options=step_options)
