@@ -132,8 +132,8 @@ class BudgetPolicy:
         every = target_step == "eager" if self.every_size is None else self.every_size
         if not every or not any(sizes):
             return sizes
-        low = 1 if 0 in sizes else min(s for s in sizes if s)  # (below the least measured size nothing is cheaper)
-        return tuple(sorted({s for s in sizes if s == 0} | set(range(low, max(sizes) + 1))))
+        low = 1 if 0 in sizes else min(sizes)  # (below the least measured size nothing is cheaper)
+        return tuple(sorted(set(sizes) | set(range(low, max(sizes) + 1))))
 
     def max_size_on(self, device) -> int:
         """The largest candidate size on ``device`` before the target's own bound."""

@@ -168,6 +168,18 @@ def candidate_sizes(policy: BudgetPolicy, target, device) -> tuple[int, ...]:
     return sizes if any(sizes) else (*sizes, cap)  # (something to build: the largest tree that fits)
 
 
+def auto_sizes(tree_budget: int | str, policy: BudgetPolicy | None, target, device):
+    """``(budget, policy, sizes)``: for ``tree_budget="auto"`` the largest candidate size, the policy (default
+    :class:`~modeling_weaver.options.BudgetPolicy`) and its candidate sizes; else the budget as given, no policy."""
+    if tree_budget == "auto":
+        policy = policy or BudgetPolicy()
+        sizes = candidate_sizes(policy, target, device)
+        return max(sizes), policy, sizes
+    if policy is not None:
+        raise ValueError(f'budget_policy applies to tree_budget="auto" only, got tree_budget={tree_budget!r}')
+    return tree_budget, None, ()
+
+
 class AutoBudget:
     """One generation's adaptive tree size, the seam the split steps call each step: :meth:`drafts` (draft this
     step?), :meth:`choose` (cut the tree built at the largest size to the chosen prefix), :meth:`observe` (the
@@ -387,5 +399,5 @@ def step_costs(target, runner, weaver, mode: str, sizes: tuple[int, ...], tree_p
     return table
 
 
-__all__ = ["AutoBudget", "CostTable", "best_first", "candidate_sizes", "expected_length", "expected_lengths",
-           "measure_costs", "pick_drafted", "pick_size", "reach_sums", "steady_rates", "step_costs"]
+__all__ = ["AutoBudget", "CostTable", "auto_sizes", "best_first", "candidate_sizes", "expected_length",
+           "expected_lengths", "measure_costs", "pick_drafted", "pick_size", "reach_sums", "steady_rates", "step_costs"]

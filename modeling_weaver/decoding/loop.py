@@ -24,7 +24,7 @@ from ..options import BudgetPolicy, StepOptions, TreePolicy
 from ..target import TargetAdapter, capturable_experts
 from ..tree import Tree, node_depths
 from ..validation import row_wise
-from .budget import AutoBudget, candidate_sizes, step_costs
+from .budget import AutoBudget, auto_sizes, step_costs
 from .drafting import DFlashRunner, EagerProposer, Proposer, StaticProposer, untimed
 from .fused import FusedGreedyStep
 from .step_cache import capture_flags, fused_step, static_buckets, static_draft, static_target
@@ -285,18 +285,6 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
         return Plan(verifier, FusedSteps(fused_step(proposer, verifier, accept), timed))
     rule = acceptance_rule(accept, scores.do_sample, verification, generator)
     return Plan(verifier, SplitSteps(proposer, verifier, rule, scores, timed, sizer), sizer)
-
-
-def auto_sizes(tree_budget: int | str, policy: BudgetPolicy | None, target, device):
-    """``(budget, policy, sizes)``: for ``tree_budget="auto"`` the largest candidate size, the policy (default
-    :class:`~modeling_weaver.options.BudgetPolicy`) and its candidate sizes; else the budget as given, no policy."""
-    if tree_budget == "auto":
-        policy = policy or BudgetPolicy()
-        sizes = candidate_sizes(policy, target, device)
-        return max(sizes), policy, sizes
-    if policy is not None:
-        raise ValueError(f'budget_policy applies to tree_budget="auto" only, got tree_budget={tree_budget!r}')
-    return tree_budget, None, ()
 
 
 @torch.no_grad()
