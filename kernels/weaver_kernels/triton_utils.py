@@ -1,4 +1,5 @@
-"""Triton helpers shared by the kernel modules: combine functions for ``tl.reduce`` and the interpreter flag.
+"""Triton helpers shared by the kernel modules: combine functions for ``tl.reduce``, the interpreter flag, and the
+per-head prologue of the delta-rule kernels (program → head, lanes, base pointers, the accepted path's leaf).
 
 Kernels call Triton builtins and these helpers, never Triton's own ``@jit`` library functions (``tl.sum``, ``tl.max``,
 ``tl.cdiv``, ``tl.sigmoid``): those keep the mode of the process's first ``import triton``, so the interpreted copies
@@ -42,3 +43,50 @@ def fsum(x, axis: tl.constexpr):
     """``rsum`` with Triton's own sum combine: compiled, the same reduction; the interpreter recognises that combine
     and sums with numpy instead of calling it element by element (the KDA pair scores' [16, 16, BKC] tiles)."""
     return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def head_program(H: tl.constexpr, HV: tl.constexpr):
+    """``(i_b, i_hv, i_h)`` of a program whose grid axis 1 runs over batch × HV value heads, value heads grouped
+    over the H query/key heads: the batch index as int64 (its offsets span every head), the value head, the key
+    head. The prologue every per-head delta-rule kernel shares."""
+    i_bh = tl.program_id(1)
+    i_hv = i_bh % HV
+    return (i_bh // HV).to(tl.int64), i_hv, i_hv // (HV // H)
+
+
+@triton.jit
+def lanes(i, B: tl.constexpr, N):
+    """Offsets ``i·B .. i·B + B − 1`` of block ``i`` and their mask (below ``N``)."""
+    o = i * B + tl.arange(0, B)
+    return o, o < N
+
+
+@triton.jit
+def node_rows(x, i_b, i_hv, T, HV: tl.constexpr, W: tl.constexpr):
+    """Base of value head ``i_hv``'s row 0 in a contiguous ``[B, T, HV, W]`` tensor (the kernels' own outputs and
+    scratch: ``o``, ``u``, ``gamma``); node ``t``'s row is ``t · HV · W`` further."""
+    return x + i_b * T * HV * W + i_hv * W
+
+
+@triton.jit
+def state_tile(s, i_b, i_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """Base of value head ``i_hv``'s ``[K, V]`` state in a contiguous ``[B, HV, K, V]`` tensor."""
+    return s + (i_b * HV + i_hv) * K * V
+
+
+@triton.jit
+def head_inputs(q, k, v, g, beta, i_b, i_hv, i_h, sq_b, sq_h, sk_b, sk_h, sv_b, sv_h, sg_b, sg_h, sb_b, sb_h):
+    """Bases of one program's head in the delta-rule inputs (strided ``[B, T, heads, ·]``): q and k at key head
+    ``i_h``, v, g and β at value head ``i_hv``."""
+    return (q + i_b * sq_b + i_h * sq_h, k + i_b * sk_b + i_h * sk_h, v + i_b * sv_b + i_hv * sv_h,
+            g + i_b * sg_b + i_hv * sg_h, beta + i_b * sb_b + i_hv * sb_h)
+
+
+@triton.jit
+def path_leaf(path, L, LP: tl.constexpr):
+    """``(n, leaf)`` of an accepted path (node indices, −1 padded, ``L`` entries): its length and its last node."""
+    o_l = tl.arange(0, LP)
+    p = tl.load(path + o_l, mask=o_l < L, other=-1).to(tl.int32)
+    n = rsum((p >= 0).to(tl.int32), axis=0)
+    return n, rsum(tl.where(o_l == n - 1, p, 0), axis=0)

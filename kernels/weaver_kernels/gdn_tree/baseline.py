@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import INTERPRET, rsum
+from ..triton_utils import INTERPRET, head_inputs, head_program, lanes, node_rows, rsum, state_tile
 from ..utils import launch_ctx, next_pow2
 
 
@@ -29,21 +29,16 @@ def _recurrent_tree_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_b64 = i_b.to(tl.int64)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
+    i_b64, i_hv, i_h = head_program(H, HV)
+    o_k, m_k = lanes(0, BK, K)
+    o_v, m_v = lanes(tl.program_id(0), BV, V)
     m_h = m_k[:, None] & m_v[None, :]
     tile = o_k[:, None] * V + o_v[None, :]
+    q_base, k_base, v_base, g_base, b_base = head_inputs(q, k, v, g, beta, i_b64, i_hv, i_h, sq_b, sq_h, sk_b, sk_h,
+                                                         sv_b, sv_h, sg_b, sg_h, sb_b, sb_h)
 
-    s0_ptr = s0 + (i_b64 * HV + i_hv) * K * V + tile
-    inter_base = inter + (i_b64 * T * HV + i_hv) * K * V + tile  # + t * HV * K * V
+    s0_ptr = state_tile(s0, i_b64, i_hv, HV, K, V) + tile
+    inter_base = node_rows(inter, i_b64, i_hv, T, HV, K * V) + tile  # + t * HV * K * V
     st = i_b64 * 0 + HV * K * V  # int64 stride between nodes' states
     h = tl.load(s0_ptr, mask=m_h, other=0.0).to(tl.float32)
     for t in range(0, T):
@@ -55,20 +50,20 @@ def _recurrent_tree_kernel(
         h_par = tl.load(inter_base + tl.where(par >= 0, par, 0) * st, mask=m_h & reload, other=0.0)
         h = tl.where(is_root, h_root, tl.where(reload, h_par, h))
 
-        kt = tl.load(k + i_b64 * sk_b + t * sk_t + i_h * sk_h + o_k, mask=m_k, other=0.0).to(tl.float32)
-        qt = tl.load(q + i_b64 * sq_b + t * sq_t + i_h * sq_h + o_k, mask=m_k, other=0.0).to(tl.float32)
+        kt = tl.load(k_base + t * sk_t + o_k, mask=m_k, other=0.0).to(tl.float32)
+        qt = tl.load(q_base + t * sq_t + o_k, mask=m_k, other=0.0).to(tl.float32)
         if L2NORM:
             kt = kt * tl.rsqrt(rsum(kt * kt, axis=0) + 1e-6)
             qt = qt * tl.rsqrt(rsum(qt * qt, axis=0) + 1e-6)
-        vt = tl.load(v + i_b64 * sv_b + t * sv_t + i_hv * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-        gt = tl.load(g + i_b64 * sg_b + t * sg_t + i_hv * sg_h).to(tl.float32)
-        bt = tl.load(beta + i_b64 * sb_b + t * sb_t + i_hv * sb_h).to(tl.float32)
+        vt = tl.load(v_base + t * sv_t + o_v, mask=m_v, other=0.0).to(tl.float32)
+        gt = tl.load(g_base + t * sg_t).to(tl.float32)
+        bt = tl.load(b_base + t * sb_t).to(tl.float32)
 
         h = h * tl.exp(gt)
         delta = bt * (vt - rsum(h * kt[:, None], axis=0))
         h = h + kt[:, None] * delta[None, :]
         ot = rsum(h * qt[:, None], axis=0) * scale
-        tl.store(o + ((i_b64 * T + t) * HV + i_hv) * V + o_v, ot.to(o.dtype.element_ty), mask=m_v)
+        tl.store(node_rows(o, i_b64, i_hv, T, HV, V) + t * HV * V + o_v, ot.to(o.dtype.element_ty), mask=m_v)
         tl.store(inter_base + t * st, h, mask=m_h)
         tl.debug_barrier()  # a later node may reload this state
 

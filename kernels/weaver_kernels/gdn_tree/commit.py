@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import INTERPRET, rsum
+from ..triton_utils import INTERPRET, head_program, lanes, node_rows, path_leaf, rsum, state_tile
 from ..utils import launch_ctx, next_pow2
 from .common import check_precision, last_contig
 
@@ -24,29 +24,16 @@ def _gdn_tree_commit_kernel(
     LP: tl.constexpr, BK: tl.constexpr, BKF: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
     CH: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_k = tl.program_id(2)  # state rows i_k*BK.. (BK < BKF: the state split over K as well)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_b64 = i_b.to(tl.int64)
-
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
+    i_b64, i_hv, i_h = head_program(H, HV)
+    o_k, m_k = lanes(tl.program_id(2), BK, K)  # state rows i_k*BK.. (BK < BKF: the state split over K as well)
     o_kf = tl.arange(0, BKF)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    o_l = tl.arange(0, LP)
+    o_v, m_v = lanes(tl.program_id(0), BV, V)
 
-    p = tl.load(path + o_l, mask=o_l < L, other=-1).to(tl.int32)
-    valid = p >= 0
-    n = rsum(valid.to(tl.int32), axis=0)
-    leaf = rsum(tl.where(o_l == n - 1, p, 0), axis=0)
-    gm_base = gamma + i_b64 * T * HV + i_hv
+    n, leaf = path_leaf(path, L, LP)
+    gm_base = node_rows(gamma, i_b64, i_hv, T, HV, 1)
     G_leaf = tl.load(gm_base + leaf * HV, mask=n > 0, other=0.0)
 
-    s_ptr = state + (i_b64 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    s_ptr = state_tile(state, i_b64, i_hv, HV, K, V) + o_k[:, None] * V + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
     S = tl.load(s_ptr, mask=m_s, other=0.0).to(tl.float32)  # issued early: its latency hides under the path loop
 
@@ -54,7 +41,7 @@ def _gdn_tree_commit_kernel(
     # chain of dependent loads, path → γ, k, u, so fewer, larger chunks cost less latency)
     o_c = tl.arange(0, CH)
     k_base = k + i_b64 * sk_b + i_h * sk_h
-    u_base = u + i_b64 * T * HV * V + i_hv * V
+    u_base = node_rows(u, i_b64, i_hv, T, HV, V)
     delta = tl.full([BK, BV], 0.0, tl.float32)
     for c in range(0, (n + CH - 1) // CH):
         j = c * CH + o_c

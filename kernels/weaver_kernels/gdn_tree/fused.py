@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..triton_utils import INTERPRET, rsum
+from ..triton_utils import INTERPRET, head_inputs, head_program, lanes, node_rows, rsum, state_tile
 from ..utils import launch_ctx
 from .common import block_inverse, gate_beta, gate_decay, root_step
 
@@ -51,32 +51,19 @@ def _gdn_tree_verify_kernel(
     BC: tl.constexpr, L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, INV_PREC: tl.constexpr,
     RAW_GATES: tl.constexpr, PEEL: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    o_n = tl.arange(0, TP)
-    m_n = o_n < T
+    i_b64, i_hv, i_h = head_program(H, HV)
+    o_k, m_k = lanes(0, BK, K)
+    o_v, m_v = lanes(tl.program_id(0), BV, V)
+    o_n, m_n = lanes(0, TP, T)
     o_r = tl.arange(0, BT)
     o_c = tl.arange(0, BC)
 
-    i_b64 = i_b.to(tl.int64)
-    q_base = q + i_b64 * sq_b + i_h * sq_h
-    k_base = k + i_b64 * sk_b + i_h * sk_h
-    v_base = v + i_b64 * sv_b + i_hv * sv_h
-    g_base = g + i_b64 * sg_b + i_hv * sg_h
-    b_base = beta + i_b64 * sb_b + i_hv * sb_h
-    s_base = s0 + (i_b64 * HV + i_hv) * K * V
-    # outputs are contiguous [B, T, HV, V] / [B, T, HV]
-    o_base = o + i_b64 * T * HV * V + i_hv * V
-    u_base = u + i_b64 * T * HV * V + i_hv * V
-    gm_base = gamma + i_b64 * T * HV + i_hv
+    q_base, k_base, v_base, g_base, b_base = head_inputs(q, k, v, g, beta, i_b64, i_hv, i_h, sq_b, sq_h, sk_b, sk_h,
+                                                         sv_b, sv_h, sg_b, sg_h, sb_b, sb_h)
+    s_base = state_tile(s0, i_b64, i_hv, HV, K, V)
+    o_base = node_rows(o, i_b64, i_hv, T, HV, V)
+    u_base = node_rows(u, i_b64, i_hv, T, HV, V)
+    gm_base = node_rows(gamma, i_b64, i_hv, T, HV, 1)
 
     g_all = tl.load(g_base + o_n * sg_t, mask=m_n, other=0.0).to(tl.float32)
     if RAW_GATES:  # g holds the raw projection a (beta: b, per block below)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import INTERPRET, rsum
+from ..triton_utils import INTERPRET, head_program, lanes, rsum, state_tile
 from ..utils import launch_ctx, next_pow2, zeroed_scratch
 from .common import gate_beta, gate_decay
 
@@ -39,13 +39,10 @@ def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                        BV: tl.constexpr, L2: tl.constexpr, NORM: tl.constexpr, RAW_GATES: tl.constexpr,
                        NV: tl.constexpr, BVF: tl.constexpr):
-    i_v, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_hv = i_bh // HV, i_bh % HV
-    i_h = i_hv // (HV // H)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
+    i_bh = tl.program_id(1)
+    i_b, i_hv, i_h = head_program(H, HV)
+    o_k, m_k = lanes(0, BK, K)
+    o_v, m_v = lanes(tl.program_id(0), BV, V)
     qv = tl.load(q + i_b * sq_b + i_h * sq_h + o_k, mask=m_k, other=0.0).to(tl.float32)
     kv = tl.load(k + i_b * sk_b + i_h * sk_h + o_k, mask=m_k, other=0.0).to(tl.float32)
     if L2:
@@ -57,7 +54,7 @@ def _gdn_decode_kernel(q, k, v, g, beta, state, o, gate, norm_weight, a_log, dt_
         gv = gate_decay(gv, a_log, dt_bias, i_hv)
         bv = gate_beta(bv, beta.dtype.element_ty)
     vv = tl.load(v + i_b * sv_b + i_hv * sv_h + o_v, mask=m_v, other=0.0).to(tl.float32)
-    s_ptr = state + i_bh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
+    s_ptr = state_tile(state, i_b, i_hv, HV, K, V) + o_k[:, None] * V + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
     S = tl.load(s_ptr, mask=m_s, other=0.0) * tl.exp(gv)
     u = bv * (vv - rsum(kv[:, None] * S, 0))

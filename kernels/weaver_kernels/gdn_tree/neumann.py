@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import INTERPRET, maximum, rsum
+from ..triton_utils import INTERPRET, head_inputs, head_program, lanes, maximum, node_rows, rsum, state_tile
 from ..utils import launch_ctx, next_pow2
 from .common import gate_beta, gate_decay, root_step
 
@@ -49,17 +49,10 @@ def _neumann_prep_kernel(
     # without the root) and N, C cover nodes 1..T-1 (a forest when the root is peeled; its exclusion changes no
     # difference Γ_i − Γ_j of nodes on one path)
     i_blk = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b64 = (i_bh // HV).to(tl.int64)
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_n = tl.arange(0, TP)
-    m_n = o_n < T - PEEL
-    t_r = i_blk * BR + tl.arange(0, BR)
-    m_r = t_r < T - PEEL
+    i_b64, i_hv, i_h = head_program(H, HV)
+    o_k, m_k = lanes(0, BK, K)
+    o_n, m_n = lanes(0, TP, T - PEEL)
+    t_r, m_r = lanes(i_blk, BR, T - PEEL)
 
     g_base = g + i_b64 * sg_b + i_hv * sg_h
     M = tl.load(tmask + (o_n[:, None] + PEEL) * T + o_n[None, :] + PEEL, mask=m_n[:, None] & m_n[None, :],
@@ -69,7 +62,7 @@ def _neumann_prep_kernel(
         g_all = tl.where(m_n, gate_decay(g_all, a_log, dt_bias, i_hv), 0.0)
     G_c = rsum(tl.where(M, g_all[None, :], 0.0), axis=1)
     if i_blk == 0:
-        gm_base = gamma + i_b64 * T * HV + i_hv
+        gm_base = node_rows(gamma, i_b64, i_hv, T, HV, 1)
         if PEEL:
             g0 = tl.load(g_base).to(tl.float32)
             if RAW_GATES:
@@ -79,7 +72,7 @@ def _neumann_prep_kernel(
             tl.store(gm_base + (o_n + 1) * HV, G_c + tl.where(desc, g0, 0.0), mask=m_n)
         else:
             tl.store(gm_base + o_n * HV, G_c, mask=m_n)
-        if i_bh == 0:
+        if tl.program_id(1) == 0:  # (one program writes the depth)
             tl.store(depth, tl.reduce(rsum(M.to(tl.int32), axis=1), 0, maximum) - 1)
     M_r = tl.load(tmask + (t_r[:, None] + PEEL) * T + o_n[None, :] + PEEL, mask=m_r[:, None] & m_n[None, :],
                   other=0) != 0
@@ -128,45 +121,35 @@ def _neumann_solve_kernel(
     L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, SOLVE_PREC: tl.constexpr,
     RAW_GATES: tl.constexpr, PEEL: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b64 = (i_bh // HV).to(tl.int64)
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    o_n = tl.arange(0, TP)
-    m_n = o_n < T - PEEL
+    i_b64, i_hv, i_h = head_program(H, HV)
+    o_k, m_k = lanes(0, BK, K)
+    o_v, m_v = lanes(tl.program_id(0), BV, V)
+    o_n, m_n = lanes(0, TP, T - PEEL)
     m_nk = m_n[:, None] & m_k[None, :]
     m_nv = m_n[:, None] & m_v[None, :]
     t_n = o_n + PEEL  # node of local row n
 
-    q_base = q + i_b64 * sq_b + i_h * sq_h
-    k_base = k + i_b64 * sk_b + i_h * sk_h
-    v_base = v + i_b64 * sv_b + i_hv * sv_h
-    b_base = beta + i_b64 * sb_b + i_hv * sb_h
-    o_base = o + i_b64 * T * HV * V + i_hv * V
-    u_base = u + i_b64 * T * HV * V + i_hv * V
+    q_base, k_base, v_base, g_base, b_base = head_inputs(q, k, v, g, beta, i_b64, i_hv, i_h, sq_b, sq_h, sk_b, sk_h,
+                                                         sv_b, sv_h, sg_b, sg_h, sb_b, sb_h)
+    o_base = node_rows(o, i_b64, i_hv, T, HV, V)
+    u_base = node_rows(u, i_b64, i_hv, T, HV, V)
 
     d_max = tl.load(depth)
-    G = tl.load(gamma + i_b64 * T * HV + i_hv + t_n * HV, mask=m_n, other=0.0)
+    G = tl.load(node_rows(gamma, i_b64, i_hv, T, HV, 1) + t_n * HV, mask=m_n, other=0.0)
     b_all = tl.load(b_base + t_n * sb_t, mask=m_n, other=0.0).to(tl.float32)
     if RAW_GATES:
         b_all = tl.where(m_n, gate_beta(b_all, beta.dtype.element_ty), 0.0)
     K_all = tl.load(k_base + t_n[:, None] * sk_t + o_k[None, :], mask=m_nk, other=0.0).to(tl.float32)
     Q_all = tl.load(q_base + t_n[:, None] * sq_t + o_k[None, :], mask=m_nk, other=0.0).to(tl.float32)
     v_all = tl.load(v_base + t_n[:, None] * sv_t + o_v[None, :], mask=m_nv, other=0.0).to(tl.float32)
-    S = tl.load(s0 + (i_b64 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+    S = tl.load(state_tile(s0, i_b64, i_hv, HV, K, V) + o_k[:, None] * V + o_v[None, :],
                 mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     kS = tl.dot(K_all, S, input_precision=DOT_PREC)  # [TP, BV]
     qS = tl.dot(Q_all, S, input_precision=DOT_PREC)
     if PEEL:
         # the root as one recurrent step, S1 = e^{g0} S0 + k0 u0ᵀ, folded into the rows that descend from it:
         # K S1 = e^{g0} K S0 + (K k0) u0ᵀ (likewise Q); their decays from S1 are e^{Γ − g0}
-        g0 = tl.load(g + i_b64 * sg_b + i_hv * sg_h).to(tl.float32)
+        g0 = tl.load(g_base).to(tl.float32)
         if RAW_GATES:
             g0 = gate_decay(g0, a_log, dt_bias, i_hv)
         q0, k0, e0, u0 = root_step(q_base, k_base, v_base, b_base, o_k, m_k, o_v, m_v, S, g0,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import INTERPRET, rsum
+from ..triton_utils import INTERPRET, head_program, lanes, node_rows, rsum, state_tile
 from ..utils import launch_ctx
 from .common import block_inverse, gate_beta, gate_decay
 
@@ -44,26 +44,18 @@ def _resident_prep_kernel(
     L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, INV_PREC: tl.constexpr,
     RAW_GATES: tl.constexpr,
 ):
-    i_blk = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b64 = (i_bh // HV).to(tl.int64)
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_n = tl.arange(0, TP)
-    m_n = o_n < T
+    i_b64, i_hv, i_h = head_program(H, HV)
+    o_k, m_k = lanes(0, BK, K)
+    o_n, m_n = lanes(0, TP, T)
     o_r = tl.arange(0, BT)
-    t_r = i_blk * BT + o_r
-    m_r = t_r < T
+    t_r, m_r = lanes(tl.program_id(0), BT, T)
 
     g_all = tl.load(g + i_b64 * sg_b + i_hv * sg_h + o_n * sg_t, mask=m_n, other=0.0).to(tl.float32)
     if RAW_GATES:
         g_all = tl.where(m_n, gate_decay(g_all, a_log, dt_bias, i_hv), 0.0)
     M_i = tl.load(tmask + t_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0) != 0
     G_i = rsum(tl.where(M_i, g_all[None, :], 0.0), axis=1)
-    tl.store(gamma + i_b64 * T * HV + i_hv + t_r * HV, G_i, mask=m_r)
+    tl.store(node_rows(gamma, i_b64, i_hv, T, HV, 1) + t_r * HV, G_i, mask=m_r)
 
     k_i = tl.load(k + i_b64 * sk_b + i_h * sk_h + t_r[:, None] * sk_t + o_k[None, :],
                   mask=m_r[:, None] & m_k[None, :], other=0.0)
@@ -96,24 +88,16 @@ def _resident_verify_kernel(
     L2NORM: tl.constexpr, DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, INV_PREC: tl.constexpr,
     RAW_GATES: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b64 = (i_bh // HV).to(tl.int64)
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    o_n = tl.arange(0, TP)
-    m_n = o_n < T
+    i_b64, i_hv, i_h = head_program(H, HV)
+    o_k, m_k = lanes(0, BK, K)
+    o_v, m_v = lanes(tl.program_id(0), BV, V)
+    o_n, m_n = lanes(0, TP, T)
     o_r = tl.arange(0, BT)
 
     k_base = k + i_b64 * sk_b + i_h * sk_h
-    o_base = o + i_b64 * T * HV * V + i_hv * V
-    u_base = u + i_b64 * T * HV * V + i_hv * V
-    gm_base = gamma + i_b64 * T * HV + i_hv
+    o_base = node_rows(o, i_b64, i_hv, T, HV, V)
+    u_base = node_rows(u, i_b64, i_hv, T, HV, V)
+    gm_base = node_rows(gamma, i_b64, i_hv, T, HV, 1)
     p_base = pinv + (i_b64 * HV + i_hv) * T * BT
 
     # every row at once: R = β (V − e^Γ K S0), O = e^Γ Q S0 (row norms applied as scalings of the raw dots)
@@ -129,7 +113,7 @@ def _resident_verify_kernel(
     if RAW_GATES:
         b_all = tl.where(m_n, gate_beta(b_all, beta.dtype.element_ty), 0.0)
     G_all = tl.load(gm_base + o_n * HV, mask=m_n, other=0.0)
-    S = tl.load(s0 + (i_b64 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+    S = tl.load(state_tile(s0, i_b64, i_hv, HV, K, V) + o_k[:, None] * V + o_v[None, :],
                 mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     kS = tl.dot(K_all.to(tl.float32), S, input_precision=DOT_PREC)
     qS = tl.dot(Q_all.to(tl.float32), S, input_precision=DOT_PREC)

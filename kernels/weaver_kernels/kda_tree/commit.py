@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..gdn_tree.common import last_contig
-from ..triton_utils import INTERPRET, rsum
+from ..triton_utils import INTERPRET, head_program, lanes, node_rows, path_leaf, rsum, state_tile
 from ..utils import launch_ctx, next_pow2
 
 
@@ -24,34 +24,23 @@ def _kda_tree_commit_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, CH: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    i_b64 = i_b.to(tl.int64)
+    i_b64, i_hv, i_h = head_program(H, HV)
+    o_k, m_k = lanes(0, BK, K)
+    o_v, m_v = lanes(tl.program_id(0), BV, V)
 
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    o_l = tl.arange(0, LP)
-
-    p = tl.load(path + o_l, mask=o_l < L, other=-1).to(tl.int32)
-    n = rsum((p >= 0).to(tl.int32), axis=0)
-    leaf = rsum(tl.where(o_l == n - 1, p, 0), axis=0)
-    gm_base = gamma + i_b64 * T * HV * K + i_hv * K
+    n, leaf = path_leaf(path, L, LP)
+    gm_base = node_rows(gamma, i_b64, i_hv, T, HV, K)  # Γ per channel
     # (a vector test: the interpreter mishandles bool-scalar masks)
     G_leaf = tl.load(gm_base + leaf * (HV * K) + o_k, mask=m_k & (o_k * 0 + n > 0), other=0.0)  # [BK]
 
-    s_ptr = state + (i_b64 * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    s_ptr = state_tile(state, i_b64, i_hv, HV, K, V) + o_k[:, None] * V + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
     S = tl.load(s_ptr, mask=m_s, other=0.0).to(tl.float32)
 
     # Σ_j (k_j ⊙ e^{Γ_ℓ − Γ_j}) u_jᵀ over the path, CH entries at a time
     o_c = tl.arange(0, CH)
     k_base = k + i_b64 * sk_b + i_h * sk_h
-    u_base = u + i_b64 * T * HV * V + i_hv * V
+    u_base = node_rows(u, i_b64, i_hv, T, HV, V)
     delta = tl.full([BK, BV], 0.0, tl.float32)
     for c in range(0, (n + CH - 1) // CH):
         j = c * CH + o_c

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..gdn_tree.common import block_inverse, gate_beta, last_contig
-from ..triton_utils import INTERPRET, fsum, rsum
+from ..triton_utils import INTERPRET, fsum, head_inputs, head_program, lanes, node_rows, rsum, state_tile
 from ..utils import launch_ctx, next_pow2
 
 MAX_NODES = 256  # as the GDN verify's limit: a budget of 128 drafts plus the root
@@ -74,29 +74,17 @@ def _kda_tree_verify_kernel(
     BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, L2NORM: tl.constexpr, BT: tl.constexpr,
     LOG2_BT: tl.constexpr, RAW_GATES: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
+    i_b64, i_hv, i_h = head_program(H, HV)
+    o_k, m_k = lanes(0, BK, K)
+    o_v, m_v = lanes(tl.program_id(0), BV, V)
     o_r = tl.arange(0, BT)
 
-    i_b64 = i_b.to(tl.int64)
-    q_base = q + i_b64 * sq_b + i_h * sq_h
-    k_base = k + i_b64 * sk_b + i_h * sk_h
-    v_base = v + i_b64 * sv_b + i_hv * sv_h
-    g_base = g + i_b64 * sg_b + i_hv * sg_h
-    b_base = beta + i_b64 * sb_b + i_hv * sb_h
-    s_base = s0 + (i_b64 * HV + i_hv) * K * V
-    # outputs are contiguous [B, T, HV, V] / [B, T, HV, K]
-    o_base = o + i_b64 * T * HV * V + i_hv * V
-    u_base = u + i_b64 * T * HV * V + i_hv * V
-    gm_base = gamma + i_b64 * T * HV * K + i_hv * K
+    q_base, k_base, v_base, g_base, b_base = head_inputs(q, k, v, g, beta, i_b64, i_hv, i_h, sq_b, sq_h, sk_b, sk_h,
+                                                         sv_b, sv_h, sg_b, sg_h, sb_b, sb_h)
+    s_base = state_tile(s0, i_b64, i_hv, HV, K, V)
+    o_base = node_rows(o, i_b64, i_hv, T, HV, V)
+    u_base = node_rows(u, i_b64, i_hv, T, HV, V)
+    gm_base = node_rows(gamma, i_b64, i_hv, T, HV, K)  # Γ per channel
 
     S = tl.load(s_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     m_vv = m_v[None, :]
