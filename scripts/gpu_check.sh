@@ -7,6 +7,8 @@
 #   run                        bash scripts/gpu_check.sh suite [pytest args]     # a part (README: GPU tests)
 #   run carry=[".oldk"]        bash scripts/gpu_check.sh kernels                 # ≈ 3 min
 #   run carry=[".oldk"]        bash scripts/gpu_check.sh replay                  # ≈ 8 min
+#   run                        bash scripts/gpu_check.sh auto                    # budget auto vs fixed (#29)
+#   run carry=[".whl"]         bash scripts/gpu_check.sh kda [bench_kda args]    # KDA table (issue #31), ≤ 5 min
 #
 # Every job runs under `timeout` and writes into $OUT, so a call always brings back what finished.
 set -u
@@ -16,7 +18,7 @@ in_tree() {  # run "$2..." with the code of tree $1 (this repo: .) on the path
   local tree=$1; shift
   (cd "$tree" && PYTHONPATH=$PWD:$PWD/kernels "$@")
 }
-case ${1:?suite|kernels|replay} in
+case ${1:?suite|kernels|replay|auto|kda|replay35} in
   suite) shift
     timeout ${SUITE_S:-540} python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-suite.xml" "$@" \
       2>&1 | tail -40 ;;
@@ -38,5 +40,18 @@ case ${1:?suite|kernels|replay} in
         --out "$OUT/replay-$name" > "$OUT/replay-$name.log" 2>&1
       echo "$name rc=$?"; grep "^|" "$OUT/replay-$name.log" | head -12
     done ;;
+  auto)  # issue #29: auto against the fixed budgets at the 27B shape, this tree only (graph steps: one bucket each)
+    timeout ${REPLAY_S:-540} python3 -m modeling_weaver.cli replay --synthetic-mal chain=4 ddtree=5.4 weaver=7.1 \
+      --modes ${MODES:-ddtree weaver} --budgets ${BUDGETS:-16 32 64 auto} --target-step graph --hf-tokens 0 \
+      --out "$OUT/replay-auto" > "$OUT/replay-auto.log" 2>&1
+    echo "auto rc=$?"; grep "^|\|^Steps" "$OUT/replay-auto.log" | tail -12 ;;
+  kda) shift  # issue #31's KDA kernel table at Kimi Linear's shape: tree KDA vs tree GDN, baseline, fla (bench_kda.py)
+    site=/tmp/site; whls=$(ls .whl/fla*.whl .whl/flash_linear*.whl .whl/einops*.whl 2>/dev/null)
+    # the carried wheels (fla-core holds fla.ops; einops is its one dependency); without them the fla rows say why not
+    [ -n "$whls" ] && { python3 -m pip install -q --no-index --no-deps --target "$site" $whls > "$OUT/kda-pip.log" 2>&1 \
+      || echo "fla wheels not installed: $OUT/kda-pip.log"; }
+    PYTHONPATH=$site:$PWD:$PWD/kernels timeout ${KDA_S:-300} python3 scripts/bench_kda.py --out "$OUT/kda" "$@" \
+      > "$OUT/kda.log" 2>&1
+    echo "kda rc=$?"; grep -q '^device:' "$OUT/kda.log" && sed -n '/^device:/,$p' "$OUT/kda.log" || tail -30 "$OUT/kda.log" ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac

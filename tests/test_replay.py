@@ -72,6 +72,54 @@ def test_replay_suite_runs_every_phase_at_tiny_shape():
         assert ("step" in fused.phase_ms) == (step == "static")
 
 
+@pytest.mark.parametrize("target_step", ["eager", "static"])
+def test_replay_auto_chooses_each_size_from_the_costs(monkeypatch, target_step):
+    """tree_budget="auto" in the replay (issue 29): free drafting and a flat verify cost keep the largest tree, which
+    replays the trace as the fixed budget does; a costly draft and verify make every step an AR step."""
+    import modeling_weaver.lab.replay as replay
+    from modeling_weaver.decoding.budget import CostTable
+
+    target, drafter, weaver = random_models("tiny", torch.device("cpu"), torch.float32)
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    seen = []
+
+    def costs(table):
+        return lambda *args: (seen.append(args[3:5]), table)[1]
+
+    monkeypatch.setattr(replay, "step_costs", costs(CostTable(((0, 10.0), (4, 10.0), (8, 10.0)), 0.0)))
+    _, fixed = replay_generate(target, drafter, weaver, ids, "chain", 8, ReplayedAcceptance([3, 1, 5]),
+                               max_new_tokens=40, target_step=target_step)
+    _, auto = replay_generate(target, drafter, weaver, ids, "chain", "auto", ReplayedAcceptance([3, 1, 5]),
+                              max_new_tokens=40, target_step=target_step)
+    assert seen == [("chain", (0, 4, 8))]  # the CPU's candidate sizes, measured for the mode that runs
+    assert auto.accepted_lengths == fixed.accepted_lengths and auto.accepted_lengths[:6] == [3, 1, 5, 3, 1, 5]
+    # every step verifies the whole chain: one node per depth of the block (after the bonus)
+    assert set(auto.size_histogram) == {min(8, drafter.block_size - 1)}
+    assert auto.calibration["costs"]["propose_ms"] == 0.0
+    monkeypatch.setattr(replay, "step_costs", costs(CostTable(((0, 1.0), (4, 1000.0), (8, 1000.0)), 1000.0)))
+    _, costly = replay_generate(target, drafter, weaver, ids, "chain", "auto", ReplayedAcceptance([3, 1, 5]),
+                                max_new_tokens=40, target_step=target_step)
+    assert costly.mean_accepted_length == 1.0 and set(costly.size_histogram) == {0}
+
+
+def test_replay_suite_has_an_auto_row_with_its_sizes(monkeypatch):
+    import modeling_weaver.lab.replay as replay
+    from modeling_weaver.decoding.budget import CostTable
+
+    monkeypatch.setattr(replay, "step_costs", lambda *args: CostTable(((0, 10.0), (8, 12.0)), 1.0))
+    target, drafter, weaver = random_models("tiny", torch.device("cpu"), torch.float32)
+    mals = replay._parse_mal(["ddtree=3.5"], ["ddtree"], [8, "auto"])
+    assert mals == {("ddtree", 8): 3.5, ("ddtree", "auto"): 3.5}
+    traces = {k: synthetic_trace(v, drafter.block_size, seed=0) for k, v in mals.items()}
+    rows = run_replay_suite(target, drafter, weaver, traces, ["ddtree"], [8, "auto"], prompt_len=12,
+                            max_new_tokens=24, target_step="eager")
+    auto = rows[-1]
+    assert auto["method"] == "ddtree@auto" and auto["budget"] == "auto" and auto["tokens_per_s"] > 0
+    assert sum(auto["sizes"].values()) > 0 and auto["calibration"]["sizes"]
+    json.dumps(rows)  # (what replay.json holds)
+    assert "sizes" not in rows[-2]
+
+
 def test_traces_come_from_bench_results(tmp_path):
     rows = [
         {"mode": "ar", "budget": None, "temperature": 0.0, "per_prompt": [{"accepted_lengths": []}]},

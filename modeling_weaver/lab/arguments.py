@@ -112,7 +112,9 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     src.add_argument("--synthetic-mal", nargs="+", metavar="MODE[@BUDGET]=MAL",
                      help="synthetic traces with these mean accepted lengths, e.g. chain=4 ddtree=5.4 weaver=7.1")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--budgets", type=positive_int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--budgets", type=tree_budget_value, nargs="+", default=[16, 32, 64, 128],
+                        help="tree budgets (draft nodes), or 'auto': each step's size chosen among the candidate "
+                             "sizes (BudgetPolicy), the mode's trace at its largest budget replayed")
     parser.add_argument("--prompt-length", type=positive_int, default=512)
     parser.add_argument("--max-new-tokens", type=positive_int, default=512)
     parser.add_argument("--target-step", choices=TARGET_STEPS, default="graph")

@@ -28,6 +28,7 @@ from transformers.generation import LogitsProcessorList, MaxLengthCriteria, Stop
 from .arguments import add_replay_arguments  # noqa: F401 (the flags: one definition, in lab.arguments)
 from ..accept import Acceptance, DeviceAcceptance, path_to_leaf
 from .benchmark import autoregressive_generate
+from ..decoding.budget import auto_sizes, step_costs
 from ..decoding.step_cache import capture_flags, release_static_targets, static_draft
 from .data import cli_entry
 from ..generate import MODES, PHASES, TARGET_STEPS, DFlashRunner, PhaseTimer, _decode
@@ -146,7 +147,7 @@ class PlantedRunner:
 _PLANTER = PeakPlanter()  # one instance: captured proposers are kept per planter
 
 
-def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str, tree_budget: int,
+def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str, tree_budget: int | str,
                     acceptance: ReplayedAcceptance, max_new_tokens: int, target_step: str = "graph",
                     fused: bool = True, streamer=None, tree_policy: TreePolicy = TreePolicy(),
                     step_options: StepOptions = StepOptions()):
@@ -155,8 +156,16 @@ def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str,
     ``streamer`` receives the new tokens (not the prompt) as they reach the host.
 
     ``fused=False`` keeps acceptance on the host, so static/graph steps stay split into draft+tree, verify and commit
-    (a per-phase breakdown) instead of one fused step per iteration."""
+    (a per-phase breakdown) instead of one fused step per iteration. ``tree_budget="auto"``: each step's size chosen
+    (split steps) from the step costs of this shape, measured with the plain drafter on first use and cached as a
+    generation's are, and the planted trees' scores corrected by the replayed acceptance."""
     acceptance.reset()
+    policy = None
+    if tree_budget == "auto":
+        tree_budget, policy, sizes = auto_sizes("auto", None, target, input_ids.device)
+        costs = step_costs(target, DFlashRunner(drafter, target, step_options), weaver, mode, sizes, tree_policy,
+                           step_options, policy, target_step)
+        policy = dataclasses.replace(policy, costs=costs)
     stopping = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
     if target_step == "eager":
         runner = PlantedRunner(DFlashRunner(drafter, target, step_options), _PLANTER)
@@ -168,11 +177,11 @@ def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str,
                                 compile=flags["compile"], policy=tree_policy)
     return _decode(
         target, input_ids[0], runner=runner, weaver=weaver, mode=mode,
-        tree_budget=tree_budget,
+        tree_budget="auto" if policy else tree_budget,
         max_new_tokens=max_new_tokens, processors=LogitsProcessorList(), do_sample=False, verification=None,
         stopping_criteria=stopping, streamer=streamer, generator=None, target_step=target_step,
         timer=PhaseTimer(input_ids.device), accept=acceptance if fused else acceptance.__call__,
-        tree_policy=tree_policy, step_options=step_options,
+        tree_policy=tree_policy, step_options=step_options, budget_policy=policy,
     )
 
 
@@ -409,6 +418,8 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
                     "trace_mal": sum(trace) / len(trace), "ms_per_step": 1e3 * seconds / steps,
                     "gc_ms": timed.gc_ms,
                     **{f"{p}_ms": stats.phase_ms[p] / steps for p in PHASES if p in stats.phase_ms},
+                    **({"sizes": {str(k): v for k, v in stats.size_histogram.items()},
+                        "calibration": stats.calibration} if budget == "auto" else {}),
                 })
                 on_row(rows)
     return rows
@@ -454,18 +465,19 @@ def replay_table(rows: list[dict]) -> str:
         gc_ms = f"{r['gc_ms']:.0f}" if "gc_ms" in r else "–"
         lines.append("| " + " | ".join([r["method"], mal, f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}",
                                         f"{r['ms_per_step']:.2f}"] + phases + [gc_ms]) + " |")
-    return "\n".join(lines)
+    sizes = [f"{r['method']}: " + ", ".join(f"{k}: {v}" for k, v in r["sizes"].items()) for r in rows if "sizes" in r]
+    return "\n".join(lines + (["", "Steps per draft count (0: AR steps) — " + "; ".join(sizes)] if sizes else []))
 
 
 def _parse_mal(items: list[str], modes, budgets) -> dict:
-    """``mode=MAL`` (every budget) or ``mode@budget=MAL``."""
+    """``mode=MAL`` (every budget) or ``mode@budget=MAL`` (``budget``: draft nodes or ``auto``)."""
     mals = {}
     for item in items:
         key, _, value = item.partition("=")
         mode, _, budget = key.partition("@")
         if mode not in MODES or not value:
             raise ValueError(f"--synthetic-mal entries are mode=MAL or mode@budget=MAL, got {item!r}")
-        for b in ([int(budget)] if budget else budgets):
+        for b in ([budget if budget == "auto" else int(budget)] if budget else budgets):
             mals[(mode, b)] = float(value)
     missing = [f"{m}@{b}" for m in modes for b in budgets if (m, b) not in mals]
     if missing:
@@ -484,14 +496,18 @@ def run_replay(args) -> int:
         int8_linears(drafter)
     if args.trace:
         traces, source = load_traces(args.trace), f"trace {args.trace}"
+        for mode in args.modes if "auto" in args.budgets else ():  # auto replays the mode's largest tree's trace
+            fixed = [b for m, b in traces if m == mode]
+            if fixed:
+                traces[(mode, "auto")] = traces[(mode, max(fixed))]
         missing = [f"{m}@{b}" for m in args.modes for b in args.budgets if (m, b) not in traces]
         if missing:
             raise ValueError(f"{args.trace} has no greedy trace for {', '.join(missing)}; it has "
-                             f"{', '.join(f'{m}@{b}' for m, b in sorted(traces))}")
+                             f"{', '.join(f'{m}@{b}' for m, b in sorted(traces, key=str))}")
     else:
         mals = _parse_mal(args.synthetic_mal, args.modes, args.budgets)
         traces = {k: synthetic_trace(v, drafter.block_size, seed=args.seed) for k, v in mals.items()}
-        source = "synthetic traces (" + ", ".join(f"{m}@{b}={v:g}" for (m, b), v in sorted(mals.items())) + ")"
+        source = "synthetic traces (" + ", ".join(f"{m}@{b}={v:g}" for (m, b), v in sorted(mals.items(), key=str)) + ")"
     settings = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     limit = ""
