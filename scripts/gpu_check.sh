@@ -9,6 +9,7 @@
 #   run carry=[".oldk"]        bash scripts/gpu_check.sh replay                  # ≈ 8 min
 #   run                        bash scripts/gpu_check.sh auto                    # budget auto vs fixed (#29)
 #   run carry=[".whl"]         bash scripts/gpu_check.sh kda [bench_kda args]    # KDA table (issue #31), ≤ 5 min
+#   run                        bash scripts/gpu_check.sh replay35 [replay args]  # Qwen3.5-35B-A3B shape (#30), ≤ 9 min
 #
 # Every job runs under `timeout` and writes into $OUT, so a call always brings back what finished.
 set -u
@@ -53,5 +54,13 @@ case ${1:?suite|kernels|replay|auto|kda|replay35} in
     PYTHONPATH=$site:$PWD:$PWD/kernels timeout ${KDA_S:-300} python3 scripts/bench_kda.py --out "$OUT/kda" "$@" \
       > "$OUT/kda.log" 2>&1
     echo "kda rc=$?"; grep -q '^device:' "$OUT/kda.log" && sed -n '/^device:/,$p' "$OUT/kda.log" || tail -30 "$OUT/kda.log" ;;
+  replay35) shift  # issue #30: the Qwen3.5-35B-A3B-shape replay (hybrid GDN + MoE), this tree only; as the 27B part
+    # (bf16, compiled steps in CUDA graphs, budget 64); extra args go last (a fallback: --target-step graph, or
+    # --experts-implementation batched_mm should grouped_mm not capture)
+    in_tree . timeout ${REPLAY_S:-540} python3 -m modeling_weaver.cli replay --shape qwen3.5-35b-a3b \
+      --synthetic-mal chain=4 ddtree=5.4 weaver=7.1 --budgets ${BUDGETS:-64} --target-step compiled --hf-tokens 0 \
+      --out "$OUT/replay35" "$@" > "$OUT/replay35.log" 2>&1
+    echo "replay35 rc=$?"; log="$OUT/replay35.log"
+    grep -q "^| method" "$log" && sed -n '/^| method/,$p' "$log" | grep "^|\|^replayed" || tail -20 "$log" ;;
   *) echo "unknown part $1" >&2; exit 2 ;;
 esac

@@ -258,3 +258,62 @@ def test_ab_setting_flips_or_sets_each_switch_and_restores_it():
     with setting:
         assert hasattr(drafter[0], _INT8) and label == "int8_drafter=True"
     assert not hasattr(drafter[0], _INT8)
+
+
+def test_a_hub_shape_shrinks_with_its_layer_kinds_and_experts():
+    """--shape-scale / --shape-layers (CPU smoke runs of a hub shape): widths divided alike in the three configs (they
+    still pair), the expert count never below the routed top-k, the first layers kept only when they hold every
+    layer kind; the full shape's configs untouched."""
+    from modeling_weaver.export import HUB_SPECS
+    from modeling_weaver.lab.replay import shrunk_configs
+
+    spec = HUB_SPECS["qwen3.5-35b-a3b"]
+    t = spec.target()
+    d = spec.dflash(t)
+    w = spec.weaver(t, d)
+    assert shrunk_configs(t, d, w) == (t, d, w)
+    st, sd, sw = shrunk_configs(t, d, w, scale=64, layers=4)
+    assert (st.hidden_size, st.num_experts, st.num_experts_per_tok, st.moe_intermediate_size) == (32, 8, 8, 8)
+    assert st.layer_types == t.layer_types[:4] and st.num_hidden_layers == 4 and t.num_hidden_layers == 40
+    assert (st.num_attention_heads, st.linear_num_value_heads) == (t.num_attention_heads, t.linear_num_value_heads)
+    assert sd.hidden_size == sw.d_model == 32 and sd.vocab_size == st.vocab_size == t.vocab_size // 64
+    assert sd.num_target_layers == 4 and sd.target_layer_ids == [0, 1, 2, 3]
+    assert sd.mask_token_id == st.vocab_size - (t.vocab_size - d.mask_token_id) and sd.block_size == d.block_size
+    assert shrunk_configs(t, d, w, layers=12)[1].target_layer_ids == [1, 3, 5, 7, 9]
+    with pytest.raises(ValueError, match="every layer kind"):
+        shrunk_configs(t, d, w, scale=16, layers=3)  # three GDN layers, no attention layer
+    kimi = HUB_SPECS["kimi-linear-48b-a3b"]
+    with pytest.raises(ValueError, match="not supported"):
+        shrunk_configs(kimi.target(), None, None, scale=16)
+    with pytest.raises(ValueError, match="cannot be shrunk"):
+        random_models("tiny", torch.device("cpu"), torch.float32, scale=2)
+
+
+@pytest.mark.parametrize("target_step", ["eager", "static"])
+def test_replay_runs_the_hybrid_moe_shape_shrunk(tmp_path, target_step):
+    """`weaver replay --shape qwen3.5-35b-a3b` (issue #30's table) at the shape shrunk: GDN + gated attention + routed
+    experts with the gated shared expert, every method at budget 64, bf16 as on the GPU, eager and fixed-shape steps
+    (the path compiled / graph steps take, without compile or capture)."""
+    from modeling_weaver.cli import main
+
+    assert main(["replay", "--shape", "qwen3.5-35b-a3b", "--shape-scale", "32", "--shape-layers", "4",
+                 "--synthetic-mal", "chain=4", "ddtree=5.4", "weaver=7.1", "--budgets", "64", "--prompt-length", "8",
+                 "--max-new-tokens", "24", "--target-step", target_step, "--hf-tokens", "0", "--out",
+                 str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "replay.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["ar", "weaver@64", "ddtree@64", "chain@64"]
+    assert all(r["tokens_per_s"] > 0 for r in rows) and all(r["mal"] > 2.5 for r in rows[1:])
+    assert "qwen3.5-35b-a3b (shrunk: widths / 32, first 4 layers), bfloat16" in (tmp_path / "replay.md").read_text()
+
+
+def test_experts_implementation_is_set_on_every_experts_config():
+    """--experts-implementation (the GPU run's fallback should grouped_mm not capture): every MoE layer's experts
+    read the setting; a dense target has none to set."""
+    from modeling_weaver.lab.replay import set_experts_implementation
+
+    target, _, _ = random_models("qwen3.5-35b-a3b", torch.device("cpu"), torch.float32, scale=64, layers=4)
+    experts = [m for m in target.modules() if type(m).__name__.endswith("Experts")]
+    assert len(experts) == 4 and all(m.config._experts_implementation == "grouped_mm" for m in experts)
+    assert set_experts_implementation(target, "batched_mm") >= 1
+    assert all(m.config._experts_implementation == "batched_mm" for m in experts)
+    assert set_experts_implementation(random_models("tiny", torch.device("cpu"), torch.float32)[0], "eager") == 0

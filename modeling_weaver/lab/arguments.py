@@ -106,6 +106,13 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "step and peak memory; figures are 'replayed acceptance'."
     )
     parser.add_argument("--shape", default="qwen3.6-27b", help="a hub_configs folder name, or 'tiny' (CPU smoke runs)")
+    parser.add_argument("--shape-scale", type=positive_int, default=1, metavar="N",
+                        help="smoke runs of a hub shape: divide its widths (hidden, head dims, FFN and expert widths, "
+                             "expert count down to the routed top-k, vocabulary; drafter and Weaver alike) by N, "
+                             "layer kinds, head counts and routing kept")
+    parser.add_argument("--shape-layers", type=positive_int, default=None, metavar="N",
+                        help="smoke runs of a hub shape: keep the target's first N layers (they must hold every "
+                             "layer kind); the drafter's feature layers are spread over them")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", type=existing_file,
                      help="results.json of `weaver bench` (greedy rows give per-step accepted lengths)")
@@ -130,6 +137,10 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                              "and report memory growth over the second generation and the peak (0: skip)")
     parser.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--experts-implementation", default=None, choices=("grouped_mm", "batched_mm", "eager"),
+                        help="MoE targets: transformers' experts implementation for every step (default: the "
+                             "model's own, grouped_mm where it can dispatch; fixed-shape CUDA steps outside bf16 "
+                             "switch to batched_mm by themselves)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--int8-drafter", action="store_true",
                         help="the drafter's linears on int8 weights (modeling_weaver.int8_linears; the lm_head's int8 "

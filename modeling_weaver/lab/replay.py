@@ -15,6 +15,7 @@ verify, accept, commit) and peak GPU memory; it writes ``replay.json`` and ``rep
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import json
@@ -185,13 +186,77 @@ def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str,
     )
 
 
-def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """Random-weight target, DFlash and Weaver of a ``hub_configs`` shape (or ``tiny``), built on ``device``."""
+#: config fields :func:`shrunk_configs` divides (widths; head counts, top-k and block size are kept)
+_WIDTHS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "head_dim",
+           "linear_key_head_dim", "linear_value_head_dim", "vocab_size", "d_model", "d_embed", "d_rank", "mlp_dim",
+           "candidate_pool_size")
+_EXPERT_COUNTS = ("num_experts", "num_local_experts")
+
+
+def shrunk_configs(target_config, dflash_config, weaver_config, scale: int = 1, layers: int | None = None):
+    """Copies of a shape's three configs made smaller for smoke runs (CPU), the structure kept: every width in
+    ``_WIDTHS`` (hidden, head dims, FFN / expert / shared-expert widths, vocabulary, Weaver ranks and pool) divided
+    by ``scale`` (in all three alike, so they still pair), the expert count too (never below the routed top-k);
+    ``layers``: the target's first ``layers`` layers, which must still hold every layer kind (``layer_types``) of
+    the full shape, the drafter's feature layers spread over them. Head counts, top-k, the drafter's depth and
+    block size stay. ``scale=1, layers=None``: the configs themselves."""
+    if scale < 1:
+        raise ValueError(f"shape scale must be a positive integer, got {scale}")
+    if scale == 1 and layers is None:
+        return target_config, dflash_config, weaver_config
+    from ..configuration_dflash import dflash_target_layer_ids
+    from ..pairing import check_pair
+
+    t, d, w = (copy.deepcopy(c) for c in (target_config, dflash_config, weaver_config))
+    text = t.get_text_config() if hasattr(t, "get_text_config") else t
+    if hasattr(text, "linear_attn_config") or getattr(text, "kv_lora_rank", None):
+        raise ValueError(f"shrinking {type(text).__name__} is not supported (latent attention and its KDA widths are "
+                         "not among the widths divided)")
+    vocab = text.vocab_size
+    for config in (text, d, w):
+        for name in _WIDTHS:
+            value = getattr(config, name, None)
+            derived = isinstance(getattr(type(config), name, None), property)  # (Weaver's head_dim)
+            if isinstance(value, int) and not isinstance(value, bool) and not derived:
+                setattr(config, name, max(2, value // scale))
+        for name in _EXPERT_COUNTS:
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 1:
+                setattr(config, name, max(getattr(config, "num_experts_per_tok", 1) or 1, value // scale))
+    if layers is not None and layers != text.num_hidden_layers:
+        kinds = list(getattr(text, "layer_types", None) or [])
+        if not 1 <= layers <= text.num_hidden_layers:
+            raise ValueError(f"shape layers must lie in [1, {text.num_hidden_layers}], got {layers}")
+        if kinds and set(kinds[:layers]) != set(kinds):
+            raise ValueError(f"the first {layers} layers hold {sorted(set(kinds[:layers]))}, not every layer kind of "
+                             f"the shape ({sorted(set(kinds))}): give more layers")
+        if kinds:
+            text.layer_types = kinds[:layers]
+        if getattr(text, "mlp_only_layers", None):
+            text.mlp_only_layers = [i for i in text.mlp_only_layers if i < layers]
+        text.num_hidden_layers = layers
+        d.num_target_layers = layers
+        features = len(d.target_layer_ids)
+        d.target_layer_ids = (dflash_target_layer_ids(layers, min(features, layers)) if layers > features + 2
+                              else list(range(layers))[-min(features, layers):])
+    if d.mask_token_id is not None and d.mask_token_id >= d.vocab_size:  # as far from the end as in the full vocab
+        d.mask_token_id = max(0, d.vocab_size - (vocab - d.mask_token_id))
+    check_pair(t, d, w)
+    return t, d, w
+
+
+def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0, scale: int = 1,
+                  layers: int | None = None):
+    """Random-weight target, DFlash and Weaver of a ``hub_configs`` shape (or ``tiny``), built on ``device`` in
+    ``dtype`` (parameters allocated and initialised there: no host copy). ``scale``, ``layers``: a smaller
+    variant of the shape for smoke runs (:func:`shrunk_configs`)."""
     from ..modeling_dflash import DFlashDraftModel
     from ..modeling_weaver import WeaverModel
 
     torch.manual_seed(seed)
     if shape == "tiny":
+        if scale != 1 or layers is not None:
+            raise ValueError("the tiny shape cannot be shrunk further")
         from ..cli import _tiny_setup
 
         target, drafter, weaver, _, _ = _tiny_setup(seed)
@@ -206,6 +271,7 @@ def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: in
     target_config = spec.target()
     dconfig = spec.dflash(target_config)
     wconfig = spec.weaver(target_config, dconfig)
+    target_config, dconfig, wconfig = shrunk_configs(target_config, dconfig, wconfig, scale, layers)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the final dtype: a 27B target would not fit twice
     try:
@@ -215,6 +281,17 @@ def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: in
     finally:
         torch.set_default_dtype(previous)
     return tuple(m.eval() for m in (target, drafter, weaver))
+
+
+def set_experts_implementation(model: torch.nn.Module, implementation: str) -> int:
+    """Run ``model``'s MoE experts through transformers' ``implementation`` (``grouped_mm``, ``batched_mm``,
+    ``eager``): set on the configs its experts modules read at every call (as
+    :func:`~modeling_weaver.target.capturable_experts` does); returns how many configs were set (0: no MoE)."""
+    configs = {id(c): c for m in model.modules()
+               if hasattr(type(m), "_apply_gate") and (c := getattr(m, "config", None)) is not None}
+    for config in configs.values():
+        config._experts_implementation = implementation
+    return len(configs)
 
 
 @contextlib.contextmanager
@@ -485,11 +562,21 @@ def _parse_mal(items: list[str], modes, budgets) -> dict:
     return mals
 
 
+def _shrunk(args) -> str:
+    """How the run's shape was shrunk (``--shape-scale``, ``--shape-layers``), for its info line."""
+    parts = ([f"widths / {args.shape_scale}"] if args.shape_scale != 1 else []) + (
+        [f"first {args.shape_layers} layers"] if args.shape_layers else [])
+    return f" (shrunk: {', '.join(parts)})" if parts else ""
+
+
 @cli_entry
 def run_replay(args) -> int:
     out = check_output(args.out, [args.trace], args.overwrite)  # before building any model
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    target, drafter, weaver = random_models(args.shape, device, getattr(torch, args.dtype), args.seed)
+    target, drafter, weaver = random_models(args.shape, device, getattr(torch, args.dtype), args.seed,
+                                            args.shape_scale, args.shape_layers)
+    if args.experts_implementation:
+        set_experts_implementation(target, args.experts_implementation)
     if args.int8_drafter:
         from ..packed import int8_linears
 
@@ -520,11 +607,12 @@ def run_replay(args) -> int:
     with written_output(out, [args.trace], args.overwrite, keep_partial=True) as tmp:
         def save(rows, final=False):
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-            info = (f"replayed acceptance — {source}; shape {args.shape}, {args.dtype}, random weights; prompt "
-                    f"{args.prompt_length}, {args.max_new_tokens} new tokens, batch 1; steps {args.target_step}"
-                    f"{' unfused' if args.no_fuse else ''}{'; int8 drafter linears' if args.int8_drafter else ''}"
-                    f"; device "
-                    f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
+            info = (f"replayed acceptance — {source}; shape {args.shape}{_shrunk(args)}, {args.dtype}, random "
+                    f"weights; prompt {args.prompt_length}, {args.max_new_tokens} new tokens, batch 1; steps "
+                    f"{args.target_step}{' unfused' if args.no_fuse else ''}"
+                    f"{'; int8 drafter linears' if args.int8_drafter else ''}"
+                    + (f"; experts {args.experts_implementation}" if args.experts_implementation else "")
+                    + f"; device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}"
                     + (f"; peak memory {peak:.1f} GiB" if peak is not None else "") + limit
                     + f"; decode rates (prefill excluded); {time.strftime('%Y-%m-%d')}"
                     + ("" if final else "; INCOMPLETE (run still going or stopped)"))
@@ -553,4 +641,5 @@ def run_replay(args) -> int:
 
 
 __all__ = ["ReplayedAcceptance", "graph_replay_ms", "load_traces", "memory_check", "random_models", "random_prompt",
-           "fresh_steps", "replay_generate", "run_replay", "synthetic_trace"]
+           "fresh_steps", "replay_generate", "run_replay", "set_experts_implementation",
+           "shrunk_configs", "synthetic_trace"]
