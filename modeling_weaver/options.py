@@ -21,8 +21,8 @@ class TreePolicy:
         spine: start from DFlash's top-1 chain, stepped with the root in one round, then ``spine_rounds`` rounds
             (False: the paper's best-first rounds, one per depth at least).
         spine_rounds: rounds after the spine; a path leaves the spine for at most ``spine_rounds + 1`` Weaver tokens
-            (None: 4 on CUDA, 2 elsewhere — on a CPU each round costs ~4 ms of small ops, more than its acceptance
-            brings).
+            (None: 4 on CUDA, 1 elsewhere — on a CPU each round costs ~2–4 ms of small ops, more than its acceptance
+            brings at the CPU's small trees).
         spine_width: frontier entries per round after the spine (None: ``ceil(budget / 8)``).
         children_per_node: pool candidates each stepped node publishes to the frontier (the expand kernel picks
             them one by one: more costs time per round).
@@ -30,6 +30,9 @@ class TreePolicy:
             (None: half the budget); depth 1 is where most steps stop.
         fused_node_attention: each Weaver layer's RoPE, slot writes and attention as one
             ``weaver_kernels.node_attention`` op (None: on CUDA, where it is one launch instead of ~10).
+        pool_size: DFlash's top candidates per depth that the Weaver scores, at most its ``candidate_pool_size``
+            (None: all of those on CUDA, 32 elsewhere — on a CPU the pool's top-k and lm_head-row gathers are a
+            third of the build, and the small trees a CPU verifies keep the same acceptance from 32).
     """
 
     spine: bool = True
@@ -38,12 +41,21 @@ class TreePolicy:
     children_per_node: int = 8
     root_children: int | None = None
     fused_node_attention: bool | None = None
+    pool_size: int | None = None
+
+    def pool_on(self, device, weaver_pool: int) -> int:
+        """Candidates per depth on ``device`` for a Weaver trained with a pool of ``weaver_pool``."""
+        size = self.pool_size if self.pool_size is not None else (
+            weaver_pool if torch.device(device).type == "cuda" else 32)
+        if size < 1:
+            raise ValueError(f"TreePolicy.pool_size must be >= 1, got {size}")
+        return min(size, weaver_pool)
 
     def rounds_on(self, device) -> int:
         """Rounds after the spine on ``device``."""
         if self.spine_rounds is not None:
             return self.spine_rounds
-        return 4 if torch.device(device).type == "cuda" else 2
+        return 4 if torch.device(device).type == "cuda" else 1
 
     def node_attention_on(self, device) -> bool:
         """Whether Weaver node steps on ``device`` use the fused node attention op."""

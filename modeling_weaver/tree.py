@@ -375,7 +375,7 @@ def weaver_tree_tensors(
     rounds = (policy.rounds_on(device) if rounds is None else rounds) if spine else None
     if spine and max_depth == 1:
         rounds = 0  # every candidate is a leaf: stepping one adds nothing
-    pool = min(weaver.config.candidate_pool_size, draft_logits.shape[-1])
+    pool = min(policy.pool_on(device, weaver.config.candidate_pool_size), draft_logits.shape[-1])
     # [D, pool]: children of depth d+1. topk in the logits' dtype, then fp32 (cheaper than topk over a widened copy)
     pool_logits, pool_ids = draft_logits[:max_depth].topk(pool, dim=-1)
     pool_logits = pool_logits.float()

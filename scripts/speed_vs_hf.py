@@ -33,6 +33,9 @@ def main() -> None:
     ap.add_argument("--spine-rounds", action="append", type=int, default=None, metavar="N",
                     help="Weaver rounds after the spine (TreePolicy.spine_rounds; repeat to compare; default: the "
                          "device's own)")
+    ap.add_argument("--pool-size", action="append", type=int, default=None, metavar="N",
+                    help="DFlash candidates per depth the Weaver scores (TreePolicy.pool_size; repeat to compare; "
+                         "default: the device's own)")
     ap.add_argument("--auto-max-size", type=int, default=None, metavar="N",
                     help='tree_budget="auto": the largest tree it builds (BudgetPolicy.max_size; default its own)')
     args = ap.parse_args()
@@ -42,10 +45,11 @@ def main() -> None:
     models = {folder: tuple(AutoModel.from_pretrained(f"{folder}/{part}", trust_remote_code=True, dtype=dtype)
                             for part in ("dflash", "weaver"))
               for folder in args.pair or [str(DEFAULT_SHIPPED_DRAFTERS)]}
-    rounds, modes = args.spine_rounds or [None], args.mode or ["weaver"]
+    modes = args.mode or ["weaver"]
+    rounds = [(r, pool) for r in args.spine_rounds or [None] for pool in args.pool_size or [None]]
     runs = {(folder, budget, r, mode): pair for folder, pair in models.items() for budget in budgets for r in rounds
             for mode in modes}
-    policy = {r: None if r is None else TreePolicy(spine_rounds=r) for r in rounds}
+    policy = {r: TreePolicy(spine_rounds=r[0], pool_size=r[1]) for r in rounds}
     sizing = {b: BudgetPolicy(max_size=args.auto_max_size) if b == "auto" and args.auto_max_size else None
               for b in budgets}
     warm = torch.tensor([chat_prompt_ids(tokenizer, "Hello")])  # one-time costs (packing, calibration) untimed
@@ -55,7 +59,7 @@ def main() -> None:
                              tree_policy=policy[r], budget_policy=sizing[budget], max_new_tokens=4)
     names = {run: " ".join(x for x in (run[0] if len(models) > 1 else "",
                                        f"budget {run[1]}" if len(budgets) > 1 else "",
-                                       f"rounds {run[2]}" if len(rounds) > 1 else "",
+                                       f"rounds {run[2][0]} pool {run[2][1]}" if len(rounds) > 1 else "",
                                        run[3] if len(modes) > 1 else "") if x) for run in runs}
     ratios = {run: [] for run in runs}
     hf_total, ours_total = 0.0, dict.fromkeys(runs, 0.0)
