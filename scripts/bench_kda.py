@@ -58,6 +58,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from bench_kernels import graph_time_us  # noqa: E402 (this folder: the shared graph timer)
 from weaver_kernels.gdn_tree.chunk import gdn_tree_commit_triton, gdn_tree_verify_triton  # noqa: E402
 from weaver_kernels.gdn_tree.dispatch import verify_form  # noqa: E402
 from weaver_kernels.gdn_tree.naive import gdn_gates, gdn_tree_commit_ref, gdn_tree_verify_ref  # noqa: E402
@@ -163,36 +164,6 @@ def kda_recurrent_tree_verify(q, k, v, g, beta, s0, parents, inter, o, A_log=Non
 def sync():
     if torch.cuda.is_available() and not INTERPRET:
         torch.cuda.synchronize()
-
-
-def graph_time_us(fns, reps, warm=3):
-    """Median per-call µs of ``fns`` (one per layer) replayed as one CUDA graph (as ``bench_kernels.py``)."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    for _ in range(warm):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / len(fns))
-    del g
-    return statistics.median(times)
 
 
 def eager_time_us(fns, reps, warm=3):

@@ -72,31 +72,41 @@ def test_trees_from_builders_never_wait_for_the_device():
         Tree(torch.tensor([1, 2]), torch.tensor([1, -1]), torch.zeros(2))
 
 
-def test_rounds_after_the_spine_follow_the_device(monkeypatch):
-    """TreePolicy.spine_rounds None: 4 rounds after the spine on CUDA, 1 elsewhere (each round is ~2-4 ms of small ops
-    on a CPU); a value given is used everywhere. A CPU build steps the spine round and then that many rounds."""
+def _tiny_weaver_build():
+    """``(weaver, build(policy, budget))``: a Weaver tree builder over fixed random inputs of a tiny Llama pair."""
     from test_generate import make_drafters
     from tiny_targets import TINY_TARGETS
 
-    from modeling_weaver.options import TreePolicy
     from modeling_weaver.tree import weaver_tree_tensors
 
-    assert TreePolicy().rounds_on("cpu") == 1 and TreePolicy().rounds_on(torch.device("cuda", 0)) == 4
-    assert TreePolicy(spine_rounds=3).rounds_on("cpu") == 3 == TreePolicy(spine_rounds=3).rounds_on("cuda")
     target = TINY_TARGETS["llama"]()
     _, weaver = make_drafters(target)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(7, target.config.hidden_size, generator=gen)
     logits = torch.randn(7, target.config.vocab_size, generator=gen)
     prompt = weaver.encode_prompt(torch.randn(1, target.config.hidden_size, generator=gen), hidden[None])
+
+    def build(policy, budget):
+        with torch.no_grad():
+            return weaver_tree_tensors(3, weaver, prompt, logits, target.get_input_embeddings(),
+                                       target.get_output_embeddings().weight, budget, policy=policy)
+    return weaver, build
+
+
+def test_rounds_after_the_spine_follow_the_device(monkeypatch):
+    """TreePolicy.spine_rounds None: 4 rounds after the spine on CUDA, 1 elsewhere (each round is ~2-4 ms of small ops
+    on a CPU); a value given is used everywhere. A CPU build steps the spine round and then that many rounds."""
+    from modeling_weaver.options import TreePolicy
+
+    assert TreePolicy().rounds_on("cpu") == 1 and TreePolicy().rounds_on(torch.device("cuda", 0)) == 4
+    assert TreePolicy(spine_rounds=3).rounds_on("cpu") == 3 == TreePolicy(spine_rounds=3).rounds_on("cuda")
+    weaver, build = _tiny_weaver_build()
     steps = []
     real = weaver.step
     monkeypatch.setattr(weaver, "step", lambda *a, **k: steps.append(1) or real(*a, **k))
     for policy, rounds in ((TreePolicy(), 1), (TreePolicy(spine_rounds=4), 4)):
         steps.clear()
-        with torch.no_grad():
-            weaver_tree_tensors(3, weaver, prompt, logits, target.get_input_embeddings(),
-                                target.get_output_embeddings().weight, 16, policy=policy)
+        build(policy, 16)
         assert len(steps) == 1 + rounds, (policy, steps)
 
 
@@ -104,31 +114,21 @@ def test_the_pool_follows_the_device(monkeypatch):
     """TreePolicy.pool_size None: the Weaver's whole pool on CUDA, 32 candidates per depth elsewhere, never more than
     the Weaver's own; a CPU build scores that many per depth, and a size below 1 is refused."""
     import pytest
-    from test_generate import make_drafters
-    from tiny_targets import TINY_TARGETS
 
     import weaver_kernels
     from modeling_weaver.options import TreePolicy
-    from modeling_weaver.tree import weaver_tree_tensors
 
     assert TreePolicy().pool_on("cpu", 512) == 32 and TreePolicy().pool_on(torch.device("cuda", 0), 512) == 512
     assert TreePolicy().pool_on("cpu", 16) == 16 and TreePolicy(pool_size=64).pool_on("cuda", 512) == 64
     assert TreePolicy(pool_size=1024).pool_on("cpu", 512) == 512
     with pytest.raises(ValueError, match="pool_size"):
         TreePolicy(pool_size=0).pool_on("cpu", 512)
-    target = TINY_TARGETS["llama"]()
-    _, weaver = make_drafters(target)
-    gen = torch.Generator().manual_seed(0)
-    hidden = torch.randn(7, target.config.hidden_size, generator=gen)
-    logits = torch.randn(7, target.config.vocab_size, generator=gen)
-    prompt = weaver.encode_prompt(torch.randn(1, target.config.hidden_size, generator=gen), hidden[None])
+    weaver, build = _tiny_weaver_build()
     widths = []
     real = weaver_kernels.pool_scores
     monkeypatch.setattr(weaver_kernels, "pool_scores", lambda q, r, ids, *a: widths.append(ids.shape[1]) or
                         real(q, r, ids, *a))
     for policy, width in ((TreePolicy(), min(32, weaver.config.candidate_pool_size)), (TreePolicy(pool_size=5), 5)):
         widths.clear()
-        with torch.no_grad():
-            tokens, parents, _ = weaver_tree_tensors(3, weaver, prompt, logits, target.get_input_embeddings(),
-                                                     target.get_output_embeddings().weight, 8, policy=policy)
+        _, parents, _ = build(policy, 8)
         assert set(widths) == {width} and (parents >= -1).all(), (policy, widths)
