@@ -72,12 +72,9 @@ from weaver_kernels.kda_tree.naive import (  # noqa: E402
 )
 from weaver_kernels.testing import (  # noqa: E402
     ancestor_mask,
-    best_first_parents,
-    chain_parents,
-    deep_path_parents,
-    depths,
     path_to,
     rel_rms,
+    tree_of_kind,
 )
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -208,16 +205,7 @@ def timed(fns, reps):
 
 # ---------------------------------------------------------------------------------------------------------- inputs
 def make_tree(T, kind, seed):
-    rng = random.Random(seed)
-    if kind == "chain":
-        parents = chain_parents(T)
-    elif kind == "deep15":  # a depth-15 spine (a block drafter's deepest tree) with side branches
-        parents = deep_path_parents(T, rng, depth=15)
-    else:
-        parents = best_first_parents(T, rng, max_depth=15)
-    dep = depths(parents)
-    leaf = max(range(T), key=lambda i: (dep[i], i))
-    return parents, dep, leaf
+    return tree_of_kind(T, kind, random.Random(seed))
 
 
 def make_layer(T, H, K, seed, dev, raw):

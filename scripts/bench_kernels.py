@@ -51,13 +51,10 @@ from weaver_kernels.gdn_tree.chunk import (
 from weaver_kernels.gdn_tree.naive import gdn_tree_commit_ref, gdn_tree_verify_ref
 from weaver_kernels.testing import (
     ancestor_mask,
-    best_first_parents,
-    chain_parents,
-    deep_path_parents,
-    depths,
     gdn_inputs,
     path_to,
     rel_rms,
+    tree_of_kind,
 )
 
 H, HV, K, V = 16, 48, 128, 128
@@ -130,15 +127,7 @@ def timed(name, fns, reps, graph=True):
 
 
 def make_layers(T, kind, n_layers, seed):
-    rng = random.Random(seed)
-    if kind == "chain":
-        parents = chain_parents(T)
-    elif kind == "deep15":  # a depth-15 spine (a block drafter's deepest tree) with side branches
-        parents = deep_path_parents(T, rng, depth=15)
-    else:
-        parents = best_first_parents(T, rng, max_depth=15)
-    dep = depths(parents)
-    leaf = max(range(T), key=lambda i: (dep[i], i))
+    parents, dep, leaf = tree_of_kind(T, kind, random.Random(seed))
     path = torch.tensor(path_to(parents, leaf), device="cuda")
     mask = ancestor_mask(parents, "cuda")
     par_t = torch.tensor(parents, device="cuda")

@@ -80,6 +80,19 @@ def best_first_parents(T: int, rng: random.Random, max_depth: int = 15, temperat
     return parents
 
 
+def tree_of_kind(T: int, kind: str, rng: random.Random) -> tuple[list[int], list[int], int]:
+    """``(parents, depths, deepest leaf)`` of a benchmark tree of ``T`` nodes: ``chain``, ``deep15`` (a depth-15
+    spine, a block drafter's deepest tree, with side branches) or ``best_first`` (depth at most 15)."""
+    if kind == "chain":
+        parents = chain_parents(T)
+    elif kind == "deep15":
+        parents = deep_path_parents(T, rng, depth=15)
+    else:
+        parents = best_first_parents(T, rng, max_depth=15)
+    dep = depths(parents)
+    return parents, dep, max(range(T), key=lambda i: (dep[i], i))
+
+
 def ancestor_mask(parents: list[int] | torch.Tensor, device=None) -> torch.Tensor:
     """``[T, T]`` bool ancestor-or-self mask."""
     par = parents.tolist() if isinstance(parents, torch.Tensor) else list(parents)
