@@ -58,7 +58,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench_kernels import graph_time_us  # noqa: E402 (this folder: the shared graph timer)
+from bench_kernels import eager_time_us as cuda_eager_time_us  # noqa: E402 (this folder: the shared timers)
+from bench_kernels import graph_time_us  # noqa: E402
 from weaver_kernels.gdn_tree.chunk import gdn_tree_commit_triton, gdn_tree_verify_triton  # noqa: E402
 from weaver_kernels.gdn_tree.dispatch import verify_form  # noqa: E402
 from weaver_kernels.gdn_tree.naive import gdn_gates, gdn_tree_commit_ref, gdn_tree_verify_ref  # noqa: E402
@@ -164,25 +165,18 @@ def sync():
 
 
 def eager_time_us(fns, reps, warm=3):
-    """Median µs of single eager calls (CUDA events; wall clock under the interpreter, where it means nothing)."""
+    """Median µs of single eager calls (``bench_kernels.py``'s CUDA events; the wall clock under the interpreter,
+    where it means nothing)."""
+    if not INTERPRET:
+        return cuda_eager_time_us(fns, reps, warm)
     for _ in range(warm):
         for f in fns:
             f()
-    sync()
     times = []
     for r in range(reps):
-        f = fns[r % len(fns)]
-        if INTERPRET:
-            t0 = time.perf_counter()
-            f()
-            times.append((time.perf_counter() - t0) * 1e6)
-            continue
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        f()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3)
+        t0 = time.perf_counter()
+        fns[r % len(fns)]()
+        times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
 
 
