@@ -332,7 +332,8 @@ def weaver_tree_tensors(
 
     With ``spine`` (default ``policy.spine``) the depth comes first and the rounds are few: the first round runs the
     root together with the chain of DFlash's top-1 tokens (the pool's first candidate at every depth, as a plain DFlash
-    chain), all in one batched node step, since a node's step needs only its ancestors' tokens. Then ``rounds`` rounds
+    chain; its deepest node is not stepped, as its step would publish nothing), all in one batched node step, since a
+    node's step needs only its ancestors' tokens. Then ``rounds`` rounds
     (default ``policy.rounds_on(device)``) of ``width`` (default ``policy.spine_width``) frontier entries each; the
     tree is the ``budget`` most probable paths among every node stepped and every frontier candidate
     (:func:`best_known`), so spine nodes the Weaver finds unlikely are left out; the root also offers its next best
@@ -340,7 +341,7 @@ def weaver_tree_tensors(
     tree takes 1 + 4 node steps instead of 16. The price: off the spine, a path can follow the Weaver's own choices for
     at most ``rounds + 1`` tokens (best-first rounds: to the maximum depth), which costs some acceptance on text
     accepted deeply (docs/DESIGN.md §4). A round may also take a frontier entry at the maximum depth, whose step adds
-    nothing (it publishes no candidates); at maximum depth 1 the spine's step is the only one.
+    nothing (it publishes no candidates); at maximum depth 1 the spine's step, of the root alone, is the only one.
 
     Args:
         root: the bonus token (an int, or a 0-d or one-element tensor on the device).
@@ -421,10 +422,17 @@ def weaver_tree_tensors(
         mask[:hi, :hi].copy_(torch.ones(hi, hi, dtype=torch.bool, device=device).tril())
     # (with a spine every stepped node's children are candidates, the last round's too: the tree is picked after)
     while lo < hi:
-        d = depth[lo:hi]
-        x = node_table[tokens[lo:hi]] if node_table is not None else weaver.node_inputs(embed_tokens(tokens[lo:hi]))
-        query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), mask[None, lo:hi], attend=attend)[0]
+        # The spine's deepest node is at the maximum depth: its step would publish nothing (its score comes from its
+        # parent's row), so it is not stepped and its row of scores is a placeholder the expand op never publishes.
+        stepped = hi - 1 if spine and lo == 0 and spine_nodes > 0 else hi
+        d = depth[lo:stepped]
+        x = (node_table[tokens[lo:stepped]] if node_table is not None
+             else weaver.node_inputs(embed_tokens(tokens[lo:stepped])))
+        query = weaver.step(prompt, cache, x[None], d[None], slice(lo, stepped), mask[None, lo:stepped],
+                            attend=attend)[0]
         cand = weaver_kernels.pool_scores(query, d.clamp(max=max_depth - 1), pool_ids, pool_logits, lm_head_weight)
+        if stepped < hi:
+            cand = torch.cat([cand, cand.new_zeros(hi - stepped, cand.shape[1])])
         if spine and lo == 0:  # (scores in hand: the root's leaves are picked from the same row)
             root_leaves = _root_leaves(cand[0], pool_ids[0], fan,
                                        budget // 2 if policy.root_children is None else policy.root_children)

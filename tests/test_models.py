@@ -600,7 +600,8 @@ def _teacher_forced_logp(weaver, prompt, embed, lm_head, tokens, pool_ids, pool_
     (7, 0, None, 8, 3.0), (16, 2, None, 8, 3.0), (30, 2, 3, 8, 3.0), (12, 1, 5, 8, 3.0),
     (16, 2, None, 12, 0.1), (30, 1, 3, 32, 0.3)])
 def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width, root, scale, monkeypatch):
-    """Spine trees (``spine=True``): one node step for the root and DFlash's chain together, then ``rounds`` steps of
+    """Spine trees (``spine=True``): one node step for the root and DFlash's chain together (but its deepest node,
+    whose children could not join), then ``rounds`` steps of
     ``width`` nodes; the tree equals a plain search written out here — the Weaver's log-probs of every path recomputed
     by teacher forcing, the chain's nodes stepped, each stepped node's ``fan`` best children (the chain child not
     twice) as candidates, each round stepping the best unstepped candidates, the root's next best children up to
@@ -616,7 +617,7 @@ def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width, root, 
             tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width,
                                spine=True, rounds=rounds, policy=TreePolicy(root_children=root))
         used = width or -(-budget // 8)
-        assert steps == [6] + [used] * rounds, steps
+        assert steps == [5] + [used] * rounds, steps  # (the spine's deepest node: never stepped)
         pool_logits, pool_ids = draft_logits.float().topk(16, dim=-1)
         fan, max_depth = 8, 5
 
@@ -662,7 +663,7 @@ def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width, root, 
 
 def test_weaver_spine_tree_arguments():
     """``rounds`` goes with spine trees only and is not negative; at maximum depth 1 every candidate is a leaf, so the
-    spine's step is the only one."""
+    spine's step is the only one, and it steps the root alone (its one spine node publishes nothing)."""
     weaver, embed, lm_head, prompt, draft_logits = _tree_inputs(0, depth=1, scale=1.0)
     with torch.no_grad():
         for bad in (dict(spine=True, rounds=-1), dict(spine=False, rounds=2)):
@@ -670,7 +671,7 @@ def test_weaver_spine_tree_arguments():
                 weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=8, **bad)
         with _counted_steps(weaver) as steps:
             tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=8, spine=True, rounds=3)
-    assert steps == [2] and (tree.depths[1:] == 1).all() and (tree.parents[1:] == 0).all()
+    assert steps == [1] and (tree.depths[1:] == 1).all() and (tree.parents[1:] == 0).all()
 
 
 def test_weaver_spine_tree_when_the_chain_is_certain():
