@@ -185,6 +185,16 @@ def merge_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return merged
 
 
+def output_features(linear: torch.nn.Module) -> int:
+    """The width of what ``linear`` returns on this process: its ``out_features``, or under tensor parallelism this
+    rank's share (a colwise-sharded projection returns its local shard), found by calling it on one zero row."""
+    weight = linear.weight
+    if type(weight.data) is torch.Tensor:
+        return linear.out_features
+    with torch.no_grad():
+        return linear(torch.zeros(1, 1, linear.in_features, device=weight.device, dtype=weight.dtype)).shape[-1]
+
+
 def _hooked(module: torch.nn.Module) -> bool:
     """Whether calling ``module`` does more than its class's forward (hooks, global hooks, a patched forward)."""
     return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
@@ -301,16 +311,17 @@ class AttentionLayerCache:
 
     def __init__(self, attn: torch.nn.Module, config, max_length: int, device, dtype):
         self.attn = attn
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = attn.head_dim
+        # Qwen3.5 packs a per-head output gate next to each query head.
+        self.gated = attn.q_proj.out_features == 2 * config.num_attention_heads * self.head_dim
+        # this rank's heads: all of them, or its shard under tensor parallelism (colwise q/k/v, rowwise o_proj)
+        self.num_heads = output_features(attn.q_proj) // (self.head_dim * (2 if self.gated else 1))
+        self.num_kv_heads = output_features(attn.k_proj) // self.head_dim
         # Mistral's attention reads the window from its config; the others carry their layer's own (None: full)
         window = (attn.sliding_window if hasattr(attn, "sliding_window")
                   else getattr(attn.config, "sliding_window", None))
         self.sliding_window = int(window or 0)
         self.sinks = getattr(attn, "sinks", None)  # GPT-OSS: a logit per head in each softmax's denominator
-        # Qwen3.5 packs a per-head output gate next to each query head.
-        self.gated = attn.q_proj.out_features == 2 * self.num_heads * self.head_dim
         self.apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.qkv = SharedInputLinears(attn.q_proj, attn.k_proj, attn.v_proj)
         self.qk_norm = (fused_norm(attn.q_norm, dtype), fused_norm(attn.k_norm, dtype)) if hasattr(attn, "q_norm") \

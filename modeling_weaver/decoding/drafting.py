@@ -84,6 +84,10 @@ def draft_head(target, dtype: torch.dtype, int8: bool | None = None) -> DraftHea
     int8 = StepOptions(int8_head=int8).int8_head_on(weight.device)
     if not int8 and weight.dtype == dtype:  # the weight itself: nothing to cache
         return DraftHead(weight, bias, dtype, module=head)
+    if type(weight.data) is not torch.Tensor:
+        # a tensor-subclass weight (a DTensor of a tensor-parallel target, a quantized one) is applied by its module,
+        # in its own dtype: no copy of it is made
+        return DraftHead(weight, bias, weight.dtype, module=head)
     key = (id(weight), dtype, int8)
     cached = _DRAFT_HEADS.get(key)
     if cached is None or cached[0] != weight._version or cached[1].weight is not weight:
@@ -92,6 +96,25 @@ def draft_head(target, dtype: torch.dtype, int8: bool | None = None) -> DraftHea
         with torch.no_grad():
             _DRAFT_HEADS[key] = cached = (weight._version, DraftHead(weight, bias, dtype, int8))
     return cached[1]
+
+
+_FULL_WEIGHTS: dict = {}  # id(weight) → (weight version, weight weakref, its whole value as a plain tensor)
+
+
+def full_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as a plain tensor the Weaver can gather rows of: itself, or for a DTensor (a tensor-parallel
+    target's lm_head or embedding, split over the ranks) its whole value, gathered once and kept with the weight (one
+    replicated copy per rank; a collective, which every rank's identical loop reaches in the same order)."""
+    if type(weight.data) is torch.Tensor:
+        return weight
+    key = id(weight)
+    cached = _FULL_WEIGHTS.get(key)
+    if cached is None or cached[0] != weight._version or cached[1]() is not weight:
+        if cached is None:
+            weakref.finalize(weight, _FULL_WEIGHTS.pop, key, None)
+        with torch.no_grad():
+            _FULL_WEIGHTS[key] = cached = (weight._version, weakref.ref(weight), weight.detach().full_tensor())
+    return cached[2]
 
 
 class DFlashRunner:
@@ -166,7 +189,7 @@ class EagerProposer(Proposer):
             hidden, logits = self.runner.draft(bonus, context, n, depths=self.budget)
         with timed("tree"):
             tree = with_root(bonus, tree_drafts(self.mode, bonus, hidden, logits, self.budget, self.weaver,
-                                                last_hidden, self.embed_tokens, self.lm_head.weight,
+                                                last_hidden, self.embed_tokens, full_weight(self.lm_head.weight),
                                                 policy=self.policy))
         return Proposal(hidden, logits, tree)
 
@@ -321,7 +344,7 @@ class StaticDraft:
         """``weaver.node_input_table`` of this target's embedding, made once per Weaver (its proposers share it)."""
         key = ("node_table", id(weaver))
         if key not in self._steps:  # (the Weaver kept with it: its id stays its own)
-            self._steps[key] = (weaver, weaver.node_input_table(self.embed_tokens.weight))
+            self._steps[key] = (weaver, weaver.node_input_table(full_weight(self.embed_tokens.weight)))
         return self._steps[key][1]
 
     def proposer(self, mode: str, budget: int, weaver=None, shape_logits=None, compile: bool = False,
@@ -367,6 +390,7 @@ class StaticProposer(Proposer):
         self.key = self.key_of(mode, budget, weaver, shape_logits, compile, policy)  # of this proposer's graph too
         self._forward = compile_static(self._draft_and_tree) if compile else self._draft_and_tree
         self.feature_layer_ids, self.block_size = draft.feature_layer_ids, draft.block_size
+        self.lm_head_weight = full_weight(draft.lm_head.weight)  # (gathered before any capture)
         self.last_hidden = torch.zeros(draft.lm_head.weight.shape[1], device=draft.device,
                                        dtype=draft.lm_head.weight.dtype)
 
@@ -380,7 +404,7 @@ class StaticProposer(Proposer):
         if self.shape_logits is not None:
             logits = self.shape_logits(logits)
         drafts = tree_drafts(self.mode, self.draft.bonus[0], hidden, logits, self.budget, self.weaver,
-                             self.last_hidden, self.draft.embed_tokens, self.draft.lm_head.weight, self.node_table,
+                             self.last_hidden, self.draft.embed_tokens, self.lm_head_weight, self.node_table,
                              self.policy)
         return hidden, logits, drafts
 
