@@ -185,6 +185,30 @@ def merge_rows(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return merged
 
 
+def module_device(module: torch.nn.Module, default: torch.device) -> torch.device:
+    """Where ``module`` computes: the device of its first parameter or buffer (a layer that accelerate's ``device_map``
+    put on one GPU of several), or ``default`` for a module with neither."""
+    tensor = next(module.parameters(), None)
+    tensor = next(module.buffers(), None) if tensor is None else tensor
+    return default if tensor is None else tensor.device
+
+
+class Hops:
+    """One step's tensors on each device a target split over devices needs them on: ``hops(t, device)`` is ``t``
+    itself on its own device, else one copy per device for the step (every layer on that device reads the same)."""
+
+    def __init__(self):
+        self.copies: dict = {}
+
+    def __call__(self, t, device: torch.device):
+        if t is None or t.device == device:
+            return t
+        key = (id(t), device)
+        if key not in self.copies:
+            self.copies[key] = (t, t.to(device))  # (t kept: its id stays its own for the step)
+        return self.copies[key][1]
+
+
 def output_features(linear: torch.nn.Module) -> int:
     """The width of what ``linear`` returns on this process: its ``out_features``, or under tensor parallelism this
     rank's share (a colwise-sharded projection returns its local shard), found by calling it on one zero row."""
@@ -634,23 +658,29 @@ class TargetAdapter:
         if bad:
             raise ValueError(f"feature layer ids {bad} are outside the target's {num_layers} layers")
         param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        # Home: the input embedding's device, where the prompt and every tensor the loop reads live. A target that
+        # accelerate's device_map split over devices runs each layer (and its cache) on that layer's own device.
+        self.device, self.dtype = self.embed_tokens.weight.device, param.dtype
+        self.layer_devices = [module_device(layer, self.device) for layer in decoder.layers]
+        self.head_device = self.lm_head.weight.device
+        self.norm_device = module_device(decoder.norm, self.device)
+        self.devices = set(self.layer_devices) | {self.device, self.head_device, self.norm_device}
         before = weights_key(model)  # (the merges below may move weights)
         self.layer_caches = []
-        for layer in decoder.layers:
+        for layer, device in zip(decoder.layers, self.layer_devices):
             attn = getattr(layer, "self_attn", None)
             if hasattr(layer, "linear_attn"):
-                self.layer_caches.append(GatedDeltaNetLayerCache(layer.linear_attn, self.device, self.dtype, options))
+                self.layer_caches.append(GatedDeltaNetLayerCache(layer.linear_attn, device, self.dtype, options))
             elif hasattr(attn, "forget_gate"):  # Kimi Linear keeps both of its layer kinds in `self_attn`
-                self.layer_caches.append(KimiDeltaAttentionLayerCache(attn, self.device, self.dtype))
+                self.layer_caches.append(KimiDeltaAttentionLayerCache(attn, device, self.dtype))
             elif hasattr(attn, "kv_a_proj_with_mqa"):
-                self.layer_caches.append(LatentAttentionLayerCache(attn, config, max_length, self.device, self.dtype))
+                self.layer_caches.append(LatentAttentionLayerCache(attn, config, max_length, device, self.dtype))
             else:
-                self.layer_caches.append(AttentionLayerCache(attn, config, max_length, self.device, self.dtype))
+                self.layer_caches.append(AttentionLayerCache(attn, config, max_length, device, self.dtype))
         self.mlps = [mlp_forward(layer.mlp) for layer in decoder.layers]
         self.attention_windows = sorted({c.sliding_window for c in self.layer_caches
                                          if isinstance(c, (AttentionLayerCache, LatentAttentionLayerCache))})
-        if self.device.type == "cuda" and before != weights_key(model):
+        if any(d.type == "cuda" for d in self.devices) and before != weights_key(model):
             # the weights' old blocks are too small for the allocator to reuse: give them back (else a large target
             # keeps a large share of the device reserved that nothing uses)
             torch.cuda.empty_cache()
@@ -660,6 +690,7 @@ class TargetAdapter:
         takes_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         self.rope_types = list(config.layer_types) if takes_type else None
         self.decoder_rotary = rotary
+        self.rotary_device = self.device if rotary is None else module_device(rotary, self.device)
         self.logit_softcap = getattr(config, "final_logit_softcapping", None)
         # Gated DeltaNet layers verify at most this many nodes at once on this device (None: no limit).
         self.max_tree_nodes = weaver_kernels.max_tree_nodes(self.device) if self.hybrid else None
@@ -732,37 +763,43 @@ class TargetAdapter:
         x = self.embed_tokens(tokens[None])
         if self.decoder_rotary is None:
             ropes = [None] * len(self.layer_caches)
-        elif self.rope_types is None:
-            ropes = [self.decoder_rotary(x, positions)] * len(self.layer_caches)
         else:
-            by_type = {t: self.decoder_rotary(x, positions, t) for t in dict.fromkeys(self.rope_types)}
-            ropes = [by_type[t] for t in self.rope_types]
+            rx, rpos = x.to(self.rotary_device), positions.to(self.rotary_device)  # (no copies on one device)
+            if self.rope_types is None:
+                ropes = [self.decoder_rotary(rx, rpos)] * len(self.layer_caches)
+            else:
+                by_type = {t: self.decoder_rotary(rx, rpos, t) for t in dict.fromkeys(self.rope_types)}
+                ropes = [by_type[t] for t in self.rope_types]
         slots = self.length_t + torch.arange(N, device=self.device)
         visible = self.attention_masks(tree_mask, bound, depths)
         features = {}
-        layers = zip(self.mlps, self.layer_caches, self.layer_norms, ropes)
-        for i, (mlp, cache, (norm_in, norm_attn_out, norm_mlp_in, norm_mlp_out), rope) in enumerate(layers):
+        hop = Hops()  # (a target on one device: every hop is the tensor itself)
+        layers = zip(self.mlps, self.layer_caches, self.layer_norms, ropes, self.layer_devices)
+        for i, (mlp, cache, (norm_in, norm_attn_out, norm_mlp_in, norm_mlp_out), rope, dev) in enumerate(layers):
+            x = hop(x, dev)
             h = norm_in(x)
             if isinstance(cache, RECURRENT_CACHES):
                 a = (cache.forward_token(h) if advance
-                     else cache.forward_tree(h, tree_mask, parents, self.max_tree_depth))
+                     else cache.forward_tree(h, hop(tree_mask, dev), hop(parents, dev), self.max_tree_depth))
             else:
-                a = cache.forward_tree(h, rope, tree_mask, self.length_t, slots, bound, depths,
-                                       visible.get(cache.sliding_window))
+                rope = None if rope is None else tuple(hop(t, dev) for t in rope)
+                a = cache.forward_tree(h, rope, hop(tree_mask, dev), hop(self.length_t, dev), hop(slots, dev), bound,
+                                       hop(depths, dev), hop(visible.get(cache.sliding_window), dev))
             x = x + (a if norm_attn_out is None else norm_attn_out(a))
             m = mlp(norm_mlp_in(x))
             x = x + (m if norm_mlp_out is None else norm_mlp_out(m))
             if i in self.feature_layer_ids:
                 features[i] = x
-        hidden = self.final_norm(x)
+        hidden = self.final_norm(hop(x, self.norm_device))
         if len(self.layer_caches) - 1 in features:
             # transformers' hidden_states[L] (what drafters are trained on) is the final-normed output
             features[len(self.layer_caches) - 1] = hidden
-        feats = torch.cat([features[i] for i in self.feature_layer_ids], -1)[0] if features else None
-        logits = self.lm_head(hidden)[0]
+        feats = (torch.cat([hop(features[i], self.device) for i in self.feature_layer_ids], -1)[0] if features
+                 else None)
+        logits = self.lm_head(hop(hidden, self.head_device))[0]
         if self.logit_softcap is not None:  # (Gemma3ForCausalLM's, in its order of ops)
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
-        return TreeOutput(logits=logits, hidden=hidden[0], features=feats)
+        return TreeOutput(logits=hop(logits, self.device), hidden=hop(hidden, self.device)[0], features=feats)
 
     def attention_masks(self, tree_mask: torch.Tensor, bound: int, depths: torch.Tensor) -> dict[int, torch.Tensor]:
         """The step's ``[N, bound]`` tree-attention masks, one per sliding window among the attention layers (0: full
@@ -800,11 +837,12 @@ class TargetAdapter:
         count = (path >= 0).sum()
         rows = self.length_t + path.clamp(min=0)
         dst = self.length_t + torch.arange(path.shape[0], device=self.device)
-        for cache in self.layer_caches:
+        hop = Hops()
+        for cache, dev in zip(self.layer_caches, self.layer_devices):
             if isinstance(cache, RECURRENT_CACHES):
-                cache.commit(path)
+                cache.commit(hop(path, dev))
             else:
-                cache.commit(rows, dst)
+                cache.commit(hop(rows, dev), hop(dst, dev))
         self.length_t += count
         return count
 

@@ -82,6 +82,12 @@ class Tree:
         return Tree(*rooted(self.tokens[:1], (self.tokens[1:], self.parents[1:], self.logq[1:]), num_nodes),
                     check_root=False)
 
+    def to(self, device) -> Tree:
+        """This tree on ``device`` (itself when it is there already)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        return Tree(self.tokens.to(device), self.parents.to(device), self.logq.to(device), check_root=False)
+
     def children(self) -> list[list[int]]:
         """Children of every node, in node order."""
         return children_of(self.parents.tolist())
@@ -380,6 +386,10 @@ def weaver_tree_tensors(
     # [D, pool]: children of depth d+1. topk in the logits' dtype, then fp32 (cheaper than topk over a widened copy)
     pool_logits, pool_ids = draft_logits[:max_depth].topk(pool, dim=-1)
     pool_logits = pool_logits.float()
+    pool_rows, lm_head_rows = pool_ids, lm_head_weight
+    if lm_head_weight.device != device:  # (a target split over devices: only the pool's rows of its lm_head come over)
+        lm_head_rows = lm_head_weight[pool_ids.flatten().to(lm_head_weight.device)].to(device)
+        pool_rows = torch.arange(pool_ids.numel(), device=device).view_as(pool_ids)
     fan = min(policy.children_per_node if children_per_node is None else children_per_node, pool)
     n = 1 + spine_nodes + rounds * width if spine else budget + 1
     cache = weaver.new_node_cache(n, device=device)
@@ -430,7 +440,7 @@ def weaver_tree_tensors(
              else weaver.node_inputs(embed_tokens(tokens[lo:stepped])))
         query = weaver.step(prompt, cache, x[None], d[None], slice(lo, stepped), mask[None, lo:stepped],
                             attend=attend)[0]
-        cand = weaver_kernels.pool_scores(query, d.clamp(max=max_depth - 1), pool_ids, pool_logits, lm_head_weight)
+        cand = weaver_kernels.pool_scores(query, d.clamp(max=max_depth - 1), pool_rows, pool_logits, lm_head_rows)
         if stepped < hi:
             cand = torch.cat([cand, cand.new_zeros(hi - stepped, cand.shape[1])])
         if spine and lo == 0:  # (scores in hand: the root's leaves are picked from the same row)

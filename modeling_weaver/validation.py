@@ -170,10 +170,32 @@ def _check_model(name: str, model) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{name}= must be a loaded {slot[name]} (a torch module), got {type(model).__name__}")
     meta = next((n for n, p in model.named_parameters() if p.is_meta), None)
+    if meta is not None and any(hasattr(m, "_hf_hook") for m in model.modules()):
+        raise ValueError(f"{name}= has weights offloaded by accelerate (e.g. '{meta}' on the meta device, fetched at "
+                         "each call): the tree loop reads every layer's weights where they live. Load it with a "
+                         "device_map that gives every layer a device (no 'cpu'/'disk' offload next to GPUs), or on "
+                         "one device")
     if meta is not None:
         raise ValueError(f"{name}= has parameters on the meta device (e.g. '{meta}'): its weights were never loaded. "
                          "Load it with from_pretrained (without device_map='meta' / init_empty_weights) or "
                          "load_state_dict(..., assign=True) first")
+
+
+def _device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _check_devices(target, input_ids, drafter, weaver) -> None:
+    """The prompt sits with the target's input embedding (the first layer of a target split by device_map), and a
+    Weaver with the drafter whose hidden states it reads; the drafter itself may sit on any of the target's
+    devices."""
+    home = target.get_input_embeddings().weight.device
+    if input_ids.device != home:
+        raise ValueError(f"input_ids is on {input_ids.device} but the target's input embedding is on {home}: move the "
+                         f"prompt there (input_ids.to('{home}'))")
+    if weaver is not None and _device_of(weaver) != _device_of(drafter):
+        raise ValueError(f"weaver= is on {_device_of(weaver)} but drafter= on {_device_of(drafter)}: the Weaver reads "
+                         "the drafter's hidden states, so put both on one device")
 
 
 def _check_eos(target, eos_token_id) -> None:
@@ -221,6 +243,7 @@ def check_call(target, input_ids, *, drafter, weaver, mode: str, tree_budget: in
         _check_model("weaver", weaver)
     elif mode == "weaver":
         raise ValueError('mode="weaver" needs a Weaver adapter: pass weaver=WeaverModel, or use mode="ddtree"/"chain"')
+    _check_devices(target, input_ids, drafter, weaver if mode == "weaver" else None)
     check_pair(
         target.config, drafter.config, weaver.config if weaver is not None else None,
         target_vocab_size=target.get_output_embeddings().weight.shape[0],

@@ -45,3 +45,79 @@ def test_tensor_parallel_target_is_lossless(family, tmp_path):
         assert seen["identical"] == {"chain": True, "ddtree": True, "weaver": True, "custom_generate": True}
         assert seen["greedy"] == single
     assert ranks[0]["sampled"] == ranks[1]["sampled"] and len(ranks[0]["sampled"]) == len(single)
+
+
+def _split_map(target, devices) -> dict:
+    """A device_map that puts the embedding and the first layers on ``devices[0]`` and the rest, the final norm and
+    lm_head on ``devices[1]`` (the rotary embedding with the first)."""
+    n = len(target.model.layers)
+    cut = n // 2
+    placement = {"model.embed_tokens": devices[0], "model.rotary_emb": devices[0], "model.norm": devices[1],
+                 "lm_head": devices[1]}
+    placement.update({f"model.layers.{i}": devices[0] if i < cut else devices[1] for i in range(n)})
+    return placement
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_accelerate_dispatched_target_is_lossless(family):
+    """A target dispatched by accelerate (its alignment hooks on every layer, as ``device_map`` loading installs
+    them; here every layer on the CPU): the adapter calls the hooked modules as they are, and every mode stays
+    token-identical to ``target.generate``."""
+    from accelerate import dispatch_model
+
+    target = {"qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5}[family]()
+    drafter, weaver = make_drafters(target)
+    ids = prompts(3)[2]
+    expected = reference(target, ids, 40)
+    dispatch_model(target, _split_map(target, ["cpu", "cpu"]), force_hooks=True)
+    assert hasattr(target.model.layers[0], "_hf_hook")
+    for mode in ("chain", "ddtree", "weaver"):
+        out = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
+                                   max_new_tokens=40)
+        assert torch.equal(out, expected), mode
+
+
+def test_offloaded_target_is_refused_by_name(tmp_path):
+    """Layers that accelerate offloads to disk (weights on the meta device, fetched by a hook at each call) are refused
+    with an error that says so and what to do, before any step runs."""
+    from accelerate import dispatch_model
+
+    target = tiny_qwen3()
+    drafter, weaver = make_drafters(target)
+    placement = _split_map(target, ["cpu", "cpu"])
+    placement["model.layers.2"] = "disk"
+    dispatch_model(target, placement, offload_dir=str(tmp_path))
+    assert target.model.layers[2].mlp.gate_proj.weight.is_meta
+    with pytest.raises(ValueError, match="offloaded by accelerate.*model.layers.2"):
+        speculative_generate(target, prompts(1)[0], drafter=drafter, weaver=weaver, max_new_tokens=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("drafter_on", [0, 1])
+def test_device_map_target_over_two_gpus_is_lossless(family, drafter_on):
+    """A target split over two GPUs (embedding and first layers on cuda:0, the rest and lm_head on cuda:1): the
+    eager loop runs each layer and its cache on its own device, with the drafter and Weaver on either GPU, and every
+    mode is token-identical to ``target.generate`` on that split target; fixed-shape
+    steps are refused by name; a prompt away from the embedding and a Weaver away from its drafter are refused."""
+    from accelerate import dispatch_model
+
+    target = {"qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5}[family]()
+    drafter, weaver = make_drafters(target)
+    dispatch_model(target, _split_map(target, ["cuda:0", "cuda:1"]))
+    assert {p.device.index for p in target.parameters()} == {0, 1}
+    ids = prompts(3)[2].to("cuda:0")
+    expected = reference(target, ids, 48)
+    drafter, weaver = drafter.to(f"cuda:{drafter_on}"), weaver.to(f"cuda:{drafter_on}")
+    for mode in ("chain", "ddtree", "weaver"):
+        out = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
+                                   max_new_tokens=48)
+        assert torch.equal(out, expected), mode
+    with pytest.raises(ValueError, match="target_step"):
+        speculative_generate(target, ids, drafter=drafter, weaver=weaver, target_step="graph", max_new_tokens=4)
+    with pytest.raises(ValueError, match="input embedding"):
+        speculative_generate(target, ids.to("cuda:1"), drafter=drafter, weaver=weaver, max_new_tokens=4)
+    with pytest.raises(ValueError, match="one device"):
+        speculative_generate(target, ids, drafter=drafter, weaver=weaver.to(f"cuda:{1 - drafter_on}"), mode="weaver",
+                             max_new_tokens=4)

@@ -54,6 +54,7 @@ class DraftHead:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, int8: bool = False,
                  module: torch.nn.Module | None = None):
         self._weight, self.dtype, self.int8, self.module = weakref.ref(weight), dtype, int8, module
+        self.device = weight.device
         cast = (lambda t: t if t is None or t.dtype == dtype else t.detach().to(dtype))
         self.cast_bias = cast(bias)
         self.cast_weight = None if int8 else cast(weight)
@@ -66,6 +67,8 @@ class DraftHead:
         return self._weight()
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.device != self.device:  # (a drafter beside a target split over devices: the head's device and back)
+            return self(hidden.to(self.device)).to(hidden.device)
         if self.module is not None:
             return self.module(hidden.to(self.dtype))
         if not self.int8:
@@ -117,6 +120,15 @@ def full_weight(weight: torch.Tensor) -> torch.Tensor:
     return cached[2]
 
 
+def embedding_on(embed_tokens: torch.nn.Module, device: torch.device):
+    """``embed_tokens`` called from ``device``: itself where it lives there, else a callable that sends the ids to
+    its device and the embeddings back (a drafter or Weaver beside a target that device_map split over devices)."""
+    home = embed_tokens.weight.device
+    if home == device:
+        return embed_tokens
+    return lambda ids: embed_tokens(ids.to(home)).to(device)
+
+
 class DFlashRunner:
     """Drives a DFlash drafter across steps: its KV cache of projected context, block inputs and the target's lm_head.
 
@@ -130,9 +142,11 @@ class DFlashRunner:
         self.embed_tokens = target.get_input_embeddings()
         self.block_size = drafter.config.block_size
         self.feature_layer_ids = list(drafter.config.target_layer_ids)
-        self.dtype = next(drafter.parameters()).dtype
+        param = next(drafter.parameters())
+        self.device, self.dtype = param.device, param.dtype
         self.head = draft_head(target, self.dtype, options.int8_head)
         self.cache = drafter.new_cache()
+        self.embed = embedding_on(self.embed_tokens, self.device)
 
     def draft(self, bonus: int, context: torch.Tensor, n: int, depths: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,11 +154,11 @@ class DFlashRunner:
         features of the positions ``n-C..n-1`` not yet in the drafter's cache. Returns the drafter's hidden states
         and marginal logits for depths ``1..B-1`` (``[B-1, H]``, ``[B-1, V]``); logits for the first ``depths``
         depths only when given (a tree of budget b uses no deeper ones: the lm_head is most of a draft's cost)."""
-        device = self.head.weight.device
-        block = self.drafter.block_embeddings(torch.tensor([bonus], device=device), self.embed_tokens).to(self.dtype)
+        device = self.device
+        block = self.drafter.block_embeddings(torch.tensor([bonus], device=device), self.embed).to(self.dtype)
         position_ids = torch.arange(n - context.shape[0], n + self.block_size, device=device)[None]
         hidden = self.drafter(
-            noise_embedding=block, target_hidden=context[None].to(self.dtype), position_ids=position_ids,
+            noise_embedding=block, target_hidden=context[None].to(device, self.dtype), position_ids=position_ids,
             past_key_values=self.cache, use_cache=True,
         )[0, 1:]
         self.drafter.crop_cache(self.cache, n)  # block K/V never persist
@@ -182,16 +196,19 @@ class EagerProposer(Proposer):
         self.weaver = weaver if mode == "weaver" else None
         self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         self.block_size, self.feature_layer_ids = runner.block_size, runner.feature_layer_ids
+        self.home = self.embed_tokens.weight.device  # (the target's tokens: where the tree is verified)
 
     def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor,
                 timed=untimed) -> Proposal:
         with timed("draft"):
             hidden, logits = self.runner.draft(bonus, context, n, depths=self.budget)
         with timed("tree"):
+            # built where the drafter put its drafts (the Weaver sits with the drafter), verified at home
             tree = with_root(bonus, tree_drafts(self.mode, bonus, hidden, logits, self.budget, self.weaver,
-                                                last_hidden, self.embed_tokens, full_weight(self.lm_head.weight),
-                                                policy=self.policy))
-        return Proposal(hidden, logits, tree)
+                                                last_hidden.to(hidden.device),
+                                                embedding_on(self.embed_tokens, hidden.device),
+                                                full_weight(self.lm_head.weight), policy=self.policy))
+        return Proposal(hidden, logits, tree.to(self.home))
 
 
 class DFlashStaticCache:

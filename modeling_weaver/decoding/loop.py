@@ -258,6 +258,10 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
     if auto is not None:  # (first: a fixed-shape calibration runs the generation's own steps, which are reset below)
         costs = step_costs(target, runner, weaver, mode, sizes, tree_policy, step_options, auto, target_step)
         sizer = AutoBudget(auto, costs, auto.choices(sizes, target_step), depth)
+    if target_step != "eager" and len({p.device for p in target.parameters()}) > 1:
+        raise ValueError(f'target_step="{target_step}" needs a target on one device; this one is split over '
+                         f'{sorted(str(d) for d in {p.device for p in target.parameters()})} (device_map): use '
+                         f'target_step="eager", which runs each layer where it lives (CUDA graphs capture one device)')
     if target_step == "eager":
         verifier = TargetAdapter(target, max_length=max_length, feature_layer_ids=runner.feature_layer_ids,
                                  max_tree_depth=depth, options=step_options)
