@@ -10,6 +10,8 @@
 #   run                        bash scripts/gpu_check.sh auto                    # budget auto vs fixed (#29)
 #   run carry=[".whl"]         bash scripts/gpu_check.sh kda [bench_kda args]    # KDA table (issue #31), ≤ 5 min
 #   run                        bash scripts/gpu_check.sh replay35 [replay args]  # Qwen3.5-35B-A3B shape (#30), ≤ 9 min
+#   run kind=nvidia-h200-x2 carry=[".whl"]  bash scripts/gpu_check.sh two_gpus  # device_map, tp_plan (#33), ≤ 8 min
+#   run kind=nvidia-h200-x2    bash scripts/gpu_check.sh replay2 [replay args]   # 27B shape on 1 vs 2 GPUs (#33)
 #
 # Every job runs under `timeout` and writes into $OUT, so a call always brings back what finished.
 set -u
@@ -19,7 +21,7 @@ in_tree() {  # run "$2..." with the code of tree $1 (this repo: .) on the path
   local tree=$1; shift
   (cd "$tree" && PYTHONPATH=$PWD:$PWD/kernels "$@")
 }
-case ${1:?suite|kernels|replay|auto|kda|replay35} in
+case ${1:?suite|kernels|replay|auto|kda|replay35|two_gpus|replay2} in
   suite) shift
     timeout ${SUITE_S:-540} python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-suite.xml" "$@" \
       2>&1 | tail -40 ;;
@@ -54,6 +56,30 @@ case ${1:?suite|kernels|replay|auto|kda|replay35} in
     PYTHONPATH=$site:$PWD:$PWD/kernels timeout ${KDA_S:-300} python3 scripts/bench_kda.py --out "$OUT/kda" "$@" \
       > "$OUT/kda.log" 2>&1
     echo "kda rc=$?"; grep -q '^device:' "$OUT/kda.log" && sed -n '/^device:/,$p' "$OUT/kda.log" || tail -30 "$OUT/kda.log" ;;
+  two_gpus)  # issue #33 on two GPUs: device_map split targets (the GPU tests) and tp_plan="auto" under torchrun (NCCL)
+    timeout ${SUITE_S:-240} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_distributed_targets.py \
+      --junitxml="$OUT/two-gpus.xml" 2>&1 | tail -15
+    # tp_plan with the machine's transformers, then with a carried wheel (.whl/transformers-*.whl) if there is one
+    sites=(""); whl=$(ls .whl/transformers-*.whl 2>/dev/null | head -1)
+    [ -n "$whl" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/tf-site "$whl" \
+      > "$OUT/tf-pip.log" 2>&1 && sites+=("/tmp/tf-site")
+    for site in "${sites[@]}"; do
+      for family in qwen3 qwen3_5; do
+        run="$OUT/tp-$family${site:+-carried}"; mkdir -p "$run"
+        PYTHONPATH=$site:$PWD:$PWD/kernels:$PWD/tests timeout 120 python3 -c "import sys, tiny_targets as t; \
+          getattr(t, 'tiny_' + sys.argv[1])().save_pretrained(sys.argv[2])" $family "$run/target" &&
+        PYTHONPATH=$site:$PWD:$PWD/kernels timeout ${TP_S:-150} python3 -m torch.distributed.run --standalone \
+          --nproc_per_node 2 tests/tp_worker.py "$run/target" "$run" > "$run.log" 2>&1
+        echo "tp $family ${site:+(carried transformers)} rc=$?"
+        if ls "$run"/rank-*.json > /dev/null 2>&1; then cut -c1-400 "$run"/rank-*.json; else tail -20 "$run.log"; fi
+        rm -rf "$run/target"
+      done
+    done ;;
+  replay2) shift  # issue #33: the Qwen3.6-27B shape on one GPU and spread over two by device_map, eager steps
+    in_tree . timeout ${REPLAY_S:-540} python3 -m modeling_weaver.cli replay --devices 1 2 --target-step eager \
+      --synthetic-mal chain=4 ddtree=5.4 weaver=7.1 --modes weaver --budgets 64 --max-new-tokens 128 \
+      --hf-tokens 32 --out "$OUT/replay2" "$@" > "$OUT/replay2.log" 2>&1
+    echo "replay2 rc=$?"; grep "^|" "$OUT/replay2.log" | tail -8; grep "^replayed" "$OUT/replay2.log" | cut -c1-600 ;;
   replay35) shift  # issue #30: the Qwen3.5-35B-A3B-shape replay (hybrid GDN + MoE), this tree only; as the 27B part
     # (bf16, compiled steps in CUDA graphs, budget 64); extra args go last (a fallback: --target-step graph, or
     # --experts-implementation batched_mm should grouped_mm not capture)

@@ -25,7 +25,7 @@ STEP_MODULES = ["accept.py", "generate.py", "modeling_dflash.py", "modeling_weav
 
 #: Module-level names that are state by design, each with why: caches keyed by what they cache, and constant tables.
 ALLOWED = {
-    "_DRAFT_HEADS": "cache of lm_head copies, keyed by (weight, dtype, int8)",
+    "_WEIGHT_COPIES": "cache of weights in other forms (draft heads by dtype and int8, gathered DTensors), weak keys",
     "_STATIC_TARGETS": "cache of fixed-shape steps per model, keyed by capacity, tree size and StepOptions",
     "_SCRATCH": "kernels' scratch buffers per device and shape",
     "_PACKED_COPIES": "packed CPU weights kept between generations, per module (weak keys), each following its weight",
@@ -157,7 +157,7 @@ def test_the_scans_fail_on_planted_violations(tmp_path):
         "MAX_TREE_BUDGET = 4096\n"
         "TREE_MEMORY_SHARE = 0.25\n"
         "DEFAULT_POLICY = TreePolicy()\n"
-        "_DRAFT_HEADS: dict = {}\n"
+        "_WEIGHT_COPIES: dict = {}\n"
         "class GatedDeltaNetLayerCache:\n"
         "    peel_root = True\n"
         "    block = 16\n"

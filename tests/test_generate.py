@@ -525,17 +525,17 @@ def test_bf16_drafter_with_fp32_target_stays_exact(target_step):
     import gc
     import weakref
 
-    from modeling_weaver.decoding.drafting import _DRAFT_HEADS
+    from modeling_weaver.decoding.drafting import _WEIGHT_COPIES
     from modeling_weaver.decoding.step_cache import release_static_targets
 
     weight = weakref.ref(target.get_output_embeddings().weight)
     key = (id(weight()), torch.bfloat16, False)
-    assert key in _DRAFT_HEADS and draft_head(target, torch.float32, int8=False).weight is weight()  # (not cached)
+    assert key in _WEIGHT_COPIES and draft_head(target, torch.float32, int8=False).weight is weight()  # (not cached)
     release_static_targets(target)  # (fixed-shape steps live as long as their models, or until released)
     release_static_targets(drafter)
     del target, drafter, weaver, head
     gc.collect()
-    assert weight() is None and key not in _DRAFT_HEADS
+    assert weight() is None and key not in _WEIGHT_COPIES
 
 
 @pytest.mark.parametrize("target_step", ["eager", "static"])

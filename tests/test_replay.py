@@ -317,3 +317,38 @@ def test_experts_implementation_is_set_on_every_experts_config():
     assert set_experts_implementation(target, "batched_mm") >= 1
     assert all(m.config._experts_implementation == "batched_mm" for m in experts)
     assert set_experts_implementation(random_models("tiny", torch.device("cpu"), torch.float32)[0], "eager") == 0
+
+
+def test_spread_map_splits_the_layers_in_order_and_covers_every_weight(tmp_path):
+    """`weaver replay --devices N` (issue #33's table): the device_map puts the embedding first, the layers in order
+    in even runs, the norm and lm_head last, and covers every parameter (a ForCausalLM, and Qwen3.5's multimodal
+    wrapper whose vision tower goes first); on a machine without the GPUs it asks for, the run stops at once."""
+    from tiny_targets import tiny_qwen3
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from modeling_weaver.cli import main
+    from modeling_weaver.lab.replay import spread_map
+
+    def covered(model, placement):
+        return all(any(name == key or name.startswith(key + ".") for key in placement)
+                   for name, _ in model.named_parameters())
+
+    target = tiny_qwen3()
+    placement = spread_map(target, ["a", "b", "c"])
+    assert [placement[f"model.layers.{i}"] for i in range(3)] == ["a", "b", "c"]
+    assert placement["model.embed_tokens"] == "a" and placement["model.norm"] == placement["lm_head"] == "c"
+    assert covered(target, placement)
+    config = Qwen3_5Config(text_config=dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                            linear_value_head_dim=8),
+                           vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                                              out_hidden_size=32))
+    wrapped = Qwen3_5ForConditionalGeneration(config)
+    placement = spread_map(wrapped, ["a", "b"])
+    assert placement["model.visual"] == "a" and placement["lm_head"] == "b"
+    assert [placement[f"model.language_model.layers.{i}"] for i in range(4)] == ["a", "a", "b", "b"]
+    assert covered(wrapped, placement)
+    with pytest.raises(ValueError, match="--devices 1 2 spreads the target over that many GPUs"):
+        main(["--traceback", "replay", "--shape", "tiny", "--synthetic-mal", "chain=2", "--devices", "1", "2",
+              "--target-step", "eager", "--out", str(tmp_path / "out")])

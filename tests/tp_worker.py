@@ -1,4 +1,5 @@
-"""One rank of a tensor-parallel target run by ``test_distributed_targets.py`` (``torchrun``, gloo, CPU).
+"""One rank of a tensor-parallel target run by ``test_distributed_targets.py`` (``torchrun``: gloo on CPU, NCCL on
+GPUs, one per rank).
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/tp_worker.py TARGET_DIR OUT_DIR
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import transformers
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -33,14 +35,15 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     attn = next(layer.self_attn for layer in target.model.layers if hasattr(layer, "self_attn"))
     weight = attn.k_proj.weight
-    seen = {"rank": rank, "world": world, "k_proj": type(weight).__name__,
+    seen = {"rank": rank, "world": world, "transformers": transformers.__version__, "k_proj": type(weight).__name__,
             "k_local_rows": weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0],
             "k_rows": weight.shape[0]}
     cache = next(c for c in TargetAdapter(target, 64).layer_caches if isinstance(c, AttentionLayerCache))
     seen["kv_heads_here"] = cache.num_kv_heads
     seen["kv_heads"] = target.config.num_key_value_heads
-    drafter, weaver = make_drafters(target)  # (the same seed on every rank: the same drafters)
-    ids = torch.tensor([[5, 9, 17, 3, 44, 21, 8]])
+    home = target.get_input_embeddings().weight.device  # (CPU under gloo; this rank's GPU under NCCL)
+    drafter, weaver = (m.to(home) for m in make_drafters(target))  # (one seed on every rank: the same drafters)
+    ids = torch.tensor([[5, 9, 17, 3, 44, 21, 8]], device=home)
     expected = reference(target, ids, NEW_TOKENS)
     seen["identical"] = {}
     for mode in ("chain", "ddtree", "weaver"):
@@ -56,6 +59,7 @@ def main() -> None:
                                    generator=torch.Generator().manual_seed(7))
     seen["sampled"] = sampled[0].tolist()
     seen["greedy"] = expected[0].tolist()
+    seen["device"] = str(home)
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(seen))
     dist.barrier()
     dist.destroy_process_group()

@@ -33,7 +33,20 @@ def untimed(phase: str):
     return contextlib.nullcontext()
 
 
-_DRAFT_HEADS: dict = {}  # (id(weight), dtype, int8) → (weight version, DraftHead)
+_WEIGHT_COPIES: dict = {}  # (id(weight), *what) → (weight version, weight weakref, the copy)
+
+
+def copy_of(weight: torch.Tensor, what: tuple, make):
+    """``make(weight)`` — a copy in another form (dtype, int8, gathered) — kept with the weight: made again after
+    in-place updates of it, dropped with it (the cache holds the weight weakly: a copy never keeps a target alive)."""
+    key = (id(weight), *what)
+    cached = _WEIGHT_COPIES.get(key)
+    if cached is None or cached[0] != weight._version or cached[1]() is not weight:
+        if cached is None:
+            weakref.finalize(weight, _WEIGHT_COPIES.pop, key, None)  # the copy goes with the weight
+        with torch.no_grad():
+            _WEIGHT_COPIES[key] = cached = (weight._version, weakref.ref(weight), make(weight))
+    return cached[2]
 
 
 class DraftHead:
@@ -91,17 +104,7 @@ def draft_head(target, dtype: torch.dtype, int8: bool | None = None) -> DraftHea
         # a tensor-subclass weight (a DTensor of a tensor-parallel target, a quantized one) is applied by its module,
         # in its own dtype: no copy of it is made
         return DraftHead(weight, bias, weight.dtype, module=head)
-    key = (id(weight), dtype, int8)
-    cached = _DRAFT_HEADS.get(key)
-    if cached is None or cached[0] != weight._version or cached[1].weight is not weight:
-        if cached is None:
-            weakref.finalize(weight, _DRAFT_HEADS.pop, key, None)  # the copy goes with the weight
-        with torch.no_grad():
-            _DRAFT_HEADS[key] = cached = (weight._version, DraftHead(weight, bias, dtype, int8))
-    return cached[1]
-
-
-_FULL_WEIGHTS: dict = {}  # id(weight) → (weight version, weight weakref, its whole value as a plain tensor)
+    return copy_of(weight, (dtype, int8), lambda w: DraftHead(w, bias, dtype, int8))
 
 
 def full_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -110,14 +113,7 @@ def full_weight(weight: torch.Tensor) -> torch.Tensor:
     replicated copy per rank; a collective, which every rank's identical loop reaches in the same order)."""
     if type(weight.data) is torch.Tensor:
         return weight
-    key = id(weight)
-    cached = _FULL_WEIGHTS.get(key)
-    if cached is None or cached[0] != weight._version or cached[1]() is not weight:
-        if cached is None:
-            weakref.finalize(weight, _FULL_WEIGHTS.pop, key, None)
-        with torch.no_grad():
-            _FULL_WEIGHTS[key] = cached = (weight._version, weakref.ref(weight), weight.detach().full_tensor())
-    return cached[2]
+    return copy_of(weight, ("full",), lambda w: w.detach().full_tensor())
 
 
 def embedding_on(embed_tokens: torch.nn.Module, device: torch.device):

@@ -136,6 +136,10 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="CUDA: afterwards, generate this many tokens twice with the first mode at the last budget "
                              "and report memory growth over the second generation and the peak (0: skip)")
     parser.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--devices", type=positive_int, nargs="+", default=[1], metavar="N",
+                        help="spread the target's layers over the first N GPUs with accelerate's device_map (the "
+                             "drafter and Weaver beside its lm_head), each N a pass of the whole suite in this run, "
+                             "rows marked '(N GPUs)'; more than one needs --target-step eager")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--experts-implementation", default=None, choices=("grouped_mm", "batched_mm", "eager"),
                         help="MoE targets: transformers' experts implementation for every step (default: the "

@@ -283,6 +283,42 @@ def random_models(shape: str, device: torch.device, dtype: torch.dtype, seed: in
     return tuple(m.eval() for m in (target, drafter, weaver))
 
 
+def spread_map(target, devices: list) -> dict:
+    """A ``device_map`` that spreads ``target``'s decoder layers evenly over ``devices`` in order: everything before
+    the layers (embedding, rotary, any vision tower) on the first, the final norm and lm_head on the last."""
+    decoder = target.model
+    decoder = getattr(decoder, "language_model", decoder)  # (Qwen3.5's text model inside its multimodal wrapper)
+    names = {module: name for name, module in target.named_modules()}
+    placement, node, path = {}, target, names[decoder].split(".")
+    for depth in range(len(path)):  # the decoder's ancestors: their other children go first (lm_head last)
+        for child_name, child in node.named_children():
+            if child_name != path[depth]:
+                placement[names[child]] = devices[-1] if child is target.get_output_embeddings() else devices[0]
+        node = getattr(node, path[depth])
+    count = len(decoder.layers)
+    for child_name, child in decoder.named_children():
+        if child_name == "layers":
+            placement.update({f"{names[child]}.{i}": devices[i * len(devices) // count] for i in range(count)})
+        else:
+            placement[names[child]] = devices[-1] if child_name == "norm" else devices[0]
+    return placement
+
+
+def spread_over(target, drafter, weaver, devices: list) -> None:
+    """``target`` dispatched by accelerate over ``devices`` (:func:`spread_map`; one device: moved there whole),
+    the drafter and Weaver beside its lm_head."""
+    from accelerate import dispatch_model
+    from accelerate.hooks import remove_hook_from_submodules
+
+    remove_hook_from_submodules(target)
+    if len(devices) == 1:
+        target.to(devices[0])
+    else:
+        dispatch_model(target, spread_map(target, devices))
+    for model in (drafter, weaver):
+        model.to(devices[-1])
+
+
 def set_experts_implementation(model: torch.nn.Module, implementation: str) -> int:
     """Run ``model``'s MoE experts through transformers' ``implementation`` (``grouped_mm``, ``batched_mm``,
     ``eager``): set on the configs its experts modules read at every call (as
@@ -403,10 +439,11 @@ class FirstTokenClock:
 
 
 def random_prompt(target, length: int, seed: int = 0) -> torch.Tensor:
-    """``[1, length]`` random token ids on the target's device (the same for every method of a run)."""
+    """``[1, length]`` random token ids on the device of the target's input embedding (the same for every method of
+    a run)."""
     vocab = target.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
-    return ids.to(next(target.parameters()).device)
+    return ids.to(target.get_input_embeddings().weight.device)
 
 
 def memory_check(target, drafter, weaver, trace: list[int], mode: str, budget: int, prompt_len: int, tokens: int,
@@ -437,9 +474,14 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
     unfused steps ("split": per-phase times). ``on_row(rows)`` is called after every row (save as you go).
     ``tree_policy``, ``step_options``: the settings every method runs with (AR: the step options)."""
     on_row = on_row or (lambda rows: None)
-    device = next(target.parameters()).device
+    device = target.get_input_embeddings().weight.device  # (the loop's home, where acceptance runs)
     ids = random_prompt(target, prompt_len, seed)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    used = {p.device for p in target.parameters()} | {p.device for p in drafter.parameters()}
+
+    def sync():  # every GPU the run uses (a target spread over several: the last layers finish last)
+        for d in used:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
 
     def timed(fn, prompt_puts: int = 0):
         """``fn(warm, streamer)`` after a warm-up call; ``(its output, decode seconds, prefill seconds)``, both from
@@ -573,6 +615,14 @@ def _shrunk(args) -> str:
 def run_replay(args) -> int:
     out = check_output(args.out, [args.trace], args.overwrite)  # before building any model
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.devices != [1]:  # (checked before building: a 27B target takes a while)
+        if device.type != "cuda" or max(args.devices) > torch.cuda.device_count():
+            raise ValueError(f"--devices {' '.join(map(str, args.devices))} spreads the target over that many GPUs; "
+                             f"this machine has {torch.cuda.device_count() if device.type == 'cuda' else 0}")
+        if args.target_step != "eager":
+            raise ValueError("--devices spreads the target with device_map, whose steps run eager: pass "
+                             "--target-step eager (CUDA graphs capture one device)")
+        device = torch.device("cuda", 0)
     target, drafter, weaver = random_models(args.shape, device, getattr(torch, args.dtype), args.seed,
                                             args.shape_scale, args.shape_layers)
     if args.experts_implementation:
@@ -623,9 +673,20 @@ def run_replay(args) -> int:
             (tmp / "replay.json").write_text(json.dumps({"info": info, "args": settings, "rows": rows}, indent=1))
             return table, info
 
-        rows = run_replay_suite(target, drafter, weaver, traces, args.modes, args.budgets, args.prompt_length,
-                                args.max_new_tokens, args.target_step, args.seed, args.hf_tokens, not args.no_fuse,
-                                args.split, on_row=save)
+        rows = []
+        for count in args.devices:  # (one pass of the suite per count, the rows of all of them in one table)
+            if args.devices != [1]:
+                spread_over(target, drafter, weaver, [torch.device("cuda", i) for i in range(count)])
+            done = list(rows)
+            label = f" ({count} GPU{'s' if count > 1 else ''})" if args.devices != [1] else ""
+
+            def on_row(part, done=done, label=label):
+                rows[:] = done + [{**r, "method": r["method"] + label, "devices": count} for r in part]
+                save(rows)
+
+            run_replay_suite(target, drafter, weaver, traces, args.modes, args.budgets, args.prompt_length,
+                             args.max_new_tokens, args.target_step, args.seed, args.hf_tokens, not args.no_fuse,
+                             args.split, on_row=on_row)
         table, info = save(rows, final=True)
         print(table)
         print(info)
@@ -642,4 +703,4 @@ def run_replay(args) -> int:
 
 __all__ = ["ReplayedAcceptance", "graph_replay_ms", "load_traces", "memory_check", "random_models", "random_prompt",
            "fresh_steps", "replay_generate", "run_replay", "set_experts_implementation",
-           "shrunk_configs", "synthetic_trace"]
+           "shrunk_configs", "spread_map", "spread_over", "synthetic_trace"]
