@@ -81,6 +81,9 @@ class StepOptions:
             (:func:`~modeling_weaver.packed.generation_packing`; not in compiled steps): MKL re-packs a weight on
             every call, most of a decoding GEMM's time. The packed copies are kept aside for the next call. None: on,
             when they fit in a quarter of the available memory (:func:`~modeling_weaver.packed.packing_fits`).
+        tp_drafter: under tensor parallelism (several ranks of a ``torch.distributed`` group), ``"replicated"``:
+            every rank drafts the same tree from the same inputs, no collective; ``"rank0"``: rank 0 drafts and
+            broadcasts the tree, the other ranks' drafters never run (two broadcasts per step).
     """
 
     int8_head: bool | None = None
@@ -89,6 +92,11 @@ class StepOptions:
     peel_root: bool = True
     neumann: bool = True
     packed_linears: bool | None = None
+    tp_drafter: str = "replicated"
+
+    def __post_init__(self):
+        if self.tp_drafter not in ("replicated", "rank0"):
+            raise ValueError(f'StepOptions.tp_drafter must be "replicated" or "rank0", got {self.tp_drafter!r}')
 
     def int8_head_on(self, device) -> bool:
         """Whether drafters on ``device`` project with the int8 head."""

@@ -32,8 +32,8 @@ def _tp_run(target, tmp_path: Path) -> list[dict]:
 def test_tensor_parallel_target_is_lossless(family, tmp_path):
     """A tiny Qwen3 (attention) and Qwen3.5 (hybrid GDN + gated attention) target loaded with ``tp_plan="auto"`` on two
     ranks: its k/v projections hold half the rows on each rank and our attention caches half the KV heads; greedy
-    output in every mode (and through ``generate(custom_generate=...)``) equals ``target.generate``'s on that same
-    split target, and equals the one-process greedy output; sampling with one seed gives every rank the same text
+    output in every mode (the drafter replicated, or on rank 0 with the tree broadcast; and through
+    ``generate(custom_generate=...)``) equals ``target.generate``'s on that same split target, and equals the one-process greedy output; sampling with one seed gives every rank the same text
     (the ranks never disagree about a tree or a token)."""
     target = {"qwen3": tiny_qwen3, "qwen3_5": tiny_qwen3_5}[family]()
     ranks = _tp_run(target, tmp_path)
@@ -42,9 +42,26 @@ def test_tensor_parallel_target_is_lossless(family, tmp_path):
         assert seen["world"] == 2 and seen["k_proj"] == "DTensor"
         assert seen["k_local_rows"] * 2 == seen["k_rows"]
         assert seen["kv_heads_here"] * 2 == seen["kv_heads"]
-        assert seen["identical"] == {"chain": True, "ddtree": True, "weaver": True, "custom_generate": True}
+        assert seen["identical"] == {"chain": True, "ddtree": True, "weaver": True, "ddtree rank0": True,
+                                     "weaver rank0": True, "custom_generate": True}
         assert seen["greedy"] == single
+    assert ranks[0]["drafter_calls_rank0"] > 0 and ranks[1]["drafter_calls_rank0"] == 0  # (rank 1 only received)
     assert ranks[0]["sampled"] == ranks[1]["sampled"] and len(ranks[0]["sampled"]) == len(single)
+
+
+def test_tp_drafter_choice_is_checked_and_needs_ranks():
+    """``StepOptions.tp_drafter`` takes "replicated" or "rank0" (anything else is refused by name); in one process
+    (no process group) "rank0" changes nothing."""
+    from modeling_weaver.options import StepOptions
+
+    with pytest.raises(ValueError, match="tp_drafter"):
+        StepOptions(tp_drafter="rank1")
+    target = tiny_qwen3()
+    drafter, weaver = make_drafters(target)
+    ids = prompts(2)[1]
+    out = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="weaver", max_new_tokens=24,
+                               step_options=StepOptions(tp_drafter="rank0"))
+    assert torch.equal(out, reference(target, ids, 24))
 
 
 def _split_map(target, devices) -> dict:

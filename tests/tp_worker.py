@@ -5,8 +5,8 @@ GPUs, one per rank).
 
 Loads the saved tiny target with ``tp_plan="auto"`` (transformers' tensor parallelism on DTensor), checks that its
 attention projections really are split, runs ``target.generate`` greedy as the reference, then our loop in every mode
-(and through ``generate(custom_generate=...)``, and sampling with one seed on every rank), and writes what it saw to
-``OUT_DIR/rank-N.json`` for the test to judge.
+(the drafter replicated, and on rank 0 alone with the tree broadcast; through ``generate(custom_generate=...)``; and
+sampling with one seed on every rank), and writes what it saw to ``OUT_DIR/rank-N.json`` for the test to judge.
 """
 
 import json
@@ -23,6 +23,7 @@ from test_generate import make_drafters, reference  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from modeling_weaver import generate, speculative_generate  # noqa: E402
+from modeling_weaver.options import StepOptions  # noqa: E402
 from modeling_weaver.target import AttentionLayerCache, TargetAdapter  # noqa: E402
 
 NEW_TOKENS = 48
@@ -50,6 +51,14 @@ def main() -> None:
         out = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
                                    max_new_tokens=NEW_TOKENS)
         seen["identical"][mode] = torch.equal(out, expected)
+    calls = []
+    hook = drafter.register_forward_hook(lambda *_: calls.append(1))
+    for mode in ("ddtree", "weaver"):  # rank 0 drafts, the others receive its tree
+        out = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget=12,
+                                   max_new_tokens=NEW_TOKENS, step_options=StepOptions(tp_drafter="rank0"))
+        seen["identical"][f"{mode} rank0"] = torch.equal(out, expected)
+    hook.remove()
+    seen["drafter_calls_rank0"] = len(calls)
     out = target.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=generate, drafter=drafter,
                           weaver=weaver, mode="weaver", tree_budget=12, max_new_tokens=NEW_TOKENS, do_sample=False,
                           pad_token_id=0)

@@ -91,15 +91,19 @@ class DraftHead:
         return weaver_kernels.int8_linear(hidden.to(self.dtype), self.quantised, self.scale, self.cast_bias)
 
 
-def draft_head(target, dtype: torch.dtype, int8: bool | None = None) -> DraftHead:
+def draft_head(target, dtype: torch.dtype, int8: bool | None = None, local: bool = False) -> DraftHead:
     """The :class:`DraftHead` of ``target`` for a drafter in ``dtype`` (``int8``: see
     :attr:`~modeling_weaver.options.StepOptions.int8_head`; None: on CUDA). A copy of the weight (another dtype, or
-    int8) is cached with the weight: made again after in-place updates of it, dropped with it."""
+    int8) is cached with the weight: made again after in-place updates of it, dropped with it. A DTensor weight (a
+    tensor-parallel target) is applied by its module, every rank together; ``local``: from its gathered copy
+    (:func:`full_weight`), by this rank alone."""
     head = target.get_output_embeddings()
     weight, bias = head.weight, head.bias
+    if type(weight.data) is not torch.Tensor and local:
+        weight, bias = full_weight(weight), None if bias is None else full_weight(bias)
     int8 = StepOptions(int8_head=int8).int8_head_on(weight.device)
     if not int8 and weight.dtype == dtype:  # the weight itself: nothing to cache
-        return DraftHead(weight, bias, dtype, module=head)
+        return DraftHead(weight, bias, dtype, module=None if weight is not head.weight else head)
     if type(weight.data) is not torch.Tensor:
         # a tensor-subclass weight (a DTensor of a tensor-parallel target, a quantized one) is applied by its module,
         # in its own dtype: no copy of it is made
@@ -114,6 +118,15 @@ def full_weight(weight: torch.Tensor) -> torch.Tensor:
     if type(weight.data) is torch.Tensor:
         return weight
     return copy_of(weight, ("full",), lambda w: w.detach().full_tensor())
+
+
+def local_embedding(embed_tokens: torch.nn.Module) -> torch.nn.Module:
+    """``embed_tokens`` that this rank calls alone: itself, or for a DTensor weight (whose forward is a collective)
+    an embedding of its gathered copy (:func:`full_weight`, shared, not copied again)."""
+    weight = embed_tokens.weight
+    if type(weight.data) is torch.Tensor:
+        return embed_tokens
+    return torch.nn.Embedding.from_pretrained(full_weight(weight), freeze=True)
 
 
 def embedding_on(embed_tokens: torch.nn.Module, device: torch.device):
@@ -133,14 +146,15 @@ class DFlashRunner:
     ``depths`` asks for).
     """
 
-    def __init__(self, drafter, target, options: StepOptions = StepOptions()):
+    def __init__(self, drafter, target, options: StepOptions = StepOptions(), local: bool = False):
         self.drafter = drafter
-        self.embed_tokens = target.get_input_embeddings()
+        # local: this rank drafts alone (StepOptions.tp_drafter="rank0"), so no call of the target's may be a collective
+        self.embed_tokens = (local_embedding if local else (lambda e: e))(target.get_input_embeddings())
         self.block_size = drafter.config.block_size
         self.feature_layer_ids = list(drafter.config.target_layer_ids)
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.head = draft_head(target, self.dtype, options.int8_head)
+        self.head = draft_head(target, self.dtype, options.int8_head, local=local)
         self.cache = drafter.new_cache()
         self.embed = embedding_on(self.embed_tokens, self.device)
 
@@ -187,10 +201,13 @@ class EagerProposer(Proposer):
     """A drafting ``runner`` (:class:`DFlashRunner` or a stand-in) at each step's own shapes, then the tree of
     ``mode`` built from its drafts (phases ``draft`` and ``tree``)."""
 
-    def __init__(self, runner, mode: str, budget: int, weaver, target, policy: TreePolicy = DEFAULT_POLICY):
+    def __init__(self, runner, mode: str, budget: int, weaver, target, policy: TreePolicy = DEFAULT_POLICY,
+                 local: bool = False):
         self.runner, self.mode, self.budget, self.policy = runner, mode, budget, policy
         self.weaver = weaver if mode == "weaver" else None
-        self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.embed_tokens = (local_embedding if local else (lambda e: e))(target.get_input_embeddings())
+        # the Weaver gathers lm_head rows: of a DTensor, from a copy gathered here once, on every rank together
+        self.lm_head_weight = full_weight(target.get_output_embeddings().weight) if mode == "weaver" else None
         self.block_size, self.feature_layer_ids = runner.block_size, runner.feature_layer_ids
         self.home = self.embed_tokens.weight.device  # (the target's tokens: where the tree is verified)
 
@@ -203,8 +220,36 @@ class EagerProposer(Proposer):
             tree = with_root(bonus, tree_drafts(self.mode, bonus, hidden, logits, self.budget, self.weaver,
                                                 last_hidden.to(hidden.device),
                                                 embedding_on(self.embed_tokens, hidden.device),
-                                                full_weight(self.lm_head.weight), policy=self.policy))
+                                                self.lm_head_weight, policy=self.policy))
         return Proposal(hidden, logits, tree.to(self.home))
+
+
+class RankZeroProposer(Proposer):
+    """``StepOptions.tp_drafter="rank0"`` on a tensor-parallel target: rank 0 proposes with the proposer it wraps
+    (built ``local``: it calls nothing of the target's that is a collective) and broadcasts the tree (its size, then tokens and parents, then ``logq``); the other ranks receive it on
+    ``device`` (their own GPU under NCCL, the CPU under gloo), and their drafters never run (their proposals hold the
+    tree alone: no hidden states, no logits)."""
+
+    def __init__(self, inner: Proposer, device: torch.device):
+        import torch.distributed as dist
+
+        self.inner, self.device, self.dist = inner, device, dist
+        self.block_size, self.feature_layer_ids = inner.block_size, inner.feature_layer_ids
+
+    def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor,
+                timed=untimed) -> Proposal:
+        dist, first = self.dist, self.dist.get_rank() == 0
+        proposal = self.inner.propose(bonus, context, n, last_hidden, timed) if first else None
+        with timed("tree"):
+            size = torch.tensor([len(proposal.tree) if first else 0], device=self.device)
+            dist.broadcast(size, 0)
+            ids = (torch.stack([proposal.tree.tokens, proposal.tree.parents]).to(self.device) if first
+                   else torch.empty(2, int(size), dtype=torch.long, device=self.device))
+            logq = (proposal.tree.logq.to(self.device, torch.float32) if first
+                    else torch.empty(int(size), device=self.device))
+            dist.broadcast(ids, 0)
+            dist.broadcast(logq, 0)
+        return proposal if first else Proposal(None, None, Tree(ids[0], ids[1], logq, check_root=False))
 
 
 class DFlashStaticCache:

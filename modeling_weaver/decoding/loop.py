@@ -25,7 +25,7 @@ from ..target import TargetAdapter, capturable_experts
 from ..tree import Tree, node_depths
 from ..validation import row_wise
 from .budget import AutoBudget, auto_sizes, step_costs
-from .drafting import DFlashRunner, EagerProposer, Proposer, StaticProposer, untimed
+from .drafting import DFlashRunner, EagerProposer, Proposer, RankZeroProposer, StaticProposer, untimed
 from .fused import FusedGreedyStep
 from .step_cache import capture_flags, fused_step, static_buckets, static_draft, static_target
 from .verify import BucketedTarget, StaticTarget
@@ -276,13 +276,21 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
     if verifier.max_tree_nodes is not None and tree_budget + 1 > verifier.max_tree_nodes:
         raise ValueError(f"tree_budget {tree_budget} is too large for this hybrid target on {verifier.device}: the "
                          f"GDN tree kernel verifies at most {verifier.max_tree_nodes} nodes (budget + root)")
+    rank0 = step_options.tp_drafter == "rank0" and torch.distributed.is_available() and (
+        torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1)
+    if rank0 and target_step != "eager":
+        raise ValueError('StepOptions.tp_drafter="rank0" drafts with eager steps: pass target_step="eager"')
+    if rank0 and isinstance(runner, DFlashRunner):  # rank 0 drafts alone: its head and embedding must be local
+        runner = DFlashRunner(runner.drafter, target, step_options, local=True)
     if isinstance(runner, Proposer):
         proposer = runner
     elif target_step != "eager" and isinstance(runner, DFlashRunner):  # draft + tree build as one fixed-shape step
         proposer = static_draft(runner.drafter, target, max_length, flags["capture"], options=step_options).proposer(
             mode, tree_budget, weaver if mode == "weaver" else None, compile=flags["compile"], policy=tree_policy)
     else:
-        proposer = EagerProposer(runner, mode, tree_budget, weaver, target, tree_policy)
+        proposer = EagerProposer(runner, mode, tree_budget, weaver, target, tree_policy, local=rank0)
+    if rank0:
+        proposer = RankZeroProposer(proposer, verifier.device)
     on_device = accept is None or isinstance(accept, DeviceAcceptance)
     fusable = isinstance(proposer, StaticProposer) and sizer is None  # (auto: the host picks each step's size)
     if fusable and not scores.do_sample and not scores.processors and on_device:
