@@ -209,6 +209,11 @@ class Hops:
         return self.copies[key][1]
 
 
+def _unmoved(t, device):
+    """The hop of a target on one device: every tensor is where it is needed."""
+    return t
+
+
 def output_features(linear: torch.nn.Module) -> int:
     """The width of what ``linear`` returns on this process: its ``out_features``, or under tensor parallelism this
     rank's share (a colwise-sharded projection returns its local shard), found by calling it on one zero row."""
@@ -773,7 +778,7 @@ class TargetAdapter:
         slots = self.length_t + torch.arange(N, device=self.device)
         visible = self.attention_masks(tree_mask, bound, depths)
         features = {}
-        hop = Hops()  # (a target on one device: every hop is the tensor itself)
+        hop = Hops() if len(self.devices) > 1 else _unmoved
         layers = zip(self.mlps, self.layer_caches, self.layer_norms, ropes, self.layer_devices)
         for i, (mlp, cache, (norm_in, norm_attn_out, norm_mlp_in, norm_mlp_out), rope, dev) in enumerate(layers):
             x = hop(x, dev)
@@ -837,7 +842,7 @@ class TargetAdapter:
         count = (path >= 0).sum()
         rows = self.length_t + path.clamp(min=0)
         dst = self.length_t + torch.arange(path.shape[0], device=self.device)
-        hop = Hops()
+        hop = Hops() if len(self.devices) > 1 else _unmoved
         for cache, dev in zip(self.layer_caches, self.layer_devices):
             if isinstance(cache, RECURRENT_CACHES):
                 cache.commit(hop(path, dev))
