@@ -3,6 +3,7 @@ gloo ranks on CPU) and accelerate's ``device_map`` dispatch; the loop runs on th
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +24,16 @@ def _tp_run(target, tmp_path: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "tp_worker.py"), str(tmp_path / "target"), str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    # its own process group: a rank stuck in a collective is killed with the launcher, not left behind
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail("the two ranks did not finish in 300 s (a collective one rank never reached?):\n" + stderr[-4000:])
+    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
     return [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
 
 
