@@ -23,7 +23,7 @@ in_tree() {  # run "$2..." with the code of tree $1 (this repo: .) on the path
 }
 case ${1:?suite|kernels|replay|auto|kda|replay35|two_gpus|replay2} in
   suite) shift
-    timeout ${SUITE_S:-540} python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-suite.xml" "$@" \
+    in_tree . timeout ${SUITE_S:-540} python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-suite.xml" "$@" \
       2>&1 | tail -40 ;;
   kernels)  # the default-form GDN verify + commit at the 27B layer shape (BENCHMARKS.md, Kernels)
     [ -d "$REF/kernels" ] || { echo "no reference tree in $REF" >&2; exit 2; }
@@ -44,8 +44,8 @@ case ${1:?suite|kernels|replay|auto|kda|replay35|two_gpus|replay2} in
       echo "$name rc=$?"; grep "^|" "$OUT/replay-$name.log" | head -12
     done ;;
   auto)  # issue #29: auto against the fixed budgets at the 27B shape, this tree only (graph steps: one bucket each)
-    timeout ${REPLAY_S:-540} python3 -m modeling_weaver.cli replay --synthetic-mal chain=4 ddtree=5.4 weaver=7.1 \
-      --modes ${MODES:-ddtree weaver} --budgets ${BUDGETS:-16 32 64 auto} --target-step graph --hf-tokens 0 \
+    in_tree . timeout ${REPLAY_S:-540} python3 -m modeling_weaver.cli replay --synthetic-mal chain=4 ddtree=5.4 \
+      weaver=7.1 --modes ${MODES:-ddtree weaver} --budgets ${BUDGETS:-16 32 64 auto} --target-step graph --hf-tokens 0 \
       --out "$OUT/replay-auto" > "$OUT/replay-auto.log" 2>&1
     echo "auto rc=$?"; grep "^|\|^Steps" "$OUT/replay-auto.log" | tail -12 ;;
   kda) shift  # issue #31's KDA kernel table at Kimi Linear's shape: tree KDA vs tree GDN, baseline, fla (bench_kda.py)
@@ -57,7 +57,7 @@ case ${1:?suite|kernels|replay|auto|kda|replay35|two_gpus|replay2} in
       > "$OUT/kda.log" 2>&1
     echo "kda rc=$?"; grep -q '^device:' "$OUT/kda.log" && sed -n '/^device:/,$p' "$OUT/kda.log" || tail -30 "$OUT/kda.log" ;;
   two_gpus)  # issue #33 on two GPUs: device_map split targets (the GPU tests) and tp_plan="auto" under torchrun (NCCL)
-    timeout ${SUITE_S:-240} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_distributed_targets.py \
+    in_tree . timeout ${SUITE_S:-240} python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_distributed_targets.py \
       --junitxml="$OUT/two-gpus.xml" 2>&1 | tail -15
     # tp_plan with the machine's transformers, then with a carried wheel (.whl/transformers-*.whl) if there is one
     sites=(""); whl=$(ls .whl/transformers-*.whl 2>/dev/null | head -1)

@@ -8,6 +8,7 @@ import torch
 
 from modeling_weaver.lab.benchmark import autoregressive_generate
 from modeling_weaver.lab.replay import (
+    token_weight_bytes,
     FirstTokenClock,
     ReplayedAcceptance,
     load_traces,
@@ -304,6 +305,18 @@ def test_replay_runs_the_hybrid_moe_shape_shrunk(tmp_path, target_step):
     assert [r["method"] for r in rows] == ["ar", "weaver@64", "ddtree@64", "chain@64"]
     assert all(r["tokens_per_s"] > 0 for r in rows) and all(r["mal"] > 2.5 for r in rows[1:])
     assert "qwen3.5-35b-a3b (shrunk: widths / 32, first 4 layers), bfloat16" in (tmp_path / "replay.md").read_text()
+
+
+def test_an_ar_token_of_a_moe_target_reads_its_routed_experts_share():
+    from tiny_targets import tiny_llama, tiny_qwen3_5_moe
+
+    dense = tiny_llama()
+    total = sum(p.numel() * p.element_size() for p in dense.parameters())
+    assert token_weight_bytes(dense) == (total, total)
+    moe = tiny_qwen3_5_moe()  # 4 experts, top-2: a token reads half of the routed experts' bytes, all the rest
+    routed = sum(p.numel() * p.element_size() for n, p in moe.named_parameters() if ".experts." in n)
+    total = sum(p.numel() * p.element_size() for p in moe.parameters())
+    assert routed > 0 and token_weight_bytes(moe) == (total, total - routed // 2)
 
 
 def test_experts_implementation_is_set_on_every_experts_config():

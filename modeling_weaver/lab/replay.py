@@ -544,6 +544,21 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
     return rows
 
 
+def token_weight_bytes(target) -> tuple[int, int]:
+    """``(all, read)``: the target's weight bytes, and those one AR token reads. A MoE block's routed experts (a
+    module named ``experts`` holding every expert's weights stacked) count ``top_k / num_experts`` of their bytes."""
+    config = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    total = read = 0
+    for name, p in target.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        total += nbytes
+        routed = experts and top_k and ".experts." in f".{name}" and p.dim() >= 3 and p.shape[0] == experts
+        read += nbytes * top_k // experts if routed else nbytes
+    return total, read
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, reps: int = 20) -> float:
     """Measured device copy bandwidth in bytes/s (read + write counted), median of ``reps`` CUDA-event timings."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
@@ -646,12 +661,13 @@ def run_replay(args) -> int:
         traces = {k: synthetic_trace(v, drafter.block_size, seed=args.seed) for k, v in mals.items()}
         source = "synthetic traces (" + ", ".join(f"{m}@{b}={v:g}" for (m, b), v in sorted(mals.items(), key=str)) + ")"
     settings = {k: v for k, v in vars(args).items() if not k.startswith("_")}
-    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    weight_bytes, read_bytes = token_weight_bytes(target)
     limit = ""
-    if device.type == "cuda":  # memory-bound AR limit: every weight read once per token
+    if device.type == "cuda":  # memory-bound AR limit: every weight a token uses read once per token
         bandwidth = copy_bandwidth(device)
-        limit = (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s, target weights {weight_bytes / 1e9:.1f} GB → "
-                 f"memory-bound AR limit {bandwidth / weight_bytes:.1f} tok/s")
+        routed = "" if read_bytes == weight_bytes else f", {read_bytes / 1e9:.1f} GB of them a token's (routed experts)"
+        limit = (f"; copy bandwidth {bandwidth / 1e12:.2f} TB/s, target weights {weight_bytes / 1e9:.1f} GB{routed} → "
+                 f"memory-bound AR limit {bandwidth / read_bytes:.1f} tok/s")
         torch.cuda.reset_peak_memory_stats(device)
 
     with written_output(out, [args.trace], args.overwrite, keep_partial=True) as tmp:
