@@ -1,4 +1,4 @@
-"""Tree KDA verify in Triton: one launch, left-looking blockwise forward substitution; writes no state.
+"""Tree KDA verify in Triton: three launches, left-looking blockwise forward substitution; writes no state.
 
 The system of docs/DESIGN.md §13, ``(I + A) U = β ⊙ (V − (K ⊙ e^Γ) S0)`` and ``O = scale · ((Q ⊙ e^Γ) S0 + P U)``,
 solved over row blocks of 16 nodes as the fused GDN form does (:mod:`..gdn_tree.fused`): for block i,
@@ -7,9 +7,12 @@ solved over row blocks of 16 nodes as the fused GDN form does (:mod:`..gdn_tree.
 pairwise, ``Σ_c k_ic k_jc exp(Γ_ic − Γ_jc)`` over [16, 16, BKC] tiles with the ancestor mask applied before the exp
 (the overflow-safe form of §13: every exponent kept is ≤ 0), not as a matmul of decayed keys.
 
-Grid: (V / BV, B·HV). Each program owns one value head and BV value columns, holds its S0 tile ([K, BV]) in
-registers, and recomputes the block's scores (the same in every value block). Γ rows and solved U rows go to the
-``gamma`` and ``u`` outputs, which the later blocks of the same program read back after a CTA barrier.
+Launches: ``_kda_gamma_kernel`` writes Γ (grid: row blocks × B·HV); ``_kda_pairs_kernel`` the pair-score tiles of
+every row block and earlier-or-same column block, once per head (grid: blocks² × B·HV; the upper half exits);
+``_kda_tree_verify_kernel`` (grid: V / BV × B·HV) the solve: each program owns one value head and BV value columns,
+holds its S0 tile ([K, BV]) in registers and reads the tiles, so the value blocks of a head no longer each form the
+same scores. Solved U rows go to the ``u`` output, which the later blocks of the same program read back after a CTA
+barrier.
 """
 
 from __future__ import annotations
@@ -62,8 +65,60 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
 
 
 @triton.jit
+def _kda_gamma_kernel(
+    g, tmask, gamma, a_log, dt_bias, T, sg_b, sg_t, sg_h,
+    HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, RAW_GATES: tl.constexpr,
+):
+    """Γ of row block ``program_id(0)`` of one value head: ancestor-mask rows · g over the column blocks up to it
+    (ancestors come first); with ``RAW_GATES`` g holds the raw projection f and the gates are formed here."""
+    i_b64, i_hv = (tl.program_id(1) // HV).to(tl.int64), tl.program_id(1) % HV
+    i = tl.program_id(0)
+    o_k, m_k = lanes(0, BK, K)
+    t_r, m_r = lanes(i, BT, T)
+    g_base = g + i_b64 * sg_b + i_hv * sg_h
+    G_i = tl.full([BT, BK], 0.0, tl.float32)
+    for c in range(0, i + 1):
+        t_c, m_c = lanes(c, BT, T)
+        M_c = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0)
+        m_ck = m_c[:, None] & m_k[None, :]
+        g_c = tl.load(g_base + t_c[:, None] * sg_t + o_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
+        if RAW_GATES:
+            g_c = tl.where(m_ck, kda_gate(g_c, a_log, dt_bias, i_hv, o_k, m_k, K), 0.0)
+        G_i += tl.dot(M_c.to(tl.float32), g_c, input_precision="ieee")
+    tl.store(node_rows(gamma, i_b64, i_hv, T, HV, K) + t_r[:, None] * (HV * K) + o_k[None, :], G_i,
+             mask=m_r[:, None] & m_k[None, :])
+
+
+@triton.jit
+def _kda_pairs_kernel(
+    q, k, tmask, gamma, kk_out, qk_out, T, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr,
+    NB: tl.constexpr, L2NORM: tl.constexpr,
+):
+    """The pair scores of row block i and column block c ≤ i of one value head (``program_id(0) = i · NB + c``), once
+    per head for every value block of the verify: ``[BT, BT]`` tiles of ``kk_out`` / ``qk_out`` (``[B, HV, T, T]``),
+    columns already scaled by their keys' l2 norm."""
+    i_b64, i_hv, i_h = head_program(H, HV)
+    i, c = tl.program_id(0) // NB, tl.program_id(0) % NB
+    if c <= i:
+        t_r, m_r = lanes(i, BT, T)
+        t_c, m_c = lanes(c, BT, T)
+        kk, qk, ss = _pair_scores(k + i_b64 * sk_b + i_h * sk_h, q + i_b64 * sq_b + i_h * sq_h,
+                                  node_rows(gamma, i_b64, i_hv, T, HV, K), tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
+                                  HV, K, BK, BKC, BT)
+        if L2NORM:
+            rk_c = tl.rsqrt(ss + 1e-6)
+            kk = kk * rk_c[None, :]
+            qk = qk * rk_c[None, :]
+        base = (i_b64 * HV + i_hv) * T * T + t_r[:, None] * T + t_c[None, :]
+        m = m_r[:, None] & m_c[None, :]
+        tl.store(kk_out + base, kk, mask=m)
+        tl.store(qk_out + base, qk, mask=m)
+
+
+@triton.jit
 def _kda_tree_verify_kernel(
-    q, k, v, g, beta, s0, tmask, o, u, gamma, a_log, dt_bias,
+    q, k, v, g, beta, s0, o, u, gamma, kk_in, qk_in,
     T, scale,
     sq_b, sq_t, sq_h,
     sk_b, sk_t, sk_h,
@@ -85,6 +140,7 @@ def _kda_tree_verify_kernel(
     o_base = node_rows(o, i_b64, i_hv, T, HV, V)
     u_base = node_rows(u, i_b64, i_hv, T, HV, V)
     gm_base = node_rows(gamma, i_b64, i_hv, T, HV, K)  # Γ per channel
+    pair_base = (i_b64 * HV + i_hv) * T * T  # this head's [T, T] pair-score tiles
 
     S = tl.load(s_base + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
     m_vv = m_v[None, :]
@@ -95,18 +151,7 @@ def _kda_tree_verify_kernel(
         m_rk = m_r[:, None] & m_k[None, :]
         m_rv = m_r[:, None] & m_vv
 
-        # Γ of this block's rows: ancestor-mask rows · g, over the column blocks up to this one (ancestors come first)
-        G_i = tl.full([BT, BK], 0.0, tl.float32)
-        for c in range(0, i + 1):
-            t_c = c * BT + o_r
-            m_c = t_c < T
-            M_c = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0)
-            m_ck = m_c[:, None] & m_k[None, :]
-            g_c = tl.load(g_base + t_c[:, None] * sg_t + o_k[None, :], mask=m_ck, other=0.0).to(tl.float32)
-            if RAW_GATES:  # g holds the raw projection f (beta: b, below)
-                g_c = tl.where(m_ck, kda_gate(g_c, a_log, dt_bias, i_hv, o_k, m_k, K), 0.0)
-            G_i += tl.dot(M_c.to(tl.float32), g_c, input_precision="ieee")
-        tl.store(gm_base + t_r[:, None] * (HV * K) + o_k[None, :], G_i, mask=m_rk)
+        G_i = tl.load(gm_base + t_r[:, None] * (HV * K) + o_k[None, :], mask=m_rk, other=0.0)  # (_kda_gamma_kernel)
 
         k_i = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
         q_i = tl.load(q_base + t_r[:, None] * sq_t + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
@@ -122,28 +167,25 @@ def _kda_tree_verify_kernel(
         eG = tl.exp(G_i)
         rhs = b_i[:, None] * (v_i - rk_i[:, None] * tl.dot(k_i * eG, S, input_precision="ieee"))
         o_acc = rq_i[:, None] * tl.dot(q_i * eG, S, input_precision="ieee")
-        tl.debug_barrier()  # this block's Γ rows, just stored, are read back by the pair scores
 
         # ancestors in earlier blocks: rhs -= A[i, c] U[c]; o += P[i, c] U[c]
         for c in range(0, i):
             t_c = c * BT + o_r
             m_c = t_c < T
-            kk, qk, ss = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
-                                      HV, K, BK, BKC, BT)
-            if L2NORM:
-                rk_c = tl.rsqrt(ss + 1e-6)
-                kk = kk * rk_c[None, :]
-                qk = qk * rk_c[None, :]
+            pair = pair_base + t_r[:, None] * T + t_c[None, :]
+            kk = tl.load(kk_in + pair, mask=m_r[:, None] & m_c[None, :], other=0.0)
+            qk = tl.load(qk_in + pair, mask=m_r[:, None] & m_c[None, :], other=0.0)
             U_c = tl.load(u_base + t_c[:, None] * (HV * V) + o_v[None, :], mask=m_c[:, None] & m_vv, other=0.0)
             rhs -= tl.dot(kk * (rk_i * b_i)[:, None], U_c, input_precision="ieee")
             o_acc += tl.dot(qk * rq_i[:, None], U_c, input_precision="ieee")
 
         # diagonal block: ancestors inside the block (strict for A, inclusive for the output)
-        kk, qk, ss = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_r, m_r, T, sk_t, sq_t,
-                                  HV, K, BK, BKC, BT)
-        if L2NORM:
-            kk = kk * rk_i[:, None] * rk_i[None, :]
-            qk = qk * rq_i[:, None] * rk_i[None, :]
+        pair = pair_base + t_r[:, None] * T + t_r[None, :]
+        kk = tl.load(kk_in + pair, mask=m_r[:, None] & m_r[None, :], other=0.0)
+        qk = tl.load(qk_in + pair, mask=m_r[:, None] & m_r[None, :], other=0.0)
+        if L2NORM:  # (the columns' norms are in the tiles already)
+            kk = kk * rk_i[:, None]
+            qk = qk * rq_i[:, None]
         P = block_inverse(kk, 1.0, b_i, BT, LOG2_BT, "ieee")
         U_i = tl.dot(P, rhs, input_precision="ieee")
         tl.store(u_base + t_r[:, None] * (HV * V) + o_v[None, :], U_i, mask=m_rv)
@@ -201,10 +243,19 @@ def kda_tree_verify_triton(
     o = torch.empty((B, T, HV, V), dtype=v.dtype, device=v.device)
     u = torch.empty((B, T, HV, V), dtype=torch.float32, device=v.device)
     gamma = torch.empty((B, T, HV, K), dtype=torch.float32, device=v.device)
+    kk = torch.empty((B, HV, T, T), dtype=torch.float32, device=v.device)
+    qk = torch.empty_like(kk)
+    NB = triton.cdiv(T, 16)
+    a_log, dt = (A_log.contiguous(), dt_bias.contiguous()) if raw else (s0, s0)
     with launch_ctx(INTERPRET):
+        _kda_gamma_kernel[(NB, B * HV)](g, mask, gamma, a_log, dt, T, g.stride(0), g.stride(1), g.stride(2),
+                                        HV=HV, K=K, BK=BK, BT=16, RAW_GATES=raw, num_warps=num_warps)
+        _kda_pairs_kernel[(NB * NB, B * HV)](
+            q, k, mask, gamma, kk, qk, T, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            H=H, HV=HV, K=K, BK=BK, BKC=BKC, BT=16, NB=NB, L2NORM=bool(use_qk_l2norm_in_kernel), num_warps=num_warps,
+        )
         _kda_tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
-            q, k, v, g, beta, s0, mask, o, u, gamma, A_log.contiguous() if raw else s0,
-            dt_bias.contiguous() if raw else s0, T, scale,
+            q, k, v, g, beta, s0, o, u, gamma, kk, qk, T, scale,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
