@@ -8,7 +8,6 @@ import torch
 
 from modeling_weaver.lab.benchmark import autoregressive_generate
 from modeling_weaver.lab.replay import (
-    token_weight_bytes,
     FirstTokenClock,
     ReplayedAcceptance,
     load_traces,
@@ -16,6 +15,7 @@ from modeling_weaver.lab.replay import (
     replay_generate,
     run_replay_suite,
     synthetic_trace,
+    token_weight_bytes,
 )
 from modeling_weaver.tree import Tree
 

@@ -67,11 +67,11 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
 @triton.jit
 def _kda_gamma_kernel(
     g, tmask, gamma, a_log, dt_bias, T, sg_b, sg_t, sg_h,
-    HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, RAW_GATES: tl.constexpr,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, RAW_GATES: tl.constexpr,
 ):
     """Γ of row block ``program_id(0)`` of one value head: ancestor-mask rows · g over the column blocks up to it
     (ancestors come first); with ``RAW_GATES`` g holds the raw projection f and the gates are formed here."""
-    i_b64, i_hv = (tl.program_id(1) // HV).to(tl.int64), tl.program_id(1) % HV
+    i_b64, i_hv, _ = head_program(H, HV)
     i = tl.program_id(0)
     o_k, m_k = lanes(0, BK, K)
     t_r, m_r = lanes(i, BT, T)
@@ -126,7 +126,7 @@ def _kda_tree_verify_kernel(
     sg_b, sg_t, sg_h,
     sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, BKC: tl.constexpr, L2NORM: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, BT: tl.constexpr,
     LOG2_BT: tl.constexpr, RAW_GATES: tl.constexpr,
 ):
     i_b64, i_hv, i_h = head_program(H, HV)
@@ -243,13 +243,12 @@ def kda_tree_verify_triton(
     o = torch.empty((B, T, HV, V), dtype=v.dtype, device=v.device)
     u = torch.empty((B, T, HV, V), dtype=torch.float32, device=v.device)
     gamma = torch.empty((B, T, HV, K), dtype=torch.float32, device=v.device)
-    kk = torch.empty((B, HV, T, T), dtype=torch.float32, device=v.device)
-    qk = torch.empty_like(kk)
+    kk, qk = torch.empty((2, B, HV, T, T), dtype=torch.float32, device=v.device)  # (one allocation)
     NB = triton.cdiv(T, 16)
     a_log, dt = (A_log.contiguous(), dt_bias.contiguous()) if raw else (s0, s0)
     with launch_ctx(INTERPRET):
         _kda_gamma_kernel[(NB, B * HV)](g, mask, gamma, a_log, dt, T, g.stride(0), g.stride(1), g.stride(2),
-                                        HV=HV, K=K, BK=BK, BT=16, RAW_GATES=raw, num_warps=num_warps)
+                                        H=H, HV=HV, K=K, BK=BK, BT=16, RAW_GATES=raw, num_warps=num_warps)
         _kda_pairs_kernel[(NB * NB, B * HV)](
             q, k, mask, gamma, kk, qk, T, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             H=H, HV=HV, K=K, BK=BK, BKC=BKC, BT=16, NB=NB, L2NORM=bool(use_qk_l2norm_in_kernel), num_warps=num_warps,
@@ -261,7 +260,7 @@ def kda_tree_verify_triton(
             v.stride(0), v.stride(1), v.stride(2),
             g.stride(0), g.stride(1), g.stride(2),
             beta.stride(0), beta.stride(1), beta.stride(2),
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, BKC=BKC, L2NORM=bool(use_qk_l2norm_in_kernel), BT=16, LOG2_BT=4,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm_in_kernel), BT=16, LOG2_BT=4,
             RAW_GATES=raw, num_warps=num_warps, num_stages=1,
         )
     return o, u, gamma
