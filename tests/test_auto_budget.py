@@ -20,10 +20,11 @@ from modeling_weaver import BudgetPolicy, WeaverModel
 from modeling_weaver.decoding import budget as budget_module
 from modeling_weaver.decoding import step_cache
 from modeling_weaver.decoding.verify import BucketedTarget
-from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, expected_length,
-                                             expected_lengths, pick_drafted, pick_size, reach_sums,
-                                             step_costs)
-from modeling_weaver.decoding.drafting import DFlashRunner
+from modeling_weaver.decoding.adaptive import FusedAutoSteps
+from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, choose_on_device,
+                                             depth_factors, expected_length, expected_lengths, pick_drafted,
+                                             pick_size, reach_sums, step_costs)
+from modeling_weaver.decoding.drafting import DFlashRunner, StaticDraft
 from modeling_weaver.generate import _decode, generate, speculative_generate
 from modeling_weaver.options import StepOptions, TreePolicy
 from modeling_weaver.target import TargetAdapter, text_config
@@ -148,6 +149,99 @@ def test_calibration_follows_observed_acceptance():
     assert len(sizer.choose(Tree.from_lists([0], [-1]))) == 1  # nothing drafted: an AR step
     sizer.observe(5)  # after an AR step nothing is learned
     assert sizer.factors() == factors
+
+
+def test_unheld_depths_are_rated_as_the_depth_above():
+    """c_d = (O_d + W_d c_{d-1}) / (P_d + W_d): the closed form equals the recursion, a depth never held takes the
+    correction of the deepest one held (a shallow tree never makes deeper ones look as bad as the raw scores), and a
+    prior worn down to its floor leaves the factors finite."""
+    generator = torch.Generator().manual_seed(0)
+    observed, predicted = torch.rand(8, generator=generator, dtype=torch.float64) * 3, torch.rand(8, dtype=torch.float64)
+    prior = torch.rand(8, generator=generator, dtype=torch.float64)
+    observed[5:] = predicted[5:] = 0.0
+    prior[5:] = 1.0
+    factors, c = depth_factors(observed, predicted, prior).tolist(), [1.0]
+    for d in range(1, 8):
+        c.append((observed[d].item() + prior[d].item() * c[-1]) / (predicted[d].item() + prior[d].item()))
+    assert factors == pytest.approx(c, rel=1e-12) and factors[5] == factors[6] == factors[7] == pytest.approx(c[4])
+    sizer = AutoBudget(BudgetPolicy(), FLAT, SIZES, 7)
+    for _ in range(200):  # a drafter ten times better than its scores, trees held to depth 3 only
+        sizer.drafts()
+        sizer.reach = [1.0, 0.1, 0.1, 0.1]
+        sizer.observe(4)
+    factors = sizer.factors()
+    assert factors[1:4] == pytest.approx([10.0] * 3, rel=1e-5)
+    assert factors[4] == factors[7] == pytest.approx(factors[3])  # (the old prior of 1 rated depth 4 at 1)
+    assert sizer.prior[1].item() == pytest.approx(1e-6) and all(math.isfinite(f) for f in factors)
+
+
+def random_tree(rng, nodes: int, padding: int) -> Tree:
+    parents = [-1] + [rng.randrange(i) for i in range(1, nodes)]
+    logq = [0.0] + [math.log(rng.uniform(0.01, 1.0)) for _ in range(1, nodes)]
+    return Tree.from_lists(list(range(nodes)), parents, logq).padded(nodes + padding)
+
+
+def test_the_device_choice_is_the_hosts():
+    """choose_on_device (fused auto steps) against AutoBudget.choose on random trees (padding roots included),
+    factors and cost tables: the same size, the same steady AR verdict, the same kept nodes and reach sums; the
+    chosen sizes vary (AR, every bucket, a prefix limited by the drafts there are)."""
+    import random
+
+    sizes, seen = (0, 4, 8, 16, 32), set()
+    for seed in range(200):
+        rng = random.Random(seed)
+        tree = random_tree(rng, rng.randint(1, 40), rng.randint(0, 5))
+        costs = CostTable(((0, 10.0), (4, 10 + rng.uniform(0, 8)), (8, 12 + rng.uniform(0, 10)),
+                           (16, 20 + rng.uniform(0, 10)), (32, 30 + rng.uniform(0, 30))), rng.uniform(0.5, 20))
+        sizer = AutoBudget(BudgetPolicy(), costs, sizes, 15)
+        for name in ("observed", "predicted", "prior"):
+            setattr(sizer, name, torch.tensor([rng.uniform(0.01, 5) for _ in range(16)], dtype=torch.float64))
+        factors = depth_factors(sizer.observed, sizer.predicted, sizer.prior)
+        choice, rank, sums = choose_on_device(tree.parents, tree.logq, factors, torch.tensor(sizes),
+                                              torch.tensor([costs.verify(k) for k in range(33)], dtype=torch.float64),
+                                              costs.propose_ms)
+        bucket, ar, drafts = choice.tolist()
+        nodes = best_first(tree.parents.tolist(), tree.logq.tolist())
+        cut = sizer.choose(tree)
+        assert drafts == cut.num_drafts and bool(ar) == (sizer.backoff > 0), seed
+        assert sizes[bucket] == min(s for s in sizes if s >= drafts)
+        assert sorted((rank[1:] < drafts).nonzero()[:, 0].add(1).tolist()) == sorted(i for i, _, _ in nodes[:drafts])
+        held = (sizer.reach or [0.0])[1:]  # (index 0: the root, which calibrates nothing)
+        assert sums.tolist()[1:len(held) + 1] == pytest.approx(held, rel=1e-12) and sums[len(held) + 1:].sum() == 0
+        assert int(rank[0]) == -1 and sums[1:].sum() > 0 or drafts == 0
+        seen.add(drafts)
+    assert {0, 4, 8, 16} <= seen and seen - set(sizes), seen
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5"])
+def test_fused_auto_steps(name, monkeypatch):
+    """Greedy fixed-shape steps with auto run as FusedAutoSteps (the size chosen on the device): token-identical to
+    target.generate, on a flat table (trees) and a steep one (AR steps without drafting, then a draft again that
+    reads their rows: the drafter's context covers every position)."""
+    target = TINY_TARGETS[name]()
+    drafter, weaver = make_drafters(target)
+    new, ids = 40, prompts(2)[1]
+    expected = reference(target, ids, new)
+    drafted, loads = [], []  # committed length at each draft; (first, end) positions of each context loaded
+    choose, load = FusedAutoSteps._choose, StaticDraft.load
+    monkeypatch.setattr(FusedAutoSteps, "_choose",
+                        lambda self: drafted.append(self.target.adapter.length) or choose(self))
+    monkeypatch.setattr(StaticDraft, "load", lambda self, bonus, context, n: loads.append(
+        (n - context.shape[0], n, len(drafted))) or load(self, bonus, context, n))
+    for costs, mode in ((FLAT, "weaver"), (STEEP, "ddtree"), (STEEP, "weaver")):
+        drafted.clear()
+        loads.clear()
+        got, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode=mode, tree_budget="auto",
+                                          max_new_tokens=new, target_step="static", return_stats=True,
+                                          budget_policy=BudgetPolicy(costs=costs, max_size=32))
+        assert torch.equal(got, expected), (costs, mode)
+        histogram = stats.size_histogram
+        assert sum(histogram.values()) == stats.num_steps and stats.calibration["sizes"] == list(SIZES)
+        assert max(histogram) >= (4 if costs is FLAT else 0), histogram
+        if costs is STEEP:  # AR steps that did not draft, and drafts after them
+            assert 1 < len(drafted) < stats.num_steps and len(loads) > 1, (len(drafted), stats.num_steps)
+        # the prompt, then after AR steps every position since the last draft committed its first token
+        assert loads[0][:2] == (0, ids.shape[1]) and all(first == drafted[k - 1] for first, _, k in loads[1:])
 
 
 @pytest.mark.parametrize("kind", ["ddtree", "spine", "best_first"])
@@ -418,7 +512,7 @@ from tiny_targets import TINY_TARGETS
 from test_generate import make_drafters
 from modeling_weaver import BudgetPolicy
 from modeling_weaver.decoding import budget
-from modeling_weaver.decoding.drafting import DFlashRunner
+from modeling_weaver.decoding.drafting import DFlashRunner, StaticDraft
 from modeling_weaver.options import StepOptions, TreePolicy
 import torch
 torch.set_num_threads(1)

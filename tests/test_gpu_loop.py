@@ -164,8 +164,9 @@ def test_graphs_are_captured_once_per_tree_size_across_prompt_lengths():
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_5"])
 def test_auto_budget_in_graph_steps_on_gpu(name):
-    """tree_budget="auto" with CUDA-graph steps: a bucket per size, each captured once on first use, replayed by the
-    next generation (another prompt length, the same capacity bucket); token-identical to AR."""
+    """tree_budget="auto" with CUDA-graph steps: greedy ones are whole steps (draft and choice in one graph, then a
+    graph per bucket), each captured once on first use and replayed by the next generation (another prompt length,
+    the same capacity bucket); token-identical to AR; the split steps (sampling) capture a bucket per size."""
     from modeling_weaver import BudgetPolicy
     from modeling_weaver.decoding.budget import CostTable
     from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
@@ -173,16 +174,24 @@ def test_auto_budget_in_graph_steps_on_gpu(name):
     target = TINY_TARGETS[name]().cuda()
     drafter, weaver = (m.cuda() for m in make_drafters(target))
     mixed = CostTable(((0, 10.0), (4, 11.0), (8, 12.0), (16, 14.0), (32, 18.0)), 2.0)
-    captures = []
+    graphs = []
     for length in (9, 40):
         ids = torch.randint(0, 97, (1, length), device="cuda")
-        got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget="auto",
-                                   max_new_tokens=40, target_step="graph", budget_policy=BudgetPolicy(costs=mixed))
+        got, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget="auto",
+                                          max_new_tokens=40, target_step="graph", return_stats=True,
+                                          budget_policy=BudgetPolicy(costs=mixed))
         assert torch.equal(got, reference(target, ids, 40)), length
-        buckets = next(v for k, v in _STATIC_TARGETS[target].items() if k[0] == "buckets")
-        assert buckets.capture and all(step.captures == 1 for step in buckets.steps.values())
-        captures.append(buckets.captures)
-    assert captures[1] >= captures[0] >= 1
+        draft = next(v for k, v in _STATIC_TARGETS[drafter].items() if k[0] == "draft")
+        (steps,) = [v for k, v in draft._steps.items() if k[0] == "auto"]
+        assert steps.capture and "choose" in steps._graphs and len(steps._graphs) >= 2, list(steps._graphs)
+        graphs.append({key: entry[0] for key, entry in steps._graphs.items()})
+        assert sum(stats.size_histogram.values()) == stats.num_steps
+    assert all(graphs[1][key] is graph for key, graph in graphs[0].items())  # replayed, not captured again
+    got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget="auto", max_new_tokens=24,
+                               target_step="graph", budget_policy=BudgetPolicy(costs=mixed), do_sample=True,
+                               generator=torch.Generator(device="cuda").manual_seed(0))
+    buckets = next(v for k, v in _STATIC_TARGETS[target].items() if k[0] == "buckets")
+    assert buckets.capture and buckets.captures >= 1 and all(step.captures == 1 for step in buckets.steps.values())
 
 
 def test_graph_steps_allocate_nothing_per_step_and_capture_once():

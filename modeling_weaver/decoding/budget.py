@@ -10,11 +10,13 @@
   prefix a subtree. A prefix's expected committed length is ``1 + Σ_d r_d`` with
   ``r_d = min(r_{d-1}, c_d · Σ_{nodes of depth d} exp(path log q))`` (``r_0 = 1``): the chance to reach depth d,
   where ``c_d`` corrects the scores (which are not acceptance probabilities) by the decayed ratio of observed to
-  predicted reach at that depth.
+  predicted reach at that depth, its prior the correction of the depth above (:func:`depth_factors`: a depth no tree
+  has held yet is rated as the deepest one seen, not by the drafter's raw scores).
 - **Policy** (:func:`steady_rates`, :func:`pick_size`, :func:`pick_drafted`, :class:`AutoBudget`): the size maximising
   expected length / step time, or 0 (AR: the next steps do not draft until the next look at the drafter, their number
   doubling while AR keeps winning, in units of a draft's time in AR steps). The tree already drafted in a step is then
   cut to the prefix worth most beyond its verify time at that best rate, which may be the root alone.
+  :func:`choose_on_device` makes the same choice on the device for the fused auto steps (:mod:`.fused`).
 
 Any tree a step verifies is a function of what was committed before it, so every acceptance rule stays lossless.
 """
@@ -38,7 +40,7 @@ from ..accept import accept_greedy
 from ..options import BudgetPolicy, StepOptions, TreePolicy
 from ..output_dir import cache_root
 from ..target import TargetAdapter
-from ..tree import Tree, max_tree_budget, subtree
+from ..tree import Tree, ancestor_mask_of, max_tree_budget, subtree
 from .drafting import DFlashRunner, EagerProposer
 from .step_cache import capture_flags, static_buckets, static_draft
 
@@ -132,6 +134,36 @@ def expected_lengths(nodes: list[tuple[int, int, float]], sizes, factors: list[f
     return [by_size[k] for k in sizes]
 
 
+def depth_factors(observed: torch.Tensor, predicted: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+    """``c_d`` per depth (index 0: 1) from the decayed sums of observed and predicted reach and the prior's weight
+    ``W_d`` (one step at first, decayed as the depth is observed): ``c_d = (O_d + W_d · c_{d-1}) / (P_d + W_d)``, so
+    a depth no tree has held yet is rated as the one above it. In closed form (device ops, no host read): ``c_d =
+    Π_{i≤d} b_i + Σ_{j≤d} a_j Π_{j<i≤d} b_i`` with ``a = O / (P + W)``, ``b = W / (P + W)``."""
+    a, b = observed / (predicted + prior), prior / (predicted + prior)
+    depth = torch.arange(a.shape[0], device=a.device)
+    a, b = torch.where(depth == 0, 1.0, a), torch.where(depth == 0, 1.0, b)  # (c_0 = 1)
+    logs = b.log().cumsum(0)
+    below = depth[:, None] >= depth[None, :]  # [d, j]: j ≤ d
+    carry = torch.where(below & (depth[None, :] > 0), logs[:, None] - logs[None, :], float("-inf")).exp()
+    return carry @ a + logs.exp()
+
+
+#: the least weight the prior keeps (its logarithm stays finite in :func:`depth_factors`)
+PRIOR_FLOOR = 1e-6
+
+
+def calibrate(observed: torch.Tensor, predicted: torch.Tensor, prior: torch.Tensor, sums: torch.Tensor, accepted,
+              decay: float) -> None:
+    """One drafting step's update, in place, over the depths its tree held (``sums[d] > 0``, d ≥ 1): ``O_d ← δ O_d +
+    [accepted − 1 ≥ d]``, ``P_d ← δ P_d + sums[d]``, ``W_d ← δ W_d`` (``accepted``: committed tokens, root
+    included; device ops)."""
+    depth = torch.arange(observed.shape[0], device=observed.device)
+    held = (sums > 0) & (depth >= 1)
+    observed.copy_(torch.where(held, decay * observed + (accepted - 1 >= depth).to(observed.dtype), observed))
+    predicted.copy_(torch.where(held, decay * predicted + sums, predicted))
+    prior.copy_(torch.where(held, (decay * prior).clamp(min=PRIOR_FLOOR), prior))
+
+
 # ----------------------------------------------------------------------------------------------------------- policy
 
 
@@ -155,6 +187,53 @@ def pick_drafted(sizes, lengths: list[float], costs: CostTable, available: int |
     clamp = (lambda k: k) if available is None else (lambda k: min(k, available))  # noqa: E731
     rate = max(steady_rates(sizes, lengths, costs, available)) if rate is None else rate
     return -max((length - rate * costs.verify(clamp(k)), -k) for k, length in zip(sizes, lengths))[1]
+
+
+def choose_on_device(parents: torch.Tensor, logq: torch.Tensor, factors: torch.Tensor, sizes: torch.Tensor,
+                     verify_ms: torch.Tensor, propose_ms: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:meth:`AutoBudget.choose`'s choice on the device, at fixed shapes (no host read: a captured step holds it).
+
+    Args:
+        parents, logq: ``[N]`` a rooted tree (root first; padding roots: parent -1, ``logq`` -inf).
+        factors: ``[D]`` fp64 ``c_d`` (:func:`depth_factors`); sizes: ``[S]`` ascending candidate draft counts;
+        verify_ms: ``[max size + 1]`` fp64 :meth:`CostTable.verify` of every draft count; propose_ms: as the table's.
+    Returns:
+        ``choice [3]`` — the index in ``sizes`` of the smallest size holding the chosen prefix, whether AR is the best
+        steady size (the next steps then skip drafting), the chosen number of drafts; ``rank [N]`` — each node's
+        place in the best-first order (root -1, padding roots ≥ the drafts there are): the prefix is ``rank <
+        choice[2]``; ``sums [D]`` fp64 — that prefix's reach sums per depth (for :func:`calibrate`).
+    """
+    mask = ancestor_mask_of(parents)
+    real = mask[:, 0]
+    depth = mask.sum(1) - 1
+    n = parents.shape[0]
+    nodes = torch.arange(n, device=parents.device)
+    score = torch.where(mask & (nodes[None] > 0), logq.double()[None], 0.0).sum(1)  # (the root's own logq is no step)
+    score = torch.where(real, score, float("-inf"))
+    # best-first: path score descending, shallower first, then the tree's order; the root first of all
+    by_depth = torch.sort(depth, stable=True).indices
+    key = torch.where(nodes == 0, float("inf"), score)[by_depth]
+    order = by_depth[torch.sort(-key, stable=True).indices]
+    rank = torch.empty_like(nodes).scatter_(0, order, nodes) - 1
+    drafts = real & (nodes > 0)
+    p = torch.where(drafts, score.exp(), 0.0)
+    available = drafts.sum()
+    # per size: the reach sums of its prefix per depth, then E[L] = 1 + Σ_d min over the depths above of c_d · S_d
+    kept = (drafts[None] & (rank[None] < sizes[:, None])).double()  # [S, N]
+    onehot = depth[:, None].clamp(max=factors.shape[0] - 1) == torch.arange(factors.shape[0], device=depth.device)
+    sums = kept @ torch.where(onehot, p[:, None], 0.0)  # [S, D]
+    scaled = (factors[None] * sums)[:, 1:]
+    reach = torch.cat([scaled.new_ones(scaled.shape[0], 1), scaled], 1).cummin(1).values
+    lengths = 1.0 + reach[:, 1:].sum(1)
+    drafted = torch.minimum(sizes, available)
+    verify = verify_ms[drafted]
+    rates = lengths / torch.where(drafted > 0, verify + propose_ms, verify)
+    # (indices as one-element tensors: a 0-d index would be read on the host, which a capture refuses)
+    steady = rates.argmax().view(1)  # (the first among equals: the smaller size)
+    pick = (lengths - rates[steady] * verify).argmax().view(1)
+    size = drafted[pick]
+    choice = torch.cat([(sizes < size).sum().view(1), (sizes[steady] == 0).long(), size])
+    return choice, rank, sums[pick][0]
 
 
 def candidate_sizes(policy: BudgetPolicy, target, device) -> tuple[int, ...]:
@@ -187,14 +266,17 @@ class AutoBudget:
 
     def __init__(self, policy: BudgetPolicy, costs: CostTable, sizes: tuple[int, ...], max_depth: int):
         self.policy, self.costs, self.sizes = policy, costs, sizes
-        # decayed sums of observed and predicted reach per depth, from a prior of one step at factor 1
-        self.observed, self.predicted = [1.0] * (max_depth + 1), [1.0] * (max_depth + 1)
+        # decayed sums of observed and predicted reach per depth and the prior's weight (fp64; fused steps move them
+        # to the device)
+        self.observed = torch.zeros(max_depth + 1, dtype=torch.float64)
+        self.predicted = torch.zeros(max_depth + 1, dtype=torch.float64)
+        self.prior = torch.ones(max_depth + 1, dtype=torch.float64)
         self.skip = self.backoff = 0
         self.reach: list[float] | None = None  # the verified tree's predicted reach per depth (None: an AR step)
 
     def factors(self) -> list[float]:
-        """``c_d`` per depth (index 0 unused)."""
-        return [o / p for o, p in zip(self.observed, self.predicted)]
+        """``c_d`` per depth (index 0: 1)."""
+        return depth_factors(self.observed, self.predicted, self.prior).tolist()
 
     def drafts(self) -> bool:
         """Whether this step drafts (False: an AR step, after the policy chose AR)."""
@@ -211,13 +293,7 @@ class AutoBudget:
         lengths = expected_lengths(nodes, self.sizes, self.factors())
         rates = steady_rates(self.sizes, lengths, self.costs, len(nodes))
         best = max(rates)
-        if self.sizes[rates.index(best)] == 0:
-            # AR wins: a few more AR steps without drafting, more while it keeps winning
-            self.backoff = min(max(1, 2 * self.backoff), self.policy.max_backoff)
-            # (in units of a draft's time in AR steps: a probe then costs at most 1 / backoff of the AR time)
-            self.skip = self.backoff * max(1, round(self.costs.propose_ms / self.costs.step_ms(0)))
-        else:
-            self.backoff = 0
+        self.steady(self.sizes[rates.index(best)] == 0)
         size = pick_drafted(self.sizes, lengths, self.costs, len(nodes), rate=best)
         if size == 0:
             self.reach = None
@@ -228,15 +304,24 @@ class AutoBudget:
             return tree
         return subtree(tree, [i for i, _, _ in kept])
 
+    def steady(self, ar: bool) -> None:
+        """Whether the next steps draft, once a step's best steady size is known: after ``ar`` (AR wins), a few AR
+        steps without drafting, more while it keeps winning (in units of a draft's time in AR steps: a probe then
+        costs at most 1 / backoff of the AR time)."""
+        if ar:
+            self.backoff = min(max(1, 2 * self.backoff), self.policy.max_backoff)
+            self.skip = self.backoff * max(1, round(self.costs.propose_ms / self.costs.step_ms(0)))
+        else:
+            self.backoff = 0
+
     def observe(self, accepted: int) -> None:
         """The committed length (root included) of the step whose tree :meth:`choose` gave."""
         if self.reach is None:
             return
-        decay = self.policy.decay
-        for d in range(1, len(self.reach)):
-            if self.reach[d] > 0 and d < len(self.observed):
-                self.observed[d] = decay * self.observed[d] + (accepted - 1 >= d)
-                self.predicted[d] = decay * self.predicted[d] + self.reach[d]
+        sums = torch.zeros_like(self.observed)
+        held = self.reach[:len(sums)]
+        sums[:len(held)] = torch.tensor(held, dtype=sums.dtype)
+        calibrate(self.observed, self.predicted, self.prior, sums, accepted, self.policy.decay)
 
     def report(self) -> dict:
         return {"costs": self.costs.as_dict(), "sizes": list(self.sizes),
@@ -399,5 +484,6 @@ def step_costs(target, runner, weaver, mode: str, sizes: tuple[int, ...], tree_p
     return table
 
 
-__all__ = ["AutoBudget", "CostTable", "auto_sizes", "best_first", "candidate_sizes", "expected_length",
+__all__ = ["AutoBudget", "CostTable", "auto_sizes", "best_first", "calibrate", "candidate_sizes", "choose_on_device",
+           "depth_factors", "expected_length",
            "expected_lengths", "measure_costs", "pick_drafted", "pick_size", "reach_sums", "steady_rates", "step_costs"]

@@ -1,5 +1,6 @@
 """Whole steps on the device, pipelined one ahead of the host (docs/DESIGN.md §1): the fused greedy step (draft +
-tree, verify, acceptance, commit) and our AR step (verify + commit of one token, argmax).
+tree, verify, acceptance, commit) and our AR step (verify + commit of one token, argmax); :func:`verify_and_commit`,
+the device half of a greedy step, is shared with the adaptive-size steps (:mod:`.adaptive`).
 
 Each step reads its inputs from device buffers the previous step wrote and returns a small summary for the host, so
 on CUDA it is one CUDA graph (:class:`~.graphs.PipelinedSteps`). The buffers they read belong to a
@@ -31,6 +32,28 @@ def adapter_state(adapter: TargetAdapter) -> list[torch.Tensor]:
     return tensors
 
 
+def verify_and_commit(proposer: StaticProposer, adapter: TargetAdapter, acceptance: DeviceAcceptance | None,
+                      tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor):
+    """The device half of a greedy step on a rooted tree: verify, accept (greedy, or ``acceptance``), commit, and
+    leave the next draft's inputs in the proposer's buffers. Returns the summary ``[tokens of the path (padded),
+    length, bonus]`` and the accepted length (0-d)."""
+    draft, size = proposer.draft, tokens.shape[0]
+    mask = ancestor_mask_of(parents)
+    out = adapter.tree_step(tokens, parents, adapter.max_length, mask)
+    if acceptance is None:
+        path, length, bonus = accept_greedy_tensors(tokens, parents, out.logits, mask)
+    else:  # e.g. the benchmark's replayed acceptance
+        path, length, bonus = acceptance.tensors(tokens, parents, out.logits, mask, logq)
+    adapter.commit_step(path)
+    rows = min(size, draft.block_size)  # a path never exceeds the block
+    draft.context[:rows].copy_(out.features[path[:rows].clamp(min=0)].to(draft.dtype))
+    draft.count.copy_(length)
+    draft.n.copy_(adapter.length_t)
+    draft.bonus.copy_(bonus.view(1))
+    proposer.last_hidden.copy_(out.hidden[path.gather(0, (length - 1).view(1))][0])
+    return torch.cat([tokens[path], length.view(1), bonus.view(1)]), length
+
+
 class FusedGreedyStep(PipelinedSteps):
     """One whole greedy step — draft + tree, verify, accept, commit — at fixed shapes: one CUDA graph on CUDA.
 
@@ -52,23 +75,9 @@ class FusedGreedyStep(PipelinedSteps):
         self.proposer.last_hidden.copy_(last_hidden)
 
     def _step(self) -> torch.Tensor:
-        draft, adapter, size = self.proposer.draft, self.target.adapter, self.target.num_nodes
         # a chain has min(budget, depth) drafts: padded to the step's size
-        tokens, parents, logq = rooted(draft.bonus, self.proposer._forward()[2], size)
-        mask = ancestor_mask_of(parents)
-        out = adapter.tree_step(tokens, parents, adapter.max_length, mask)
-        if self.acceptance is None:
-            path, length, bonus = accept_greedy_tensors(tokens, parents, out.logits, mask)
-        else:  # e.g. the benchmark's replayed acceptance
-            path, length, bonus = self.acceptance.tensors(tokens, parents, out.logits, mask, logq)
-        adapter.commit_step(path)
-        rows = min(size, draft.block_size)  # a path never exceeds the block
-        draft.context[:rows].copy_(out.features[path[:rows].clamp(min=0)].to(draft.dtype))
-        draft.count.copy_(length)
-        draft.n.copy_(adapter.length_t)
-        draft.bonus.copy_(bonus.view(1))
-        self.proposer.last_hidden.copy_(out.hidden[path.gather(0, (length - 1).view(1))][0])
-        return torch.cat([tokens[path], length.view(1), bonus.view(1)])
+        tokens, parents, logq = rooted(self.proposer.draft.bonus, self.proposer._forward()[2], self.target.num_nodes)
+        return verify_and_commit(self.proposer, self.target.adapter, self.acceptance, tokens, parents, logq)[0]
 
     def _state(self) -> list[torch.Tensor]:
         draft = self.proposer.draft

@@ -6,7 +6,8 @@ One step, top to bottom: :func:`_decode` (here) asks :func:`plan_steps` once, be
 :class:`~.drafting.EagerProposer` or fixed-shape :class:`~.drafting.StaticProposer`) and how steps run:
 :class:`SplitSteps` (propose, verify, accept on the host, commit: :mod:`.drafting`, :mod:`..tree`, :mod:`..target`,
 :mod:`..accept`) or, greedy with a fixed-shape proposer and no processors, :class:`FusedSteps` (the whole step on the
-device, :mod:`.fused`). The loop itself only emits what each step accepted.
+device, :mod:`.fused`; with ``tree_budget="auto"`` :class:`~.adaptive.FusedAutoSteps`, the size chosen there too).
+The loop itself only emits what each step accepted.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..options import BudgetPolicy, StepOptions, TreePolicy
 from ..target import TargetAdapter, capturable_experts
 from ..tree import Tree, node_depths
 from ..validation import row_wise
+from .adaptive import FusedAutoSteps, auto_steps
 from .budget import AutoBudget, auto_sizes, step_costs
 from .drafting import DFlashRunner, EagerProposer, Proposer, RankZeroProposer, StaticProposer, untimed
 from .fused import FusedGreedyStep
@@ -230,7 +232,7 @@ class Plan:
     """What one generation runs, chosen once before the loop: the verifier and the steps (proposer inside)."""
 
     verifier: TargetAdapter | StaticTarget | BucketedTarget
-    steps: SplitSteps | FusedSteps  # each: arm(bonus, context, last_hidden), then run(ahead) yields the steps
+    steps: SplitSteps | FusedSteps | FusedAutoSteps  # each: arm(bonus, context, last_hidden), then run(ahead)
     sizer: AutoBudget | None = None  # tree_budget="auto"
 
 
@@ -252,7 +254,8 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
     eager), and fused steps when greedy decoding needs nothing from the host (no processors, device acceptance).
     With ``auto`` (``tree_budget="auto"``), ``tree_budget`` is the largest of ``sizes`` and each step's size is
     chosen among them (:class:`~.budget.AutoBudget`); fixed-shape steps then verify in a step of each size
-    (:class:`~.verify.BucketedTarget`)."""
+    (:class:`~.verify.BucketedTarget`), greedy ones as whole steps that choose on the device
+    (:class:`~.adaptive.FusedAutoSteps`)."""
     depth = runner.block_size - 1  # every tree drafts within one block: the bound picks the GDN verify kernel
     sizer = None
     if auto is not None:  # (first: a fixed-shape calibration runs the generation's own steps, which are reset below)
@@ -292,8 +295,10 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
     if rank0:
         proposer = RankZeroProposer(proposer, verifier.device)
     on_device = accept is None or isinstance(accept, DeviceAcceptance)
-    fusable = isinstance(proposer, StaticProposer) and sizer is None  # (auto: the host picks each step's size)
-    if fusable and not scores.do_sample and not scores.processors and on_device:
+    if isinstance(proposer, StaticProposer) and not scores.do_sample and not scores.processors and on_device:
+        if sizer is not None:  # (the size chosen on the device, each bucket's step whole)
+            steps = auto_steps(proposer, verifier, sizer.sizes, auto.decay, accept).start(sizer, timed)
+            return Plan(verifier, steps, sizer)
         return Plan(verifier, FusedSteps(fused_step(proposer, verifier, accept), timed))
     rule = acceptance_rule(accept, scores.do_sample, verification, generator)
     return Plan(verifier, SplitSteps(proposer, verifier, rule, scores, timed, sizer), sizer)

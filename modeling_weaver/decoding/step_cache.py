@@ -110,16 +110,22 @@ def release_static_targets(model) -> None:
     _STATIC_TARGETS.pop(model, None)
 
 
+def whole_steps(proposer: StaticProposer, target, key: tuple, build):
+    """``build()`` — whole steps on ``proposer`` and ``target`` (a ``.target`` attribute), as ``key`` (``"fused"``
+    or ``"auto"`` first) — kept with the proposer's drafter (their graphs read both one's buffers)."""
+    steps = proposer.draft._steps
+    # steps built on a target step since replaced (its weights moved) would keep it alive, and its id reusable
+    live = list(_STATIC_TARGETS.get(target.adapter.model, {}).values())
+    for k in [k for k, v in steps.items() if k[0] in ("fused", "auto") and not any(v.target is t for t in live)]:
+        del steps[k]
+    if key not in steps:
+        steps[key] = build()
+    return steps[key]
+
+
 def fused_step(proposer: StaticProposer, target: StaticTarget, acceptance: DeviceAcceptance | None = None
                ) -> FusedGreedyStep:
     """The :class:`~.fused.FusedGreedyStep` of ``proposer`` and ``target``, kept with the proposer's drafter (its
     graph reads their buffers); ``acceptance`` replaces greedy acceptance on the device."""
-    steps = proposer.draft._steps
-    # steps built on a target step since replaced (its weights moved) would keep it alive, and its id reusable
-    live = list(_STATIC_TARGETS.get(target.adapter.model, {}).values())
-    for k in [k for k, v in steps.items() if isinstance(v, FusedGreedyStep) and not any(v.target is t for t in live)]:
-        del steps[k]
     key = ("fused", id(proposer), id(target), id(acceptance))
-    if key not in steps:
-        steps[key] = FusedGreedyStep(proposer, target, acceptance)
-    return steps[key]
+    return whole_steps(proposer, target, key, lambda: FusedGreedyStep(proposer, target, acceptance))
