@@ -3,9 +3,14 @@
 The system of docs/DESIGN.md §13, ``(I + A) U = β ⊙ (V − (K ⊙ e^Γ) S0)`` and ``O = scale · ((Q ⊙ e^Γ) S0 + P U)``,
 solved over row blocks of 16 nodes as the fused GDN form does (:mod:`..gdn_tree.fused`): for block i,
 ``U_i = (I + A_ii)^{-1} (rhs_i − A_{i,<i} U_{<i})``, the diagonal inverse by the nilpotent product of
-:func:`..gdn_tree.common.block_inverse`. The difference is the decay: per channel, so ``A`` and ``P`` are formed
-pairwise, ``Σ_c k_ic k_jc exp(Γ_ic − Γ_jc)`` over [16, 16, BKC] tiles with the ancestor mask applied before the exp
-(the overflow-safe form of §13: every exponent kept is ≤ 0), not as a matmul of decayed keys.
+:func:`..gdn_tree.common.block_inverse`. The difference is the decay: per channel, so the pair scores of ``A`` and
+``P``, ``Σ_c k_ic k_jc exp(Γ_ic − Γ_jc)``, are not one matmul of decayed keys. Each [16, 16] tile folds the decay into
+the operands against a reference per channel, ``R_c = max_{i ∈ rows} Γ_ic``: ``(K_I ⊙ e^{Γ_I − R}) (K_J ⊙ e^{R −
+Γ_J})ᵀ``, IEEE fp32 dots (as the GDN forms' fp32 K·Kᵀ), the ancestor mask after them: the same scores up to
+rounding while every channel's spread ``R_c − min_{j ∈ cols} Γ_jc`` stays within ``PAIR_SPREAD_MAX`` (both factors
+finite). A tile past it takes the exact form: [16, 16, BKC] products with the mask applied before the exp (the
+overflow-safe form of §13: every exponent kept is ≤ 0). Why: that form's exp per pair and channel made this verify
+slow; the dots need an exp per node and channel.
 
 Launches: ``_kda_gamma_kernel`` writes Γ (grid: row blocks × B·HV); ``_kda_pairs_kernel`` the pair-score tiles of
 every row block and earlier-or-same column block, once per head (grid: blocks² × B·HV; the upper half exits);
@@ -22,10 +27,24 @@ import triton
 import triton.language as tl
 
 from ..gdn_tree.common import block_inverse, gate_beta, last_contig
-from ..triton_utils import INTERPRET, fsum, head_inputs, head_program, lanes, node_rows, rsum, state_tile
+from ..triton_utils import (
+    INTERPRET,
+    fsum,
+    head_inputs,
+    head_program,
+    lanes,
+    maximum,
+    minimum,
+    node_rows,
+    rsum,
+    state_tile,
+)
 from ..utils import launch_ctx, next_pow2
 
 MAX_NODES = 256  # as the GDN verify's limit: a budget of 128 drafts plus the root
+# widest per-channel Γ spread (nats) of a tile whose pair scores are dots: column factors ≤ e^64 stay finite (fp32 max
+# e^88.7), and a row factor underflows (< e^-87.3) only where its pair's decay is < e^-23, below fp32's resolution
+PAIR_SPREAD_MAX = 64.0
 
 
 @triton.jit
@@ -41,7 +60,8 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
                  HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr):
     """Raw ``Σ_c k_ic k_jc D_ijc`` and ``Σ_c q_ic k_jc D_ijc`` ([BT, BT]) of rows t_r against columns t_c, with
     ``D_ijc = exp(Γ_ic − Γ_jc)`` on ancestor-or-self pairs and 0 elsewhere, and the columns' ‖k_j‖² (for the l2
-    norm), over the K channels BKC at a time."""
+    norm), over the K channels BKC at a time: the exact form, one exp per pair and channel, the mask before the exp.
+    The tiles whose Γ spread :func:`_pair_scores_dot` cannot take."""
     M = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
     kk = tl.full([BT, BT], 0.0, tl.float32)
     qk = tl.full([BT, BT], 0.0, tl.float32)
@@ -62,6 +82,57 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
         qk += fsum(q_i[:, None, :] * kD, axis=2)
         ss += fsum(k_c * k_c, axis=1)
     return kk, qk, ss
+
+
+@triton.jit
+def _pair_scores_dot(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
+                     HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr,
+                     SPREAD_MAX: tl.constexpr):
+    """:func:`_pair_scores`' results as dots over the K channels (BKC at a time), the decay folded into the operands
+    against the tile's reference ``R_c = max_{i ∈ rows} Γ_ic``: ``e^{Γ_ic − Γ_jc} = e^{Γ_ic − R_c} · e^{R_c − Γ_jc}``,
+    the row factor ≤ 1 and the column factor ≤ e^{S_c}, ``S_c = R_c − min_{j ∈ cols} Γ_jc``; the ancestor mask after
+    the dots (a select: a non-ancestor entry's sum may be inf or NaN and is dropped). Returns ``(ok, kk, qk, ss)``;
+    ``ok`` is False, and nothing computed, where some channel's spread passes ``SPREAD_MAX`` or is not finite (the
+    caller then takes :func:`_pair_scores`)."""
+    # Γ of the real rows and columns only (every tile has some); the padded channels' Γ are 0 on both sides
+    n_bad = tl.full([BKC], 0, tl.int32)
+    for kc in tl.static_range(0, BK, BKC):
+        o_kc = kc + tl.arange(0, BKC)
+        m_kc = o_kc < K
+        G_r = tl.load(gm_base + t_r[:, None] * (HV * K) + o_kc[None, :], mask=m_r[:, None] & m_kc[None, :],
+                      other=float("-inf"))
+        G_c = tl.load(gm_base + t_c[:, None] * (HV * K) + o_kc[None, :], mask=m_c[:, None] & m_kc[None, :],
+                      other=float("inf"))
+        R = tl.where(m_kc, tl.reduce(G_r, 0, maximum), 0.0)  # [BKC]
+        S = R - tl.where(m_kc, tl.reduce(G_c, 0, minimum), 0.0)
+        n_bad += tl.where((S <= SPREAD_MAX) & (R > float("-inf")), 0, 1)  # NaN or inf: not ok
+    ok = rsum(n_bad, axis=0) == 0
+    kk = tl.full([BT, BT], 0.0, tl.float32)
+    qk = tl.full([BT, BT], 0.0, tl.float32)
+    ss = tl.full([BT], 0.0, tl.float32)
+    if ok:
+        for kc in tl.static_range(0, BK, BKC):
+            o_kc = kc + tl.arange(0, BKC)
+            m_kc = o_kc < K
+            m_rk = m_r[:, None] & m_kc[None, :]
+            m_ck = m_c[:, None] & m_kc[None, :]
+            G_r = tl.load(gm_base + t_r[:, None] * (HV * K) + o_kc[None, :], mask=m_rk, other=float("-inf"))
+            G_c = tl.load(gm_base + t_c[:, None] * (HV * K) + o_kc[None, :], mask=m_ck, other=0.0)
+            R = tl.where(m_kc, tl.reduce(G_r, 0, maximum), 0.0)
+            # exponents ≤ 0 (rows) and ≤ S_c (columns); padding at exponent 0, its keys 0
+            e_r = tl.exp(tl.where(m_rk, G_r - R[None, :], 0.0))
+            e_c = tl.exp(tl.where(m_ck, R[None, :] - G_c, 0.0))
+            k_r = tl.load(k_base + t_r[:, None] * sk_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
+            q_r = tl.load(q_base + t_r[:, None] * sq_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
+            k_c = tl.load(k_base + t_c[:, None] * sk_t + o_kc[None, :], mask=m_ck, other=0.0).to(tl.float32)
+            kT = tl.trans(k_c * e_c)  # [BKC, BT]
+            kk += tl.dot(k_r * e_r, kT, input_precision="ieee")
+            qk += tl.dot(q_r * e_r, kT, input_precision="ieee")
+            ss += rsum(k_c * k_c, axis=1)
+        M = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
+        kk = tl.where(M, kk, 0.0)
+        qk = tl.where(M, qk, 0.0)
+    return ok, kk, qk, ss
 
 
 @triton.jit
@@ -93,7 +164,7 @@ def _kda_gamma_kernel(
 def _kda_pairs_kernel(
     q, k, tmask, gamma, kk_out, qk_out, T, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr,
-    NB: tl.constexpr, L2NORM: tl.constexpr,
+    NB: tl.constexpr, L2NORM: tl.constexpr, SPREAD_MAX: tl.constexpr,
 ):
     """The pair scores of row block i and column block c ≤ i of one value head (``program_id(0) = i · NB + c``), once
     per head for every value block of the verify: ``[BT, BT]`` tiles of ``kk_out`` / ``qk_out`` (``[B, HV, T, T]``),
@@ -103,9 +174,13 @@ def _kda_pairs_kernel(
     if c <= i:
         t_r, m_r = lanes(i, BT, T)
         t_c, m_c = lanes(c, BT, T)
-        kk, qk, ss = _pair_scores(k + i_b64 * sk_b + i_h * sk_h, q + i_b64 * sq_b + i_h * sq_h,
-                                  node_rows(gamma, i_b64, i_hv, T, HV, K), tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
-                                  HV, K, BK, BKC, BT)
+        k_base, q_base = k + i_b64 * sk_b + i_h * sk_h, q + i_b64 * sq_b + i_h * sq_h
+        gm_base = node_rows(gamma, i_b64, i_hv, T, HV, K)
+        ok, kk, qk, ss = _pair_scores_dot(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
+                                          HV, K, BK, BKC, BT, SPREAD_MAX)
+        if not ok:  # a spread past the dots' range: the exact form
+            kk, qk, ss = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
+                                      HV, K, BK, BKC, BT)
         if L2NORM:
             rk_c = tl.rsqrt(ss + 1e-6)
             kk = kk * rk_c[None, :]
@@ -210,12 +285,16 @@ def kda_tree_verify_triton(
     num_warps: int = 4,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
+    pair_spread_max: float = PAIR_SPREAD_MAX,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`~weaver_kernels.kda_tree.naive.kda_tree_verify_ref` (same shapes and outputs) for
     gates already formed (``g [B, T, HV, K]``). ``BV``: value columns per program; ``BKC``: key channels per step of
-    the pairwise scores (their [16, 16, BKC] tile bounds the registers). All dots are IEEE fp32. With ``A_log`` (HV
-    entries) and ``dt_bias`` (HV·K), ``g`` and ``beta`` are the raw projections f and b and the kernel forms the gates
-    (:func:`~weaver_kernels.kda_tree.naive.kda_gates`' formula)."""
+    the pairwise scores (a [16, BKC] · [BKC, 16] dot, or in a tile past ``pair_spread_max`` a [16, 16, BKC] product:
+    that tile bounds the registers). All dots are IEEE fp32. With ``A_log`` (HV entries) and ``dt_bias`` (HV·K),
+    ``g`` and ``beta`` are the raw projections f and b and the kernel forms the gates
+    (:func:`~weaver_kernels.kda_tree.naive.kda_gates`' formula). ``pair_spread_max``: the widest per-channel Γ spread
+    (nats) of a pair tile formed by dots, the exact form past it; the default is the fp32-safe one, ±inf forces one
+    form on every tile (the tests' check of each)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if HV % H:
@@ -251,7 +330,8 @@ def kda_tree_verify_triton(
                                         H=H, HV=HV, K=K, BK=BK, BT=16, RAW_GATES=raw, num_warps=num_warps)
         _kda_pairs_kernel[(NB * NB, B * HV)](
             q, k, mask, gamma, kk, qk, T, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            H=H, HV=HV, K=K, BK=BK, BKC=BKC, BT=16, NB=NB, L2NORM=bool(use_qk_l2norm_in_kernel), num_warps=num_warps,
+            H=H, HV=HV, K=K, BK=BK, BKC=BKC, BT=16, NB=NB, L2NORM=bool(use_qk_l2norm_in_kernel),
+            SPREAD_MAX=float(pair_spread_max), num_warps=num_warps,
         )
         _kda_tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, g, beta, s0, o, u, gamma, kk, qk, T, scale,
