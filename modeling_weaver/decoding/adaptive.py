@@ -115,13 +115,14 @@ class FusedAutoSteps:
                    self.predicted, self.prior]
         return adapter_state(self.target.adapter) + tensors + (self.acceptance.state() if self.acceptance else [])
 
-    def _launch(self, key, fn, state=()):
-        """Run ``fn`` (replayed from a CUDA graph captured on first use per ``key`` when capturing); returns what
-        :meth:`_read` reads: its output on the host once the event has completed."""
+    def _launch(self, key, fn, state=list):
+        """Run ``fn`` (replayed from a CUDA graph captured on first use per ``key`` when capturing; ``state()``: what
+        it advances in place, restored around the capture's warm-up); returns what :meth:`_read` reads: its output,
+        on the host once the event has completed."""
         if not self.capture:
             return fn(), None
         if key not in self._graphs:
-            graph, out = graphs.capture_graph(fn, warmup=1, restore=state)
+            graph, out = graphs.capture_graph(fn, warmup=1, restore=state())
             host = torch.zeros(out.shape, dtype=out.dtype, pin_memory=True)
             self._graphs[key] = (graph, out, host, torch.cuda.Event())
         graph, out, host, event = self._graphs[key]
@@ -142,7 +143,7 @@ class FusedAutoSteps:
 
     def _launch_bucket(self, index: int):
         nodes = self.sizes_list[index] + 1
-        return self._launch(index, lambda: self._verify(nodes), self._state())
+        return self._launch(index, lambda: self._verify(nodes), self._state)
 
     @torch.no_grad()
     def run(self, ahead=lambda: True):
