@@ -308,35 +308,38 @@ def test_triton_verify_and_commit_interpreter(ik, case):
     _check_verify_and_commit(ik, case)
 
 
-def _tile_spreads(gamma):
-    """``[B, HV, tiles]``: each pair tile's widest per-channel spread ``max_{i ∈ I} Γ_ic − min_{j ∈ J} Γ_jc`` (row
-    block I, column block J ≤ I, 16 nodes each), in fp32 from the verify's Γ, as the pairs kernel tests it against
-    ``PAIR_SPREAD_MAX``: dots at most, the exact form past it."""
+def _channel_spreads(gamma):
+    """``[B, HV, tiles, K]``: each pair tile's per-channel spread ``max_{i ∈ I} Γ_ic − min_{j ∈ J} Γ_jc`` (row block I,
+    column block J ≤ I, 16 nodes each), in fp32 from the verify's Γ, as the pairs kernel tests it against
+    ``PAIR_SPREAD_MAX``: the channel in the dots at most, added on its own past it."""
     blocks = gamma.float().transpose(1, 2).split(16, dim=2)  # [B, HV, ≤16, K] each
-    return torch.stack([(blocks[i].amax(2) - blocks[c].amin(2)).amax(-1)
-                        for i in range(len(blocks)) for c in range(i + 1)], -1)
+    return torch.stack([blocks[i].amax(2) - blocks[c].amin(2) for i in range(len(blocks)) for c in range(i + 1)], 2)
 
 
 def _assert_paths(spread, limit, path):
-    """The tiles of ``spread`` take ``path``: "dots" (every tile within ``limit``), "exact" (every tile past it) or
-    "both"; where any tile is past it, some spread is past fp32's exp range too (e^89 overflows)."""
-    within = spread <= limit
-    assert {"dots": within.all(), "exact": (~within).all(), "both": within.any() and (~within).any()}[path], spread
+    """The channels of ``spread`` take ``path``: "dots" (every channel of every tile within ``limit``), "wide" (every
+    one past it) or "mixed" (some tile holds channels of both); where any channel is past it, some spread is past
+    fp32's exp range too (e^89 overflows)."""
+    wide = spread > limit
+    assert {"dots": (~wide).all(), "wide": wide.all(), "mixed": (wide.any(-1) & (~wide).any(-1)).any()}[path], spread
     assert path == "dots" or spread.max() > 89.0, spread.max()
 
 
-#: pair tiles through the dots, through the exact form, and both in one verify: (kernel case, gate scale, path); gates
-#: scaled up give long paths wide spreads (a deep spine's far tiles), forests and stars spreads within blocks.
+#: pair-tile channels through the dots, each on its own (wide), and both within tiles: (kernel case, gate scale,
+#: path); gates scaled up give long paths wide spreads (a deep spine's far tiles), forests and stars spreads within
+#: blocks, and ×100 every channel of every tile (no tail block of one node) past the limit.
 SPREAD_CASES = [
     (("deep", 37, 1, 1, 32, 24, torch.float32, False, 16), 2.0, "dots"),  # spreads up to 59: near the limit
     (("star", 20, 2, 2, 16, 16, torch.float32, True, 16), 4.0, "dots"),
     (("forest", 24, 1, 2, 40, 16, torch.float32, True, 32), 1.0, "dots"),
     (("random", 18, 1, 2, 32, 16, torch.bfloat16, True, 32), 1.0, "dots"),
-    (("chain", 33, 1, 2, 16, 16, torch.float32, True, 16), 2.0, "both"),
-    (("deep", 50, 1, 2, 32, 16, torch.float32, True, 32), 4.0, "both"),
-    (("shuffled", 30, 1, 1, 16, 8, torch.float32, False, 16), 4.0, "both"),
-    (("forest", 24, 1, 2, 40, 16, torch.float32, True, 32), 10.0, "exact"),
-    (("random", 40, 1, 2, 24, 16, torch.float32, False, 16), 10.0, "exact"),
+    (("chain", 33, 1, 2, 16, 16, torch.float32, True, 16), 2.0, "mixed"),
+    (("deep", 50, 1, 2, 32, 16, torch.float32, True, 32), 4.0, "mixed"),
+    (("shuffled", 30, 1, 1, 16, 8, torch.float32, False, 16), 4.0, "mixed"),
+    (("forest", 24, 1, 2, 40, 16, torch.float32, True, 32), 10.0, "mixed"),  # about half the channels wide
+    (("random", 40, 1, 2, 24, 16, torch.float32, False, 16), 10.0, "mixed"),
+    (("random", 40, 1, 2, 24, 16, torch.float32, False, 16), 100.0, "wide"),
+    (("forest", 48, 1, 2, 16, 16, torch.float32, True, 16), 100.0, "wide"),
 ]
 
 
@@ -345,15 +348,15 @@ def _spread_id(c):
 
 
 @pytest.mark.parametrize("case,g_scale,path", SPREAD_CASES, ids=[_spread_id(c) for c in SPREAD_CASES])
-def test_triton_pair_scores_dots_and_exact_form_interpreter(ik, case, g_scale, path):
-    """The pair scores as dots (the decay folded into the operands) where a tile's Γ spread allows, the exact form
-    past it, alone or mixed in one verify: the verify and commit against the fp64 references; the tiles take the
-    expected form (the verify bit for bit as with every tile forced through that form: ``pair_spread_max`` ±inf); the
-    exact form alone meets the tolerances too, and the dots forced on the tiles past the limit fail them (the
-    fallback is what keeps those right)."""
+def test_triton_pair_scores_dots_and_wide_channels_interpreter(ik, case, g_scale, path):
+    """The pair scores as dots (the decay folded into the operands) over the channels whose Γ spread in a tile allows,
+    each wider channel added exactly on its own, all of one kind or mixed in tiles: the verify and commit against the
+    fp64 references; the channels take the expected path (the verify bit for bit as with every channel forced through
+    that path: ``pair_spread_max`` ±inf); every channel on its own meets the tolerances too, and every channel forced
+    into the dots fails them where some spread is past fp32's range (the wide path is what keeps those right)."""
     kind, T, H, HV, K, V, dtype, l2, BKC = case
     o, u, gamma = _check_verify_and_commit(ik, case, g_scale=g_scale)
-    _assert_paths(_tile_spreads(gamma), ik.fused.PAIR_SPREAD_MAX, path)
+    _assert_paths(_channel_spreads(gamma), ik.fused.PAIR_SPREAD_MAX, path)
 
     parents, x = _case_inputs(case, g_scale)
     M = ancestor_mask(parents)
@@ -362,28 +365,28 @@ def test_triton_pair_scores_dots_and_exact_form_interpreter(ik, case, g_scale, p
     def forced(limit):
         return ik.fused.kda_tree_verify_triton(*x, M, use_qk_l2norm_in_kernel=l2, BKC=BKC, pair_spread_max=limit)[:2]
 
-    exact = forced(float("-inf"))
+    wide = forced(float("-inf"))
     with warnings.catch_warnings():  # past the limit the interpreter's numpy warns of the overflow
         warnings.simplefilter("ignore", RuntimeWarning)
         dots = forced(float("inf"))
     same = lambda a, b: all(torch.equal(p, r) for p, r in zip(a, b))  # noqa: E731
-    assert same((o, u), exact) == (path == "exact") and same((o, u), dots) == (path == "dots")
+    assert same((o, u), wide) == (path == "wide") and same((o, u), dots) == (path == "dots")
     tol = 1e-5 if dtype == torch.float32 else 5e-3
-    assert _rel(exact[0], ro) <= tol and _rel(exact[1], ru) <= 1e-5
+    assert _rel(wide[0], ro) <= tol and _rel(wide[1], ru) <= 1e-5
     assert path == "dots" or max(_rel(dots[0], ro), _rel(dots[1], ru)) > 1e-3
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case,g_scale,path", SPREAD_CASES + [
-    (("deep", 64, 32, 32, 128, 128, torch.float32, True, 32), 4.0, "both"),  # Kimi Linear's shape, a third past
+    (("deep", 64, 32, 32, 128, 128, torch.float32, True, 32), 4.0, "mixed"),  # Kimi Linear's shape
 ], ids=lambda x: _case_id(x) if isinstance(x, tuple) else str(x))
-def test_triton_pair_scores_dots_and_exact_form_on_gpu(case, g_scale, path):
-    """The compiled kernels on the tiles through dots, through the exact form and both."""
+def test_triton_pair_scores_dots_and_wide_channels_on_gpu(case, g_scale, path):
+    """The compiled kernels on the channels through dots, each on its own, and both within tiles."""
     from weaver_kernels.kda_tree import commit, fused
 
     _, _, gamma = _check_verify_and_commit(SimpleNamespace(fused=fused, commit=commit), case, "cuda", g_scale)
-    _assert_paths(_tile_spreads(gamma.cpu()), fused.PAIR_SPREAD_MAX, path)
+    _assert_paths(_channel_spreads(gamma.cpu()), fused.PAIR_SPREAD_MAX, path)
 
 
 #: Kimi Linear's KDA shape (32 heads of 128) with a 64-node tree, in both dtypes the model runs in.
@@ -581,11 +584,11 @@ def test_triton_raw_gates_interpreter(ik):
         ik.fused.kda_tree_verify_triton(q, k, v, f, b, S0, M, A_log=A_log, dt_bias=dt_bias[:H])
 
 
-@pytest.mark.parametrize("kind,T,A_shift,path", [("forest", 33, 1.0, "dots"), ("deep", 37, 1.0, "both"),
-                                                 ("random", 21, 2.0, "exact")])
-def test_triton_raw_gates_dots_and_exact_form_interpreter(ik, kind, T, A_shift, path):
+@pytest.mark.parametrize("kind,T,A_shift,path", [("forest", 33, 1.0, "dots"), ("deep", 37, 1.0, "mixed"),
+                                                 ("random", 21, 2.0, "mixed"), ("random", 21, 5.0, "wide")])
+def test_triton_raw_gates_dots_and_wide_channels_interpreter(ik, kind, T, A_shift, path):
     """Gates formed in the kernel (the adapter's raw projections, ``A_log`` raised so decays are faster) with pair
-    tiles through the dots, the exact form and both: verify and commit against the fp64 references."""
+    tile channels through the dots, each on its own, and both: verify and commit against the fp64 references."""
     c = _raw_gate_case(kind, T, 2, 16, 16, torch.float32, seed=T)
     c.A_log = c.A_log + A_shift
     refs = _raw_gate_refs(c)
@@ -593,4 +596,4 @@ def test_triton_raw_gates_dots_and_exact_form_interpreter(ik, kind, T, A_shift, 
                                                   A_log=c.A_log, dt_bias=c.dt_bias)
     S = ik.commit.kda_tree_commit_triton(c.S0.clone(), c.k, u, gamma, c.path, use_qk_l2norm_in_kernel=True)
     _assert_near_refs(o, u, gamma, S, refs, torch.float32)
-    _assert_paths(_tile_spreads(gamma), ik.fused.PAIR_SPREAD_MAX, path)
+    _assert_paths(_channel_spreads(gamma), ik.fused.PAIR_SPREAD_MAX, path)

@@ -39,13 +39,6 @@ def rsum(x, axis: tl.constexpr):
 
 
 @triton.jit
-def fsum(x, axis: tl.constexpr):
-    """``rsum`` with Triton's own sum combine: compiled, the same reduction; the interpreter recognises that combine
-    and sums with numpy instead of calling it element by element (the KDA pair scores' [16, 16, BKC] tiles)."""
-    return tl.reduce(x, axis, tl.standard._sum_combine)
-
-
-@triton.jit
 def head_program(H: tl.constexpr, HV: tl.constexpr):
     """``(i_b, i_hv, i_h)`` of a program whose grid axis 1 runs over batch × HV value heads, value heads grouped
     over the H query/key heads: the batch index as int64 (its offsets span every head), the value head, the key

@@ -6,11 +6,12 @@ solved over row blocks of 16 nodes as the fused GDN form does (:mod:`..gdn_tree.
 :func:`..gdn_tree.common.block_inverse`. The difference is the decay: per channel, so the pair scores of ``A`` and
 ``P``, ``Σ_c k_ic k_jc exp(Γ_ic − Γ_jc)``, are not one matmul of decayed keys. Each [16, 16] tile folds the decay into
 the operands against a reference per channel, ``R_c = max_{i ∈ rows} Γ_ic``: ``(K_I ⊙ e^{Γ_I − R}) (K_J ⊙ e^{R −
-Γ_J})ᵀ``, IEEE fp32 dots (as the GDN forms' fp32 K·Kᵀ), the ancestor mask after them: the same scores up to
-rounding while every channel's spread ``R_c − min_{j ∈ cols} Γ_jc`` stays within ``PAIR_SPREAD_MAX`` (both factors
-finite). A tile past it takes the exact form: [16, 16, BKC] products with the mask applied before the exp (the
-overflow-safe form of §13: every exponent kept is ≤ 0). Why: that form's exp per pair and channel made this verify
-slow; the dots need an exp per node and channel.
+Γ_J})ᵀ``, IEEE fp32 dots (as the GDN forms' fp32 K·Kᵀ), the ancestor mask after them: the same scores up to rounding
+for the channels whose spread ``R_c − min_{j ∈ cols} Γ_jc`` stays within ``PAIR_SPREAD_MAX`` (both factors finite).
+A channel past it is zeroed in those operands and added exactly on its own, a [16, 16] outer product with the mask
+inside the exp (the overflow-safe form of §13: every exponent kept is ≤ 0).
+Why dots: an exp per pair and channel made this verify slow; the dots need an exp per node and channel.
+Why per channel: a launch waits for its slowest tile, so a whole tile on the exact form was the critical path.
 
 Launches: ``_kda_gamma_kernel`` writes Γ (grid: row blocks × B·HV); ``_kda_pairs_kernel`` the pair-score tiles of
 every row block and earlier-or-same column block, once per head (grid: blocks² × B·HV; the upper half exits);
@@ -18,6 +19,8 @@ every row block and earlier-or-same column block, once per head (grid: blocks² 
 holds its S0 tile ([K, BV]) in registers and reads the tiles, so the value blocks of a head no longer each form the
 same scores. Solved U rows go to the ``u`` output, which the later blocks of the same program read back after a CTA
 barrier.
+Why Γ has a launch of its own: each pairs program would recompute and re-gate Γ of its row and column blocks
+(several times its tile's dot work) and the wide channels read Γ from memory.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import triton.language as tl
 from ..gdn_tree.common import block_inverse, gate_beta, last_contig
 from ..triton_utils import (
     INTERPRET,
-    fsum,
     head_inputs,
     head_program,
     lanes,
@@ -42,7 +44,7 @@ from ..triton_utils import (
 from ..utils import launch_ctx, next_pow2
 
 MAX_NODES = 256  # as the GDN verify's limit: a budget of 128 drafts plus the root
-# widest per-channel Γ spread (nats) of a tile whose pair scores are dots: column factors ≤ e^64 stay finite (fp32 max
+# widest Γ spread (nats) of a channel of a pair tile in the dots: column factors ≤ e^64 stay finite (fp32 max
 # e^88.7), and a row factor underflows (< e^-87.3) only where its pair's decay is < e^-23, below fp32's resolution
 PAIR_SPREAD_MAX = 64.0
 
@@ -57,11 +59,16 @@ def kda_gate(f, a_log, dt_bias, i_hv, o_k, m_k, K: tl.constexpr):
 
 @triton.jit
 def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
-                 HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr):
+                 HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr,
+                 SPREAD_MAX: tl.constexpr):
     """Raw ``Σ_c k_ic k_jc D_ijc`` and ``Σ_c q_ic k_jc D_ijc`` ([BT, BT]) of rows t_r against columns t_c, with
     ``D_ijc = exp(Γ_ic − Γ_jc)`` on ancestor-or-self pairs and 0 elsewhere, and the columns' ‖k_j‖² (for the l2
-    norm), over the K channels BKC at a time: the exact form, one exp per pair and channel, the mask before the exp.
-    The tiles whose Γ spread :func:`_pair_scores_dot` cannot take."""
+    norm), over the K channels BKC at a time. A channel whose spread ``S_c = R_c − min_{j ∈ cols} Γ_jc`` (``R_c =
+    max_{i ∈ rows} Γ_ic``) is within ``SPREAD_MAX`` goes into dots with the decay folded into the operands,
+    ``e^{Γ_ic − Γ_jc} = e^{Γ_ic − R_c} · e^{R_c − Γ_jc}`` (row factor ≤ 1, column factor ≤ e^{S_c}); the mask after
+    the dots (a select). A wider channel (or one whose spread is not finite) is zeroed in those operands and added
+    exactly on its own: a [BT, BT] outer product with the mask inside the exp (every exponent kept ≤ 0 on a tree),
+    behind a scalar test of a bit mask of the wide channels, so narrow channels cost nothing there."""
     M = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
     kk = tl.full([BT, BT], 0.0, tl.float32)
     qk = tl.full([BT, BT], 0.0, tl.float32)
@@ -71,68 +78,42 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
         m_kc = o_kc < K
         m_rk = m_r[:, None] & m_kc[None, :]
         m_ck = m_c[:, None] & m_kc[None, :]
-        k_i = tl.load(k_base + t_r[:, None] * sk_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
-        q_i = tl.load(q_base + t_r[:, None] * sq_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
-        G_i = tl.load(gm_base + t_r[:, None] * (HV * K) + o_kc[None, :], mask=m_rk, other=0.0)
+        # Γ of the real rows and columns only (every tile has some)
+        G_r = tl.load(gm_base + t_r[:, None] * (HV * K) + o_kc[None, :], mask=m_rk, other=float("-inf"))
+        G_c = tl.load(gm_base + t_c[:, None] * (HV * K) + o_kc[None, :], mask=m_ck, other=float("inf"))
+        R = tl.reduce(G_r, 0, maximum)  # [BKC]
+        narrow = (R - tl.reduce(G_c, 0, minimum) <= SPREAD_MAX) & (R > float("-inf")) & m_kc  # NaN, inf: wide
+        wide = m_kc & ~narrow
+        R = tl.where(narrow, R, 0.0)
+        # the dots over the narrow channels; wide and padding ones at exponent 0 with their operands zeroed
+        x_r = m_rk & narrow[None, :]
+        x_c = m_ck & narrow[None, :]
+        e_r = tl.exp(tl.where(x_r, G_r - R[None, :], 0.0))
+        e_c = tl.exp(tl.where(x_c, R[None, :] - G_c, 0.0))
+        k_r = tl.load(k_base + t_r[:, None] * sk_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        q_r = tl.load(q_base + t_r[:, None] * sq_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
         k_c = tl.load(k_base + t_c[:, None] * sk_t + o_kc[None, :], mask=m_ck, other=0.0).to(tl.float32)
-        G_c = tl.load(gm_base + t_c[:, None] * (HV * K) + o_kc[None, :], mask=m_ck, other=0.0)
-        D = tl.exp(tl.where(M[:, :, None], G_i[:, None, :] - G_c[None, :, :], float("-inf")))  # [BT, BT, BKC]
-        kD = k_c[None, :, :] * D
-        kk += fsum(k_i[:, None, :] * kD, axis=2)
-        qk += fsum(q_i[:, None, :] * kD, axis=2)
-        ss += fsum(k_c * k_c, axis=1)
-    return kk, qk, ss
-
-
-@triton.jit
-def _pair_scores_dot(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
-                     HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr,
-                     SPREAD_MAX: tl.constexpr):
-    """:func:`_pair_scores`' results as dots over the K channels (BKC at a time), the decay folded into the operands
-    against the tile's reference ``R_c = max_{i ∈ rows} Γ_ic``: ``e^{Γ_ic − Γ_jc} = e^{Γ_ic − R_c} · e^{R_c − Γ_jc}``,
-    the row factor ≤ 1 and the column factor ≤ e^{S_c}, ``S_c = R_c − min_{j ∈ cols} Γ_jc``; the ancestor mask after
-    the dots (a select: a non-ancestor entry's sum may be inf or NaN and is dropped). Returns ``(ok, kk, qk, ss)``;
-    ``ok`` is False, and nothing computed, where some channel's spread passes ``SPREAD_MAX`` or is not finite (the
-    caller then takes :func:`_pair_scores`)."""
-    # Γ of the real rows and columns only (every tile has some); the padded channels' Γ are 0 on both sides
-    n_bad = tl.full([BKC], 0, tl.int32)
-    for kc in tl.static_range(0, BK, BKC):
-        o_kc = kc + tl.arange(0, BKC)
-        m_kc = o_kc < K
-        G_r = tl.load(gm_base + t_r[:, None] * (HV * K) + o_kc[None, :], mask=m_r[:, None] & m_kc[None, :],
-                      other=float("-inf"))
-        G_c = tl.load(gm_base + t_c[:, None] * (HV * K) + o_kc[None, :], mask=m_c[:, None] & m_kc[None, :],
-                      other=float("inf"))
-        R = tl.where(m_kc, tl.reduce(G_r, 0, maximum), 0.0)  # [BKC]
-        S = R - tl.where(m_kc, tl.reduce(G_c, 0, minimum), 0.0)
-        n_bad += tl.where((S <= SPREAD_MAX) & (R > float("-inf")), 0, 1)  # NaN or inf: not ok
-    ok = rsum(n_bad, axis=0) == 0
-    kk = tl.full([BT, BT], 0.0, tl.float32)
-    qk = tl.full([BT, BT], 0.0, tl.float32)
-    ss = tl.full([BT], 0.0, tl.float32)
-    if ok:
-        for kc in tl.static_range(0, BK, BKC):
-            o_kc = kc + tl.arange(0, BKC)
-            m_kc = o_kc < K
-            m_rk = m_r[:, None] & m_kc[None, :]
-            m_ck = m_c[:, None] & m_kc[None, :]
-            G_r = tl.load(gm_base + t_r[:, None] * (HV * K) + o_kc[None, :], mask=m_rk, other=float("-inf"))
-            G_c = tl.load(gm_base + t_c[:, None] * (HV * K) + o_kc[None, :], mask=m_ck, other=0.0)
-            R = tl.where(m_kc, tl.reduce(G_r, 0, maximum), 0.0)
-            # exponents ≤ 0 (rows) and ≤ S_c (columns); padding at exponent 0, its keys 0
-            e_r = tl.exp(tl.where(m_rk, G_r - R[None, :], 0.0))
-            e_c = tl.exp(tl.where(m_ck, R[None, :] - G_c, 0.0))
-            k_r = tl.load(k_base + t_r[:, None] * sk_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
-            q_r = tl.load(q_base + t_r[:, None] * sq_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
-            k_c = tl.load(k_base + t_c[:, None] * sk_t + o_kc[None, :], mask=m_ck, other=0.0).to(tl.float32)
-            kT = tl.trans(k_c * e_c)  # [BKC, BT]
-            kk += tl.dot(k_r * e_r, kT, input_precision="ieee")
-            qk += tl.dot(q_r * e_r, kT, input_precision="ieee")
-            ss += rsum(k_c * k_c, axis=1)
-        M = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
-        kk = tl.where(M, kk, 0.0)
-        qk = tl.where(M, qk, 0.0)
-    return ok, kk, qk, ss
+        kT = tl.trans(tl.where(x_c, k_c * e_c, 0.0))  # [BKC, BT]
+        kk += tl.dot(tl.where(x_r, k_r * e_r, 0.0), kT, input_precision="ieee")
+        qk += tl.dot(tl.where(x_r, q_r * e_r, 0.0), kT, input_precision="ieee")
+        ss += rsum(k_c * k_c, axis=1)
+        # the wide channels, 16 to a bit mask: each one's keys, queries and Γ from memory
+        for w in tl.static_range(kc, kc + BKC, 16):
+            bits = rsum(tl.where(wide & (o_kc // 16 == w // 16), 1 << (o_kc % 16), 0), axis=0)
+            if bits != 0:
+                for j in range(16):
+                    if ((bits >> j) & 1) != 0:
+                        ch = w + j
+                        G_r1 = tl.load(gm_base + t_r * (HV * K) + ch, mask=m_r, other=0.0)
+                        G_c1 = tl.load(gm_base + t_c * (HV * K) + ch, mask=m_c, other=0.0)
+                        k_r1 = tl.load(k_base + t_r * sk_t + ch, mask=m_r, other=0.0).to(tl.float32)
+                        q_r1 = tl.load(q_base + t_r * sq_t + ch, mask=m_r, other=0.0).to(tl.float32)
+                        k_c1 = tl.load(k_base + t_c * sk_t + ch, mask=m_c, other=0.0).to(tl.float32)
+                        kD = k_c1[None, :] * tl.exp(tl.where(M, G_r1[:, None] - G_c1[None, :], float("-inf")))
+                        kk += k_r1[:, None] * kD
+                        qk += q_r1[:, None] * kD
+    # the mask after the dots: a non-ancestor entry's sum may be inf or NaN there (the wide terms are 0 off it)
+    return tl.where(M, kk, 0.0), tl.where(M, qk, 0.0), ss
 
 
 @triton.jit
@@ -176,11 +157,8 @@ def _kda_pairs_kernel(
         t_c, m_c = lanes(c, BT, T)
         k_base, q_base = k + i_b64 * sk_b + i_h * sk_h, q + i_b64 * sq_b + i_h * sq_h
         gm_base = node_rows(gamma, i_b64, i_hv, T, HV, K)
-        ok, kk, qk, ss = _pair_scores_dot(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
-                                          HV, K, BK, BKC, BT, SPREAD_MAX)
-        if not ok:  # a spread past the dots' range: the exact form
-            kk, qk, ss = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
-                                      HV, K, BK, BKC, BT)
+        kk, qk, ss = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
+                                  HV, K, BK, BKC, BT, SPREAD_MAX)
         if L2NORM:
             rk_c = tl.rsqrt(ss + 1e-6)
             kk = kk * rk_c[None, :]
@@ -289,12 +267,12 @@ def kda_tree_verify_triton(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`~weaver_kernels.kda_tree.naive.kda_tree_verify_ref` (same shapes and outputs) for
     gates already formed (``g [B, T, HV, K]``). ``BV``: value columns per program; ``BKC``: key channels per step of
-    the pairwise scores (a [16, BKC] · [BKC, 16] dot, or in a tile past ``pair_spread_max`` a [16, 16, BKC] product:
-    that tile bounds the registers). All dots are IEEE fp32. With ``A_log`` (HV entries) and ``dt_bias`` (HV·K),
+    the pairwise scores (a [16, BKC] · [BKC, 16] dot; a channel past ``pair_spread_max`` adds a [16, 16] outer product
+    of its own). All dots are IEEE fp32. With ``A_log`` (HV entries) and ``dt_bias`` (HV·K),
     ``g`` and ``beta`` are the raw projections f and b and the kernel forms the gates
-    (:func:`~weaver_kernels.kda_tree.naive.kda_gates`' formula). ``pair_spread_max``: the widest per-channel Γ spread
-    (nats) of a pair tile formed by dots, the exact form past it; the default is the fp32-safe one, ±inf forces one
-    form on every tile (the tests' check of each)."""
+    (:func:`~weaver_kernels.kda_tree.naive.kda_gates`' formula). ``pair_spread_max``: the widest Γ spread (nats) of a
+    channel of a pair tile in the dots, added on its own past it; the default is the fp32-safe one, ±inf sends every
+    channel one way (the tests' check of each)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if HV % H:
