@@ -13,9 +13,10 @@
   predicted reach at that depth, its prior the correction of the depth above (:func:`depth_factors`: a depth no tree
   has held yet is rated as the deepest one seen, not by the drafter's raw scores).
 - **Policy** (:func:`steady_rates`, :func:`pick_size`, :func:`pick_drafted`, :class:`AutoBudget`): the size maximising
-  expected length / step time, or 0 (AR: the next steps do not draft until the next look at the drafter, their number
-  doubling while AR keeps winning, in units of a draft's time in AR steps). The tree already drafted in a step is then
-  cut to the prefix worth most beyond its verify time at that best rate, which may be the root alone.
+  expected length / step time, or 0 (AR). The tree already drafted in a step is then cut to the prefix worth most
+  beyond its verify time at that best rate, which may be the root alone; when that is the root alone and AR won, the
+  next steps do not draft until the next look at the drafter (their number doubling while AR keeps winning, in units
+  of a draft's time in AR steps).
   :func:`choose_on_device` makes the same choice on the device for the fused auto steps (:mod:`.fused`).
 
 Any tree a step verifies is a function of what was committed before it, so every acceptance rule stays lossless.
@@ -198,8 +199,9 @@ def choose_on_device(parents: torch.Tensor, logq: torch.Tensor, factors: torch.T
         factors: ``[D]`` fp64 ``c_d`` (:func:`depth_factors`); sizes: ``[S]`` ascending candidate draft counts;
         verify_ms: ``[max size + 1]`` fp64 :meth:`CostTable.verify` of every draft count; propose_ms: as the table's.
     Returns:
-        ``choice [3]`` — the index in ``sizes`` of the smallest size holding the chosen prefix, whether AR is the best
-        steady size (the next steps then skip drafting), the chosen number of drafts; ``rank [N]`` — each node's
+        ``choice [3]`` — the index in ``sizes`` of the smallest size holding the chosen prefix, whether the next steps
+        skip drafting (AR is the best steady size and the drafted tree is cut to its root), the chosen number of
+        drafts; ``rank [N]`` — each node's
         place in the best-first order (root -1, padding roots ≥ the drafts there are): the prefix is ``rank <
         choice[2]``; ``sums [D]`` fp64 — that prefix's reach sums per depth (for :func:`calibrate`).
     """
@@ -232,7 +234,7 @@ def choose_on_device(parents: torch.Tensor, logq: torch.Tensor, factors: torch.T
     steady = rates.argmax().view(1)  # (the first among equals: the smaller size)
     pick = (lengths - rates[steady] * verify).argmax().view(1)
     size = drafted[pick]
-    choice = torch.cat([(sizes < size).sum().view(1), (sizes[steady] == 0).long(), size])
+    choice = torch.cat([(sizes < size).sum().view(1), ((sizes[steady] == 0) & (size == 0)).long(), size])
     return choice, rank, sums[pick][0]
 
 
@@ -293,8 +295,8 @@ class AutoBudget:
         lengths = expected_lengths(nodes, self.sizes, self.factors())
         rates = steady_rates(self.sizes, lengths, self.costs, len(nodes))
         best = max(rates)
-        self.steady(self.sizes[rates.index(best)] == 0)
         size = pick_drafted(self.sizes, lengths, self.costs, len(nodes), rate=best)
+        self.steady(self.sizes[rates.index(best)] == 0 and min(size, len(nodes)) == 0)
         if size == 0:
             self.reach = None
             return subtree(tree, [])
@@ -305,9 +307,12 @@ class AutoBudget:
         return subtree(tree, [i for i, _, _ in kept])
 
     def steady(self, ar: bool) -> None:
-        """Whether the next steps draft, once a step's best steady size is known: after ``ar`` (AR wins), a few AR
-        steps without drafting, more while it keeps winning (in units of a draft's time in AR steps: a probe then
-        costs at most 1 / backoff of the AR time)."""
+        """Whether the next steps draft, once a step's choice is known: after ``ar`` (AR wins as a steady choice and
+        the drafted tree is not worth its verify either), a few AR steps without drafting, more while it keeps
+        winning (in units of a draft's time in AR steps: a probe then costs at most 1 / backoff of the AR time). A
+        tree still worth verifying once drafted keeps the next steps drafting: one step's expected length is a
+        noisy estimate, and skipping drafts on a drafter that is right more often than it says loses (BENCHMARKS,
+        the CPU auto runs)."""
         if ar:
             self.backoff = min(max(1, 2 * self.backoff), self.policy.max_backoff)
             self.skip = self.backoff * max(1, round(self.costs.propose_ms / self.costs.step_ms(0)))
