@@ -427,3 +427,32 @@ def test_complete_output_arms_no_fused_step(monkeypatch):
     got = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="ddtree", tree_budget=6,
                                max_new_tokens=1, target_step="static")
     assert torch.equal(got, reference(target, ids, 1)) and loads == []
+
+
+def test_graph_semantics_fused_auto_steps(fake_graphs):
+    """tree_budget="auto" as whole steps under graph semantics: the draft-and-choose graph and each bucket's graph
+    read nothing on the host inside (CaptureRules), replay into their fixed outputs, and decoding stays exactly
+    greedy, with AR steps that skip drafting (a steep cost table) and trees of several sizes (a flat one)."""
+    from test_auto_budget import FLAT, STEEP
+    from test_generate import make_drafters, reference
+
+    from modeling_weaver import BudgetPolicy, speculative_generate
+    from modeling_weaver.decoding.step_cache import _STATIC_TARGETS
+
+    target = TINY_TARGETS["qwen3_5"]()
+    drafter, weaver = make_drafters(target, mask_token_id=None)
+    ids = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(2))
+    before: dict = {}
+    for costs in (FLAT, STEEP):
+        got, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, tree_budget="auto",
+                                          max_new_tokens=40, target_step="graph", return_stats=True,
+                                          budget_policy=BudgetPolicy(costs=costs, max_size=32))
+        assert torch.equal(got, reference(target, ids, 40)), costs
+        (draft,) = (v for k, v in _STATIC_TARGETS[drafter].items() if k[0] == "draft")
+        (auto,) = (v for k, v in draft._steps.items() if k[0] == "auto")
+        replays = {key: entry[0].replays - before.get(key, 0) for key, entry in auto._graphs.items()}
+        before = {key: entry[0].replays for key, entry in auto._graphs.items()}  # (later generations replay them)
+        drafts = replays.pop("choose")
+        assert drafts > 0 and sum(replays.values()) == stats.num_steps, replays  # a bucket's graph per step
+        if costs is STEEP:  # AR steps that skipped drafting
+            assert drafts < stats.num_steps and stats.size_histogram.get(0, 0) > 0, (drafts, stats.size_histogram)

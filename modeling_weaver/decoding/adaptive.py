@@ -117,26 +117,15 @@ class FusedAutoSteps:
 
     def _launch(self, key, fn, state=list):
         """Run ``fn`` (replayed from a CUDA graph captured on first use per ``key`` when capturing; ``state()``: what
-        it advances in place, restored around the capture's warm-up); returns what :meth:`_read` reads: its output,
-        on the host once the event has completed."""
+        it advances in place, restored around the capture's warm-up); returns what :func:`~.graphs.read` reads."""
         if not self.capture:
-            return fn(), None
+            return fn()
         if key not in self._graphs:
             graph, out = graphs.capture_graph(fn, warmup=1, restore=state())
-            host = torch.zeros(out.shape, dtype=out.dtype, pin_memory=True)
-            self._graphs[key] = (graph, out, host, torch.cuda.Event())
-        graph, out, host, event = self._graphs[key]
+            self._graphs[key] = (graph, out, graphs.HostSlot(self.target.device, out.shape[0]))
+        graph, out, slot = self._graphs[key]
         graph.replay()
-        host.copy_(out, non_blocking=True)
-        event.record()
-        return host, event
-
-    @staticmethod
-    def _read(launched) -> list[int]:
-        values, event = launched
-        if event is not None:
-            event.synchronize()
-        return values.tolist()
+        return slot.fill(out)
 
     def _launch_choice(self):
         return self._launch("choose", self._choose)
@@ -156,7 +145,7 @@ class FusedAutoSteps:
                         if self.pending is not None:  # the AR steps' rows go to the drafter with the new block
                             draft.load(self.bonus, torch.cat(self.pending), adapter.length)
                             self.pending = None
-                        bucket, ar, drafts = self._read(chosen or self._launch_choice())
+                        bucket, ar, drafts = graphs.read(chosen or self._launch_choice())
                         chosen = None
                         sizer.steady(bool(ar))
                         launched = self._launch_bucket(bucket)
@@ -168,15 +157,15 @@ class FusedAutoSteps:
                             self.choice.zero_()
                             self.sums.zero_()
                         launched, drafts = self._launch_bucket(0), 0
-                    *tokens, length, self.bonus = self._read(launched)
+                    *tokens, length, self.bonus = graphs.read(launched)
                     adapter.length += length
                     self.accepted = length
                     if self.pending is not None:
                         self.pending.append(draft.context[:1].clone())
                 yield tokens[:length], self.bonus, drafts + 1
         finally:
-            if chosen is not None and chosen[1] is not None:  # an unread draft still writes the drafter's cache
-                chosen[1].synchronize()
+            if chosen is not None:  # an unread draft still writes the drafter's cache: let it finish
+                graphs.read(chosen)
 
 
 def auto_steps(proposer: StaticProposer, target: BucketedTarget, sizes: tuple[int, ...], decay: float,

@@ -33,6 +33,32 @@ def capture_graph(fn, pool=None, warmup: int = 2, restore=()):
     return graph, out
 
 
+class HostSlot:
+    """A pinned host copy of a captured step's small ``[size]`` long output, and the event that says it is full (off
+    CUDA there is none: the copy is complete when it returns)."""
+
+    def __init__(self, device: torch.device, size: int):
+        cuda = torch.device(device).type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.long, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+
+    def fill(self, out: torch.Tensor) -> HostSlot:
+        """Queue the copy of ``out`` (ordered before a later replay overwrites it)."""
+        self.host.copy_(out, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+        return self
+
+
+def read(launched: HostSlot | torch.Tensor) -> list[int]:
+    """The values of a launched step: a :class:`HostSlot` once its event has completed, or an eager step's tensor."""
+    if isinstance(launched, torch.Tensor):
+        return launched.tolist()
+    if launched.event is not None:
+        launched.event.synchronize()
+    return launched.host.tolist()
+
+
 class PipelinedSteps:
     """Steps whose inputs the previous step left on the device, one CUDA graph each, launched one ahead of the host.
 
@@ -44,33 +70,24 @@ class PipelinedSteps:
     def __init__(self, device: torch.device, summary_size: int, capture: bool):
         self.capture = capture
         self._graph: tuple | None = None
-        # Two host slots for summaries, one being read, one being filled, each with the event that says it is full
-        # (a slot is launched again only after it was read).
-        cuda = device.type == "cuda"
-        self._host = [torch.zeros(summary_size, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
-        self._events = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        # two host slots for summaries, one being read, one being filled (a slot is launched again only after it was
+        # read)
+        self._host = [HostSlot(device, summary_size) for _ in range(2)]
         self._slot = 0
 
-    def _launch(self) -> tuple[torch.Tensor, object]:
-        """Start one step; returns ``(host slot, event)``: the slot holds its summary once the event has completed
-        (no event: it holds it already)."""
+    def _launch(self) -> HostSlot | torch.Tensor:
+        """Start one step; returns what :func:`read` reads (an eager step: its summary itself)."""
         if not self.capture:
-            return self._step(), None
+            return self._step()
         if self._graph is None:  # a warm-up step advances the state: restored
             self._graph = capture_graph(self._step, warmup=1, restore=self._state())
         self._graph[0].replay()
-        host, event = self._host[self._slot], self._events[self._slot]
+        slot = self._host[self._slot]
         self._slot = 1 - self._slot
-        host.copy_(self._graph[1], non_blocking=True)  # ordered before the next replay overwrites the summary
-        if event is not None:
-            event.record()
-        return host, event
+        return slot.fill(self._graph[1])
 
     def _read(self, launched):
-        host, event = launched
-        if event is not None:
-            event.synchronize()
-        return self._parse(host.tolist())
+        return self._parse(read(launched))
 
     @torch.no_grad()
     def run(self, ahead=lambda: True):
@@ -90,6 +107,5 @@ class PipelinedSteps:
                     in_flight.append(self._launch())
                 yield self._read(in_flight.pop(0))
         finally:
-            for _, event in in_flight:  # an unread step still writes the caches: let it finish
-                if event is not None:
-                    event.synchronize()
+            for launched in in_flight:  # an unread step still writes the caches: let it finish
+                read(launched)
