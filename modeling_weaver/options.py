@@ -122,8 +122,10 @@ class BudgetPolicy:
             than their extra acceptance brings, BENCHMARKS.md; at most :func:`~modeling_weaver.tree.max_tree_budget`).
         decay: how fast the acceptance calibration forgets (per step; the weight of the step ``k`` steps back is
             ``decay**k``).
-        max_backoff: after choosing AR, the next steps skip drafting too, twice as many after each further AR choice,
-            up to this many (then one step drafts again to look at the drafter's confidence); counted in units of
+        skip_after: after this many drafting steps in a row whose steady choice (draft time counted) is AR, or one
+            whose drafted tree is not worth its verify either, the next steps skip drafting.
+        max_backoff: when AR wins so, the next steps skip drafting, twice as many after each further AR verdict, up
+            to this many (then one step drafts again to look at the drafter's confidence); counted in units of
             ``max(1, draft + tree time / AR step time)`` steps, so that looking costs at most ``1 / max_backoff`` of
             the time spent in AR steps.
         costs: a :class:`~modeling_weaver.decoding.budget.CostTable` to use as it is (None: measured on the first use
@@ -139,7 +141,8 @@ class BudgetPolicy:
     sizes: tuple[int, ...] = (0, 4, 8, 16, 32, 64)
     max_size: int | None = None
     decay: float = 0.9
-    max_backoff: int = 16
+    skip_after: int = 3
+    max_backoff: int = 4
     costs: CostTable | None = None  # noqa: F821 - decoding.budget.CostTable (options imports nothing of the step)
     recalibrate: bool = False
     cache_dir: str | None = None

@@ -7,7 +7,10 @@
 2. Per mode: cProfile of one more generation (graphs and compiles in place) sorted by own time, then the fused graph
    alone: how long ``replay()`` takes to return to Python, and its GPU time back to back.
 3. ``memory_check``: two ``--memory-tokens`` generations of the first mode (graph steps): growth over the second.
-4. ``--timeline``: host timestamps of one AR and one generation per mode at the loop's seams (prefill, the first
+4. ``--auto``: per mode, ``tree_budget="auto"`` after the fixed budget: its choice graph and each captured bucket's
+   graph timed alone as in 2, beside the fixed fused graph (where auto's step time goes: the choice, the cut, and the
+   host read between them, which is the step time less both graphs' GPU time).
+5. ``--timeline``: host timestamps of one AR and one generation per mode at the loop's seams (prefill, the first
    step's draft/verify/commit, every pipelined step's launch and read), no syncs added: where wall time goes that no
    GPU span holds.
 """
@@ -46,6 +49,23 @@ def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:
             gpu_ms, host_ms = graph_replay_ms(step._graph[0], reps)
             lines.append(f"{mode} fused graph: replay() returns after {host_ms:.2f} ms (median), "
                          f"GPU {gpu_ms:.2f} ms per step back to back")
+    return "\n".join(lines)
+
+
+def auto_graph_timing(drafter, mode: str, reps: int = 10) -> str:
+    """GPU time of each captured graph of ``mode``'s auto steps (the choice; each bucket), replayed back to back."""
+    lines = []
+    for key, steps in _STATIC_TARGETS[drafter].items():
+        if key[0] != "draft":
+            continue
+        for step_key, step in steps._steps.items():
+            if step_key[0] != "auto" or step.proposer.mode != mode:
+                continue
+            for name, (graph, _, _) in step._graphs.items():
+                gpu_ms, host_ms = graph_replay_ms(graph, reps)
+                label = "choice (draft, tree, size)" if name == "choose" else f"bucket {step.sizes_list[name]}"
+                lines.append(f"{mode} auto {label}: replay() returns after {host_ms:.2f} ms (median), GPU "
+                             f"{gpu_ms:.2f} ms per replay back to back")
     return "\n".join(lines)
 
 
@@ -109,7 +129,8 @@ def main():
     parser.add_argument("--memory-tokens", type=nonnegative_int, default=0)
     parser.add_argument("--out", default="diag", help="new or empty folder (filled when the run ends or stops)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it holds an earlier output")
-    parser.add_argument("--timeline", action="store_true", help="host timeline per method (step 4)")
+    parser.add_argument("--auto", action="store_true", help="auto's graphs beside the fixed step's (step 4)")
+    parser.add_argument("--timeline", action="store_true", help="host timeline per method (step 5)")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile and graph timings (step 2)")
     parser.add_argument("--ab", nargs="+", choices=sorted(ab_switches()), default=[],
                         help="after the suite, the first mode again with each setting flipped (AR again as well)")
@@ -162,6 +183,13 @@ def run(args, out: Path):
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
         print(f"\n## {mode}: {1e3 * (time.perf_counter() - t0):.0f} ms for {stats.num_steps} steps; phases "
               f"{stats.phase_ms}\n{text.getvalue()}\n{fused_graph_timing(drafter, mode)}", flush=True)
+    for mode in args.modes if args.auto else []:
+        acceptance = ReplayedAcceptance(traces[(mode, args.budget)], device)
+        for _ in range(2):  # (the first captures)
+            _, stats = replay_generate(target, drafter, weaver, ids, mode, "auto", acceptance, 512, args.target_step)
+        torch.cuda.synchronize()
+        print(f"\n## {mode} auto: sizes {dict(stats.size_histogram)}, MAL {stats.mean_accepted_length:.2f}\n"
+              f"{fused_graph_timing(drafter, mode)}\n{auto_graph_timing(drafter, mode)}", flush=True)
     if args.memory_tokens:
         mode = args.modes[0]
         check = memory_check(target, drafter, weaver, traces[(mode, args.budget)], mode, args.budget, 512,

@@ -7,7 +7,7 @@
 #   run                        bash scripts/gpu_check.sh suite [pytest args]     # a part (README: GPU tests)
 #   run carry=[".oldk"]        bash scripts/gpu_check.sh kernels                 # ≈ 3 min
 #   run carry=[".oldk"]        bash scripts/gpu_check.sh replay                  # ≈ 8 min
-#   run                        bash scripts/gpu_check.sh auto                    # budget auto vs fixed (#29)
+#   run                        bash scripts/gpu_check.sh auto [replay args]      # budget auto vs fixed (#29)
 #   run carry=[".whl"]         bash scripts/gpu_check.sh kda [bench_kda args]    # KDA table (issue #31), ≤ 5 min
 #   run                        bash scripts/gpu_check.sh replay35 [replay args]  # Qwen3.5-35B-A3B shape (#30), ≤ 9 min
 #   run kind=nvidia-h200-x2 carry=[".whl"]  bash scripts/gpu_check.sh two_gpus  # device_map, tp_plan (#33), ≤ 8 min
@@ -43,11 +43,13 @@ case ${1:?suite|kernels|replay|auto|kda|replay35|two_gpus|replay2} in
         --out "$OUT/replay-$name" > "$OUT/replay-$name.log" 2>&1
       echo "$name rc=$?"; grep "^|" "$OUT/replay-$name.log" | head -12
     done ;;
-  auto)  # issue #29: auto against the fixed budgets at the 27B shape, this tree only (graph steps: one bucket each)
+  auto) shift  # issue #29: auto against the fixed budgets at the 27B shape, this tree only (graph steps: one bucket
+    # each); extra args go to the replay (e.g. --mixed 1.05 32: a mixed set) and NAME tells the run's folder apart
+    name=replay-auto${NAME:+-$NAME}
     in_tree . timeout ${REPLAY_S:-540} python3 -m modeling_weaver.cli replay --synthetic-mal chain=4 ddtree=5.4 \
       weaver=7.1 --modes ${MODES:-ddtree weaver} --budgets ${BUDGETS:-16 32 64 auto} --target-step graph --hf-tokens 0 \
-      --out "$OUT/replay-auto" > "$OUT/replay-auto.log" 2>&1
-    echo "auto rc=$?"; grep "^|\|^Steps" "$OUT/replay-auto.log" | tail -12 ;;
+      --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
+    echo "auto rc=$?"; grep "^|\|^Steps" "$OUT/$name.log" | tail -12 ;;
   kda) shift  # issue #31's KDA kernel table at Kimi Linear's shape: tree KDA vs tree GDN, baseline, fla (bench_kda.py)
     site=/tmp/site; whls=$(ls .whl/fla*.whl .whl/flash_linear*.whl .whl/einops*.whl 2>/dev/null)
     # the carried wheels (fla-core holds fla.ops; einops is its one dependency); without them the fla rows say why not

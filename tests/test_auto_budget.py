@@ -21,7 +21,7 @@ from modeling_weaver.decoding import budget as budget_module
 from modeling_weaver.decoding import step_cache
 from modeling_weaver.decoding.verify import BucketedTarget
 from modeling_weaver.decoding.adaptive import FusedAutoSteps
-from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, choose_on_device,
+from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, candidate_sizes, choose_on_device,
                                              depth_factors, expected_length, expected_lengths, pick_drafted,
                                              pick_size, reach_sums, step_costs)
 from modeling_weaver.decoding.drafting import DFlashRunner, StaticDraft
@@ -103,6 +103,27 @@ def test_a_drafted_tree_is_verified_when_it_beats_its_verify_time():
     chosen = sizer.choose(tree)
     assert chosen.num_drafts == pick_drafted(SIZES, lengths, cpu, len(nodes)) and sizer.reach is not None
     assert [sizer.drafts() for _ in range(2)] == [True, True] and sizer.backoff == 0
+
+
+def test_ar_verdicts_in_a_row_skip_drafting_even_when_each_tree_is_worth_its_verify():
+    """The CPU-like table of the test above: AR wins steadily but each drafted tree is still verified; after
+    ``skip_after`` such verdicts in a row the next steps skip drafting, and a verdict for drafting resets the count."""
+    cpu = CostTable(((0, 52.6), (4, 64.7), (8, 73.7), (16, 90.0), (32, 111.4)), 32.0)
+    sizer = AutoBudget(BudgetPolicy(skip_after=3), cpu, SIZES, BLOCK - 1)
+    sizer.factors = lambda: [1.0] * BLOCK  # noqa: E731
+    unsure, sure = bushy(0.45, width=1), bushy(0.9)
+    for _ in range(2):
+        assert sizer.choose(unsure).num_drafts > 0 and sizer.drafts()  # verified, and the next step drafts
+    assert sizer.choose(sure).num_drafts > 0 and sizer.streak == 0 and sizer.drafts()
+    for _ in range(2):
+        sizer.choose(unsure)
+        assert sizer.drafts()
+    sizer.choose(unsure)  # the third in a row
+    assert sizer.streak == 3 and [sizer.drafts() for _ in range(2)] == [False, True]
+    sizer.choose(unsure)  # still AR when it looks again: twice as many
+    assert [sizer.drafts() for _ in range(3)] == [False, False, True]
+    with pytest.raises(ValueError, match="skip_after"):
+        candidate_sizes(BudgetPolicy(skip_after=0), None, torch.device("cpu"))
 
 
 def test_expected_length_formula():
@@ -204,7 +225,7 @@ def test_the_device_choice_is_the_hosts():
         bucket, ar, drafts = choice.tolist()
         nodes = best_first(tree.parents.tolist(), tree.logq.tolist())
         cut = sizer.choose(tree)
-        assert drafts == cut.num_drafts and bool(ar) == (sizer.backoff > 0), seed
+        assert drafts == cut.num_drafts and bool(ar) == (sizer.streak == 1), seed  # (a fresh sizer: its 1st verdict)
         assert sizes[bucket] == min(s for s in sizes if s >= drafts)
         assert sorted((rank[1:] < drafts).nonzero()[:, 0].add(1).tolist()) == sorted(i for i, _, _ in nodes[:drafts])
         held = (sizer.reach or [0.0])[1:]  # (index 0: the root, which calibrates nothing)

@@ -10,7 +10,9 @@ from modeling_weaver.lab.benchmark import autoregressive_generate
 from modeling_weaver.lab.replay import (
     FirstTokenClock,
     ReplayedAcceptance,
+    PeakPlanter,
     load_traces,
+    mixed_trace,
     random_models,
     replay_generate,
     run_replay_suite,
@@ -29,6 +31,32 @@ def test_synthetic_trace_has_the_asked_mean_and_range():
     assert synthetic_trace(1.0, 8, 10) == [1] * 10
     with pytest.raises(ValueError, match="MAL"):
         synthetic_trace(20.0, max_length=16)
+
+
+def test_mixed_trace_alternates_easy_and_hard_runs_with_their_confidence():
+    trace, tops = mixed_trace(7.1, 1.1, segment=16, max_length=16, num_steps=32000, seed=3)
+    assert len(trace) == len(tops) == 32000
+    easy = [n for s, n in enumerate(trace) if (s // 16) % 2 == 0]
+    hard = [n for s, n in enumerate(trace) if (s // 16) % 2 == 1]
+    assert abs(sum(easy) / len(easy) - 7.1) < 0.15 and abs(sum(hard) / len(hard) - 1.1) < 0.02
+    assert tops[:16] == [0.8] * 16 and tops[16:32] == pytest.approx([0.1] * 16) and tops[32] == 0.8
+    for bad in ({"hard_mal": 1.0}, {"hard_mal": 8.0}, {"segment": 0}):
+        with pytest.raises(ValueError, match="mixed set"):
+            mixed_trace(**{"mal": 7.1, "hard_mal": 1.1, "segment": 16, "max_length": 16, **bad})
+
+
+def test_planted_peaks_follow_the_step_of_a_mixed_set():
+    step = torch.zeros((), dtype=torch.long)
+    planter = PeakPlanter(decay=0.5, tops=torch.tensor([0.8, 0.1, 0.3]), step=step)
+    logits = torch.randn(3, 4000) * 0.1  # (no other token near the smallest peak)
+    for s, top in enumerate([0.8, 0.1, 0.3, 0.8]):
+        step.fill_(s)
+        probs = planter(logits).softmax(-1).max(-1).values
+        assert probs.tolist() == pytest.approx([top, top * 0.5, top * 0.25], rel=1e-4), s
+    with pytest.raises(ValueError, match="step counter"):
+        PeakPlanter(tops=torch.tensor([0.5]))
+    accept = ReplayedAcceptance([2, 1], tops=[0.8, 0.1])
+    assert accept.planter.step is accept.step  # the acceptance's own counter drives its planter
 
 
 def test_replayed_acceptance_takes_the_most_probable_path_of_the_traced_length():
@@ -101,6 +129,32 @@ def test_replay_auto_chooses_each_size_from_the_costs(monkeypatch, target_step):
     _, costly = replay_generate(target, drafter, weaver, ids, "chain", "auto", ReplayedAcceptance([3, 1, 5]),
                                 max_new_tokens=40, target_step=target_step)
     assert costly.mean_accepted_length == 1.0 and set(costly.size_histogram) == {0}
+
+
+@pytest.mark.parametrize("target_step", ["eager", "static"])
+def test_replay_auto_follows_a_mixed_set(monkeypatch, target_step):
+    """On a mixed set auto verifies trees on the easy runs and takes AR steps on the hard ones (costly drafts, low
+    planted confidence), which a fixed budget cannot; a flat mix (hard runs as confident as the easy ones) keeps
+    drafting."""
+    import modeling_weaver.lab.replay as replay
+    from modeling_weaver.decoding.budget import CostTable
+
+    monkeypatch.setattr(replay, "step_costs", lambda *args: CostTable(((0, 10.0), (4, 10.5), (8, 11.0)), 4.0))
+    target, drafter, weaver = random_models("tiny", torch.device("cpu"), torch.float32)
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    trace, tops = mixed_trace(drafter.block_size - 1, 1.05, 16, drafter.block_size, num_steps=512)
+    _, stats = replay_generate(target, drafter, weaver, ids, "ddtree", "auto", ReplayedAcceptance(trace, tops=tops),
+                               max_new_tokens=200, target_step=target_step)
+    sizes = stats.tree_sizes
+    hard_steps = [n for s, n in enumerate(sizes) if (s // 16) % 2 == 1]
+    easy_steps = [n for s, n in enumerate(sizes) if (s // 16) % 2 == 0]
+    # a hard run: a few drafting steps until AR has won skip_after times, then AR steps with growing backoff
+    assert hard_steps and sum(n == 1 for n in hard_steps) > 0.5 * len(hard_steps), sizes
+    assert sum(n > 1 for n in easy_steps) > 0.8 * len(easy_steps), sizes
+    _, flat = replay_generate(target, drafter, weaver, ids, "ddtree", "auto",
+                              ReplayedAcceptance(trace, tops=[0.8] * len(trace)), max_new_tokens=200,
+                              target_step=target_step)
+    assert sum(n == 1 for n in flat.tree_sizes) < 0.2 * len(flat.tree_sizes), flat.tree_sizes
 
 
 def test_replay_suite_has_an_auto_row_with_its_sizes(monkeypatch):

@@ -147,7 +147,7 @@ class FusedAutoSteps:
                             self.pending = None
                         bucket, ar, drafts = graphs.read(chosen or self._launch_choice())
                         chosen = None
-                        sizer.steady(bool(ar))
+                        sizer.steady(bool(ar), drafts == 0)
                         launched = self._launch_bucket(bucket)
                         if self.capture and not sizer.skip and ahead():
                             chosen = self._launch_choice()

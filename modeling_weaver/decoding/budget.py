@@ -199,9 +199,9 @@ def choose_on_device(parents: torch.Tensor, logq: torch.Tensor, factors: torch.T
         factors: ``[D]`` fp64 ``c_d`` (:func:`depth_factors`); sizes: ``[S]`` ascending candidate draft counts;
         verify_ms: ``[max size + 1]`` fp64 :meth:`CostTable.verify` of every draft count; propose_ms: as the table's.
     Returns:
-        ``choice [3]`` — the index in ``sizes`` of the smallest size holding the chosen prefix, whether the next steps
-        skip drafting (AR is the best steady size and the drafted tree is cut to its root), the chosen number of
-        drafts; ``rank [N]`` — each node's
+        ``choice [3]`` — the index in ``sizes`` of the smallest size holding the chosen prefix, whether AR is the
+        best steady size (draft time counted: :meth:`AutoBudget.steady` decides from it whether the next steps draft),
+        the chosen number of drafts; ``rank [N]`` — each node's
         place in the best-first order (root -1, padding roots ≥ the drafts there are): the prefix is ``rank <
         choice[2]``; ``sums [D]`` fp64 — that prefix's reach sums per depth (for :func:`calibrate`).
     """
@@ -234,7 +234,7 @@ def choose_on_device(parents: torch.Tensor, logq: torch.Tensor, factors: torch.T
     steady = rates.argmax().view(1)  # (the first among equals: the smaller size)
     pick = (lengths - rates[steady] * verify).argmax().view(1)
     size = drafted[pick]
-    choice = torch.cat([(sizes < size).sum().view(1), ((sizes[steady] == 0) & (size == 0)).long(), size])
+    choice = torch.cat([(sizes < size).sum().view(1), (sizes[steady] == 0).long(), size])
     return choice, rank, sums[pick][0]
 
 
@@ -244,6 +244,8 @@ def candidate_sizes(policy: BudgetPolicy, target, device) -> tuple[int, ...]:
         raise ValueError(f"BudgetPolicy.sizes must be draft counts >= 0 (0: an AR step), got {policy.sizes!r}")
     if not 0 < policy.decay <= 1:
         raise ValueError(f"BudgetPolicy.decay must be in (0, 1], got {policy.decay!r}")
+    if not isinstance(policy.skip_after, int) or isinstance(policy.skip_after, bool) or policy.skip_after < 1:
+        raise ValueError(f"BudgetPolicy.skip_after must be a number of steps >= 1, got {policy.skip_after!r}")
     cap = min(policy.max_size_on(device), max_tree_budget(target, device))
     sizes = tuple(sorted({s for s in policy.sizes if s <= cap}))
     return sizes if any(sizes) else (*sizes, cap)  # (something to build: the largest tree that fits)
@@ -273,7 +275,7 @@ class AutoBudget:
         self.observed = torch.zeros(max_depth + 1, dtype=torch.float64)
         self.predicted = torch.zeros(max_depth + 1, dtype=torch.float64)
         self.prior = torch.ones(max_depth + 1, dtype=torch.float64)
-        self.skip = self.backoff = 0
+        self.skip = self.backoff = self.streak = 0  # AR steps still to skip, their count's unit, AR verdicts in a row
         self.reach: list[float] | None = None  # the verified tree's predicted reach per depth (None: an AR step)
 
     def factors(self) -> list[float]:
@@ -296,7 +298,7 @@ class AutoBudget:
         rates = steady_rates(self.sizes, lengths, self.costs, len(nodes))
         best = max(rates)
         size = pick_drafted(self.sizes, lengths, self.costs, len(nodes), rate=best)
-        self.steady(self.sizes[rates.index(best)] == 0 and min(size, len(nodes)) == 0)
+        self.steady(self.sizes[rates.index(best)] == 0, min(size, len(nodes)) == 0)
         if size == 0:
             self.reach = None
             return subtree(tree, [])
@@ -306,17 +308,19 @@ class AutoBudget:
             return tree
         return subtree(tree, [i for i, _, _ in kept])
 
-    def steady(self, ar: bool) -> None:
-        """Whether the next steps draft, once a step's choice is known: after ``ar`` (AR wins as a steady choice and
-        the drafted tree is not worth its verify either), a few AR steps without drafting, more while it keeps
-        winning (in units of a draft's time in AR steps: a probe then costs at most 1 / backoff of the AR time). A
-        tree still worth verifying once drafted keeps the next steps drafting: one step's expected length is a
-        noisy estimate, and skipping drafts on a drafter that is right more often than it says loses (BENCHMARKS,
-        the CPU auto runs)."""
-        if ar:
+    def steady(self, ar: bool, cut: bool) -> None:
+        """Whether the next steps draft, once a step's choice is known (``ar``: AR wins as a steady choice, draft time
+        counted; ``cut``: the drafted tree was cut to its root). After ``policy.skip_after`` such AR verdicts in a
+        row, or one whose drafted tree was not worth its verify either, a few AR steps without drafting, more while
+        AR keeps winning (in units of a draft's time in AR steps: a probe then costs at most 1 / backoff of the AR
+        time). One step's expected length is a noisy estimate, and skipping drafts on a drafter that is right more
+        often than it says loses (BENCHMARKS, the CPU auto runs): a single verdict skips only when even the drafted
+        tree is not worth verifying."""
+        self.streak = self.streak + 1 if ar else 0
+        if ar and (cut or self.streak >= self.policy.skip_after):
             self.backoff = min(max(1, 2 * self.backoff), self.policy.max_backoff)
             self.skip = self.backoff * max(1, round(self.costs.propose_ms / self.costs.step_ms(0)))
-        else:
+        elif not ar:
             self.backoff = 0
 
     def observe(self, accepted: int) -> None:

@@ -118,6 +118,9 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                      help="results.json of `weaver bench` (greedy rows give per-step accepted lengths)")
     src.add_argument("--synthetic-mal", nargs="+", metavar="MODE[@BUDGET]=MAL",
                      help="synthetic traces with these mean accepted lengths, e.g. chain=4 ddtree=5.4 weaver=7.1")
+    parser.add_argument("--mixed", nargs=2, type=float, metavar=("HARD_MAL", "STEPS"),
+                        help="a mixed set: the synthetic traces alternate with hard stretches (MAL HARD_MAL, planted "
+                             "peaks of HARD_MAL - 1) in runs of STEPS steps, e.g. --mixed 1.1 16")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--budgets", type=tree_budget_value, nargs="+", default=[16, 32, 64, 128],
                         help="tree budgets (draft nodes), or 'auto': each step's size chosen among the candidate "

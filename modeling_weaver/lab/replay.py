@@ -60,6 +60,23 @@ def synthetic_trace(mal: float, max_length: int, num_steps: int = 4096, seed: in
     return (1 + extra.clamp(max=m)).long().tolist()
 
 
+def mixed_trace(mal: float, hard_mal: float, segment: int, max_length: int, num_steps: int = 4096, seed: int = 0,
+                top: float = 0.8) -> tuple[list[int], list[float]]:
+    """A mixed set: ``(accepted lengths, planted peak probability per step)`` in alternating runs of ``segment``
+    steps, easy first — easy steps as :func:`synthetic_trace` of ``mal`` with peaks of ``top``, hard ones of
+    ``hard_mal`` with peaks of ``hard_mal - 1``, so the drafter's confidence says what the trace will accept (as a
+    trained drafter's does between text it knows and text it does not)."""
+    if segment < 1:
+        raise ValueError(f"a mixed set's segments hold at least one step, got {segment}")
+    if not 1.0 < hard_mal < mal:
+        raise ValueError(f"a mixed set's hard MAL must lie in (1, {mal}) (the easy MAL), got {hard_mal}")
+    easy = synthetic_trace(mal, max_length, num_steps, seed)
+    hard = synthetic_trace(hard_mal, max_length, num_steps, seed + 1)
+    is_hard = [(s // segment) % 2 == 1 for s in range(num_steps)]
+    trace = [h if flag else e for e, h, flag in zip(easy, hard, is_hard)]
+    return trace, [hard_mal - 1.0 if flag else top for flag in is_hard]
+
+
 def load_traces(results_json: str | Path) -> dict[tuple[str, int], list[int]]:
     """Greedy traces ``{(mode, budget): accepted lengths}`` from a ``weaver bench`` results.json (all prompts)."""
     rows = json.loads(Path(results_json).read_text())["rows"]
@@ -82,9 +99,12 @@ class ReplayedAcceptance(DeviceAcceptance):
     tensors) or on a :class:`Tree` (``__call__``, same code). :meth:`reset` restarts the trace for a new generation.
     """
 
-    def __init__(self, trace: list[int], device=None):
+    def __init__(self, trace: list[int], device=None, tops: list[float] | None = None):
         self.trace = torch.tensor(trace, dtype=torch.long, device=device)
         self.step = torch.zeros((), dtype=torch.long, device=device)
+        # a mixed set's confidence follows the trace: the planter reads this acceptance's step
+        self.planter = _PLANTER if tops is None else PeakPlanter(tops=torch.tensor(tops, device=device),
+                                                                 step=self.step)
 
     def reset(self) -> None:
         self.step.zero_()
@@ -117,17 +137,22 @@ class PeakPlanter:
     Random drafters give near-uniform marginals, so best-first trees come out as stars and cannot hold the traced
     depths; trained drafters are peaked. Planting a peak gives the trees the depth a trained drafter gives them, at
     the drafter's real cost (one extra logsumexp per depth). Peaks come from the device's default random stream, so
-    a captured step can hold the planting.
+    a captured step can hold the planting. ``tops`` and ``step`` (device tensors): ``top`` per step instead, read at
+    the step counter (a mixed set, :func:`mixed_trace`).
     """
 
-    def __init__(self, top: float = 0.8, decay: float = 0.95):
-        self.top, self.decay = top, decay
+    def __init__(self, top: float = 0.8, decay: float = 0.95, tops: torch.Tensor | None = None,
+                 step: torch.Tensor | None = None):
+        if (tops is None) != (step is None):
+            raise ValueError("per-step tops need the step counter that indexes them, and the reverse")
+        self.top, self.decay, self.tops, self.step = top, decay, tops, step
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         depth, vocab = logits.shape
         rows = torch.arange(depth, device=logits.device)
         peak = torch.randint(vocab, (depth,), device=logits.device)
-        q = self.top * self.decay ** rows.double()
+        top = self.top if self.tops is None else self.tops[(self.step % self.tops.shape[0]).view(1)].double()
+        q = top * self.decay ** rows.double()
         others = logits.float().scatter(1, peak[:, None], float("-inf")).logsumexp(-1)
         planted = (torch.log(q / (1 - q)) + others.double()).to(logits.dtype)
         return logits.index_put((rows, peak), planted)
@@ -168,13 +193,14 @@ def replay_generate(target, drafter, weaver, input_ids: torch.Tensor, mode: str,
                            step_options, policy, target_step)
         policy = dataclasses.replace(policy, costs=costs)
     stopping = StoppingCriteriaList([MaxLengthCriteria(input_ids.shape[1] + max_new_tokens)])
+    planter = acceptance.planter
     if target_step == "eager":
-        runner = PlantedRunner(DFlashRunner(drafter, target, step_options), _PLANTER)
+        runner = PlantedRunner(DFlashRunner(drafter, target, step_options), planter)
     else:  # draft, planting and tree build in one fixed-shape (captured) step
         flags = capture_flags(target_step, input_ids.device)
         draft = static_draft(drafter, target, input_ids.shape[1] + max_new_tokens + tree_budget + 2, flags["capture"],
                              options=step_options)
-        runner = draft.proposer(mode, tree_budget, weaver if mode == "weaver" else None, shape_logits=_PLANTER,
+        runner = draft.proposer(mode, tree_budget, weaver if mode == "weaver" else None, shape_logits=planter,
                                 compile=flags["compile"], policy=tree_policy)
     return _decode(
         target, input_ids[0], runner=runner, weaver=weaver, mode=mode,
@@ -468,11 +494,12 @@ def memory_check(target, drafter, weaver, trace: list[int], mode: str, budget: i
 def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prompt_len: int, max_new_tokens: int,
                      target_step: str, seed: int = 0, hf_tokens: int = 0, fused: bool = True,
                      split: bool = False, on_row=None, tree_policy: TreePolicy = TreePolicy(),
-                     step_options: StepOptions = StepOptions()) -> list[dict]:
+                     step_options: StepOptions = StepOptions(), tops: dict | None = None) -> list[dict]:
     """AR (and HF eager for ``hf_tokens``), then every budget × mode with its trace; one row each: decode tokens/s
     (prefill excluded), speed-up over AR, MAL, ms per step and per phase. ``split`` adds, per method, a run with
     unfused steps ("split": per-phase times). ``on_row(rows)`` is called after every row (save as you go).
-    ``tree_policy``, ``step_options``: the settings every method runs with (AR: the step options)."""
+    ``tree_policy``, ``step_options``: the settings every method runs with (AR: the step options). ``tops``: per
+    method, the planted peak per step of a mixed set (:func:`mixed_trace`)."""
     on_row = on_row or (lambda rows: None)
     device = target.get_input_embeddings().weight.device  # (the loop's home, where acceptance runs)
     ids = random_prompt(target, prompt_len, seed)
@@ -523,7 +550,7 @@ def run_replay_suite(target, drafter, weaver, traces: dict, modes, budgets, prom
     for budget in budgets:
         for mode in modes:
             trace = traces[(mode, budget)]
-            acceptance = ReplayedAcceptance(trace, device)
+            acceptance = ReplayedAcceptance(trace, device, (tops or {}).get((mode, budget)))
             for fuse in (fused, False) if split else (fused,):
                 (out, stats), seconds, _ = timed(
                     lambda warm, streamer, mode=mode, budget=budget, acc=acceptance, fuse=fuse: replay_generate(
@@ -646,7 +673,10 @@ def run_replay(args) -> int:
         from ..packed import int8_linears
 
         int8_linears(drafter)
+    tops = None
     if args.trace:
+        if args.mixed:
+            raise ValueError("--mixed builds synthetic traces: give --synthetic-mal, not --trace")
         traces, source = load_traces(args.trace), f"trace {args.trace}"
         for mode in args.modes if "auto" in args.budgets else ():  # auto replays the mode's largest tree's trace
             fixed = [b for m, b in traces if m == mode]
@@ -658,8 +688,18 @@ def run_replay(args) -> int:
                              f"{', '.join(f'{m}@{b}' for m, b in sorted(traces, key=str))}")
     else:
         mals = _parse_mal(args.synthetic_mal, args.modes, args.budgets)
-        traces = {k: synthetic_trace(v, drafter.block_size, seed=args.seed) for k, v in mals.items()}
         source = "synthetic traces (" + ", ".join(f"{m}@{b}={v:g}" for (m, b), v in sorted(mals.items(), key=str)) + ")"
+        if args.mixed:
+            hard_mal, segment = args.mixed
+            if segment != int(segment):
+                raise ValueError(f"--mixed takes a whole number of steps per run, got {segment:g}")
+            made = {k: mixed_trace(v, hard_mal, int(segment), drafter.block_size, seed=args.seed)
+                    for k, v in mals.items()}
+            traces, tops = {k: t for k, (t, _) in made.items()}, {k: p for k, (_, p) in made.items()}
+            source = (f"a mixed set: runs of {int(segment)} steps alternating the {source} with hard steps of MAL "
+                      f"{hard_mal:g}, the planted peaks following them")
+        else:
+            traces = {k: synthetic_trace(v, drafter.block_size, seed=args.seed) for k, v in mals.items()}
     settings = {k: v for k, v in vars(args).items() if not k.startswith("_")}
     weight_bytes, read_bytes = token_weight_bytes(target)
     limit = ""
@@ -702,7 +742,7 @@ def run_replay(args) -> int:
 
             run_replay_suite(target, drafter, weaver, traces, args.modes, args.budgets, args.prompt_length,
                              args.max_new_tokens, args.target_step, args.seed, args.hf_tokens, not args.no_fuse,
-                             args.split, on_row=on_row)
+                             args.split, on_row=on_row, tops=tops)
         table, info = save(rows, final=True)
         print(table)
         print(info)
@@ -718,5 +758,5 @@ def run_replay(args) -> int:
 
 
 __all__ = ["ReplayedAcceptance", "graph_replay_ms", "load_traces", "memory_check", "random_models", "random_prompt",
-           "fresh_steps", "replay_generate", "run_replay", "set_experts_implementation",
+           "fresh_steps", "mixed_trace", "replay_generate", "run_replay", "set_experts_implementation",
            "shrunk_configs", "spread_map", "spread_over", "synthetic_trace"]
