@@ -235,6 +235,35 @@ def test_the_device_choice_is_the_hosts():
     assert {0, 4, 8, 16} <= seen and seen - set(sizes), seen
 
 
+def test_a_best_first_cut_is_the_subtree_with_its_own_ancestor_mask():
+    """prefix_cut (fused auto steps): the kept prefix in the tree's order, padding roots after it, and a mask taken
+    from the whole tree's equal to the cut tree's own ancestor mask."""
+    import random
+
+    from modeling_weaver.decoding.adaptive import prefix_cut
+    from modeling_weaver.tree import ancestor_mask_of
+
+    for seed in range(60):
+        rng = random.Random(seed)
+        tree = random_tree(rng, rng.randint(1, 30), rng.randint(0, 4))
+        n = len(tree)
+        costs = CostTable(((0, 10.0), (32, 10.0 + rng.uniform(0, 20))), rng.uniform(0, 5))
+        _, rank, _ = choose_on_device(tree.parents, tree.logq, torch.ones(16, dtype=torch.float64),
+                                      torch.tensor([0, 32]), torch.tensor([costs.verify(k) for k in range(33)],
+                                                                          dtype=torch.float64), costs.propose_ms)
+        drafts = rng.randint(0, int((tree.parents >= 0).sum()))  # (padding roots rank after every draft)
+        keep = rank < drafts
+        nodes = min(n, drafts + 1 + rng.randint(0, 3))  # (a bucket never exceeds the drafted tree)
+        tokens, parents, logq, mask = prefix_cut(keep, tree.tokens, tree.parents, tree.logq,
+                                                 ancestor_mask_of(tree.parents), nodes)
+        kept = keep.nonzero()[:, 0].tolist()
+        assert tokens[:len(kept)].tolist() == tree.tokens[kept].tolist() and tokens[len(kept):].eq(0).all()
+        assert parents[len(kept):].eq(-1).all() and logq[len(kept):].eq(float("-inf")).all()
+        assert torch.equal(mask, ancestor_mask_of(parents)), seed
+        number = {old: new for new, old in enumerate(kept)}
+        assert parents[1:len(kept)].tolist() == [number[int(tree.parents[i])] for i in kept[1:]]
+
+
 @pytest.mark.parametrize("name", ["llama", "qwen3_5"])
 def test_fused_auto_steps(name, monkeypatch):
     """Greedy fixed-shape steps with auto run as FusedAutoSteps (the size chosen on the device): token-identical to

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..tree import rooted
+from ..tree import ancestor_mask_of, rooted
 from . import graphs
 from .budget import AutoBudget, calibrate, choose_on_device, depth_factors
 from .drafting import untimed
@@ -60,6 +60,7 @@ class FusedAutoSteps:
         self.parents = torch.full((self.num_nodes,), -1, dtype=torch.long, device=device)
         self.logq = torch.zeros(self.num_nodes, dtype=torch.float32, device=device)
         self.rank = torch.zeros(self.num_nodes, dtype=torch.long, device=device)
+        self.mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.bool, device=device)
         self.sums = torch.zeros(depths, dtype=torch.float64, device=device)
         self.choice = torch.zeros(3, dtype=torch.long, device=device)
         self._graphs: dict = {}
@@ -88,23 +89,20 @@ class FusedAutoSteps:
     def _choose(self) -> torch.Tensor:
         tokens, parents, logq = rooted(self.proposer.draft.bonus, self.proposer._forward()[2], self.num_nodes)
         factors = depth_factors(self.observed, self.predicted, self.prior)
-        choice, rank, sums = choose_on_device(parents, logq, factors, self.sizes, self.verify_ms, self.propose_ms)
+        mask = ancestor_mask_of(parents)
+        choice, rank, sums = choose_on_device(parents, logq, factors, self.sizes, self.verify_ms, self.propose_ms,
+                                              mask)
         for buffer, value in ((self.tokens, tokens), (self.parents, parents), (self.logq, logq), (self.rank, rank),
-                              (self.sums, sums), (self.choice, choice)):
+                              (self.sums, sums), (self.choice, choice), (self.mask, mask)):
             buffer.copy_(value)
         return self.choice
 
     def _verify(self, nodes: int) -> torch.Tensor:
-        # the chosen prefix (root: rank -1) in the tree's order, padded with padding roots to the bucket's size
-        keep = self.rank < self.choice[2]
-        picked = torch.sort((~keep).int(), stable=True).indices[:nodes]
-        kept, above = keep[picked], self.parents[picked]
-        number = keep.long().cumsum(0) - 1
-        parents = torch.where(kept & (above >= 0), number[above.clamp(min=0)], -1)
-        tokens = torch.cat([self.proposer.draft.bonus, torch.where(kept, self.tokens[picked], 0)[1:]])
-        logq = torch.where(kept, self.logq[picked], float("-inf"))
+        tokens, parents, logq, mask = prefix_cut(self.rank < self.choice[2], self.tokens, self.parents, self.logq,
+                                                 self.mask, nodes)
+        tokens = torch.cat([self.proposer.draft.bonus, tokens[1:]])
         summary, length = verify_and_commit(self.proposer, self.target.adapter, self.acceptance, tokens, parents,
-                                            logq)
+                                            logq, mask)
         calibrate(self.observed, self.predicted, self.prior, self.sums, length, self.decay)
         return summary
 
@@ -166,6 +164,21 @@ class FusedAutoSteps:
         finally:
             if chosen is not None:  # an unread draft still writes the drafter's cache: let it finish
                 graphs.read(chosen)
+
+
+def prefix_cut(keep: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor,
+               mask: torch.Tensor, nodes: int):
+    """``tokens, parents, logq, mask`` of the subtree ``keep`` (closed under ancestors, the root kept, at most
+    ``nodes`` nodes) in the tree's order, padded with padding roots (token 0, parent -1, ``logq`` -inf) to ``nodes``;
+    its ancestor mask taken from the whole tree's ``mask`` (a few gathers instead of pointer doubling again)."""
+    picked = torch.sort((~keep).int(), stable=True).indices[:nodes]
+    kept, above = keep[picked], parents[picked]
+    number = keep.long().cumsum(0) - 1
+    cut_parents = torch.where(kept & (above >= 0), number[above.clamp(min=0)], -1)
+    self_only = torch.eye(nodes, dtype=torch.bool, device=mask.device)
+    cut_mask = torch.where(kept[:, None], mask[picked][:, picked], self_only)  # a kept node's ancestors are kept
+    return (torch.where(kept, tokens[picked], 0), cut_parents, torch.where(kept, logq[picked], float("-inf")),
+            cut_mask)
 
 
 def auto_steps(proposer: StaticProposer, target: BucketedTarget, sizes: tuple[int, ...], decay: float,

@@ -191,13 +191,15 @@ def pick_drafted(sizes, lengths: list[float], costs: CostTable, available: int |
 
 
 def choose_on_device(parents: torch.Tensor, logq: torch.Tensor, factors: torch.Tensor, sizes: torch.Tensor,
-                     verify_ms: torch.Tensor, propose_ms: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     verify_ms: torch.Tensor, propose_ms: float, mask: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:meth:`AutoBudget.choose`'s choice on the device, at fixed shapes (no host read: a captured step holds it).
 
     Args:
         parents, logq: ``[N]`` a rooted tree (root first; padding roots: parent -1, ``logq`` -inf).
         factors: ``[D]`` fp64 ``c_d`` (:func:`depth_factors`); sizes: ``[S]`` ascending candidate draft counts;
         verify_ms: ``[max size + 1]`` fp64 :meth:`CostTable.verify` of every draft count; propose_ms: as the table's.
+        mask: the tree's ancestor mask (:func:`~modeling_weaver.tree.ancestor_mask_of`), when the caller has it.
     Returns:
         ``choice [3]`` — the index in ``sizes`` of the smallest size holding the chosen prefix, whether AR is the
         best steady size (draft time counted: :meth:`AutoBudget.steady` decides from it whether the next steps draft),
@@ -205,7 +207,7 @@ def choose_on_device(parents: torch.Tensor, logq: torch.Tensor, factors: torch.T
         place in the best-first order (root -1, padding roots ≥ the drafts there are): the prefix is ``rank <
         choice[2]``; ``sums [D]`` fp64 — that prefix's reach sums per depth (for :func:`calibrate`).
     """
-    mask = ancestor_mask_of(parents)
+    mask = ancestor_mask_of(parents) if mask is None else mask
     real = mask[:, 0]
     depth = mask.sum(1) - 1
     n = parents.shape[0]

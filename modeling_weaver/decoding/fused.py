@@ -33,12 +33,13 @@ def adapter_state(adapter: TargetAdapter) -> list[torch.Tensor]:
 
 
 def verify_and_commit(proposer: StaticProposer, adapter: TargetAdapter, acceptance: DeviceAcceptance | None,
-                      tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor):
+                      tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor,
+                      mask: torch.Tensor | None = None):
     """The device half of a greedy step on a rooted tree: verify, accept (greedy, or ``acceptance``), commit, and
     leave the next draft's inputs in the proposer's buffers. Returns the summary ``[tokens of the path (padded),
-    length, bonus]`` and the accepted length (0-d)."""
+    length, bonus]`` and the accepted length (0-d). ``mask``: the tree's ancestor mask, when the caller has it."""
     draft, size = proposer.draft, tokens.shape[0]
-    mask = ancestor_mask_of(parents)
+    mask = ancestor_mask_of(parents) if mask is None else mask
     out = adapter.tree_step(tokens, parents, adapter.max_length, mask)
     if acceptance is None:
         path, length, bonus = accept_greedy_tensors(tokens, parents, out.logits, mask)
