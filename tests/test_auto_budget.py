@@ -295,6 +295,37 @@ def test_fused_auto_steps(name, monkeypatch):
         assert loads[0][:2] == (0, ids.shape[1]) and all(first == drafted[k - 1] for first, _, k in loads[1:])
 
 
+def test_compiled_fused_auto_steps(monkeypatch):
+    """The choice, cut and calibration update compiled (as on CUDA graphs): the same choices as eager on random trees,
+    and token identity with target.generate through AR steps and trees."""
+    import functools
+    import random
+
+    from modeling_weaver.decoding import adaptive
+
+    compiled = adaptive.compile_static(adaptive.decide)
+    for seed in range(8):
+        rng = random.Random(seed)
+        tree = random_tree(rng, 64, 0)
+        calibration = [torch.tensor([rng.uniform(0.01, 5) for _ in range(16)], dtype=torch.float64) for _ in range(3)]
+        args = (tree.parents, tree.logq, *calibration, torch.tensor(SIZES),
+                torch.tensor([STEEP.verify(k) for k in range(65)], dtype=torch.float64),
+                torch.tensor(STEEP.propose_ms, dtype=torch.float64))
+        for got, want in zip(compiled(*args), adaptive.decide(*args)):
+            assert torch.allclose(got, want, rtol=1e-12, atol=0) if got.is_floating_point() else torch.equal(got, want)
+    monkeypatch.setattr(adaptive, "FusedAutoSteps", functools.partial(adaptive.FusedAutoSteps, compile=True))
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    ids = prompts(2)[1]
+    expected = reference(target, ids, 24)
+    for costs in (FLAT, STEEP):
+        got, stats = speculative_generate(target, ids, drafter=drafter, weaver=weaver, mode="ddtree",
+                                          tree_budget="auto", max_new_tokens=24, target_step="static",
+                                          return_stats=True, budget_policy=BudgetPolicy(costs=costs, max_size=32))
+        assert torch.equal(got, expected), costs
+        assert max(stats.size_histogram) > 0 if costs is FLAT else 0 in stats.size_histogram, stats.size_histogram
+
+
 @pytest.mark.parametrize("kind", ["ddtree", "spine", "best_first"])
 def test_best_first_prefixes_are_subtrees(kind):
     """Every prefix of the best-first order holds its nodes' ancestors, whatever order the builder left the nodes in

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..target import compile_static
 from ..tree import ancestor_mask_of, rooted
 from . import graphs
 from .budget import AutoBudget, calibrate, choose_on_device, depth_factors
@@ -38,16 +39,23 @@ class FusedAutoSteps:
         proposer: the fixed-shape proposer at the largest candidate size; target: the buckets of every size.
         sizes: the candidate draft counts; decay: :attr:`~modeling_weaver.options.BudgetPolicy.decay`.
         acceptance: a :class:`~modeling_weaver.accept.DeviceAcceptance` instead of greedy acceptance.
+        compile: ``torch.compile`` the choice, the cut and the calibration update (None: when the steps are captured
+            on CUDA, where their ~150 small ops would each be a kernel of a few µs in every step's graphs).
     """
 
     def __init__(self, proposer: StaticProposer, target: BucketedTarget, sizes: tuple[int, ...], decay: float,
-                 acceptance: DeviceAcceptance | None = None):
+                 acceptance: DeviceAcceptance | None = None, compile: bool | None = None):
         if proposer.budget != max(sizes):
             raise ValueError(f"the proposer builds {proposer.budget} drafts, the largest size is {max(sizes)}")
         device = target.device
         self.proposer, self.target, self.sizes_list, self.decay = proposer, target, sizes, decay
         self.acceptance, self.timed, self.sizer = acceptance, untimed, None
         self.capture = proposer.draft.capture
+        if compile is None:
+            compile = self.capture and torch.device(target.device).type == "cuda"
+        self._decide, self._cut, self._calibrate = ((compile_static(decide), compile_static(prefix_cut),
+                                                     compile_static(calibrate)) if compile
+                                                    else (decide, prefix_cut, calibrate))
         self.sizes = torch.tensor(sizes, device=device)
         self.num_nodes = max(sizes) + 1
         depths = proposer.block_size  # (a draft's depth is below the block size)
@@ -88,22 +96,20 @@ class FusedAutoSteps:
 
     def _choose(self) -> torch.Tensor:
         tokens, parents, logq = rooted(self.proposer.draft.bonus, self.proposer._forward()[2], self.num_nodes)
-        factors = depth_factors(self.observed, self.predicted, self.prior)
-        mask = ancestor_mask_of(parents)
-        choice, rank, sums = choose_on_device(parents, logq, factors, self.sizes, self.verify_ms, self.propose_ms,
-                                              mask)
+        choice, rank, sums, mask = self._decide(parents, logq, self.observed, self.predicted, self.prior, self.sizes,
+                                                self.verify_ms, self.propose_ms)
         for buffer, value in ((self.tokens, tokens), (self.parents, parents), (self.logq, logq), (self.rank, rank),
                               (self.sums, sums), (self.choice, choice), (self.mask, mask)):
             buffer.copy_(value)
         return self.choice
 
     def _verify(self, nodes: int) -> torch.Tensor:
-        tokens, parents, logq, mask = prefix_cut(self.rank < self.choice[2], self.tokens, self.parents, self.logq,
-                                                 self.mask, nodes)
+        tokens, parents, logq, mask = self._cut(self.rank < self.choice[2], self.tokens, self.parents, self.logq,
+                                                self.mask, nodes)
         tokens = torch.cat([self.proposer.draft.bonus, tokens[1:]])
         summary, length = verify_and_commit(self.proposer, self.target.adapter, self.acceptance, tokens, parents,
                                             logq, mask)
-        calibrate(self.observed, self.predicted, self.prior, self.sums, length, self.decay)
+        self._calibrate(self.observed, self.predicted, self.prior, self.sums, length, self.decay)
         return summary
 
     def _state(self) -> list[torch.Tensor]:
@@ -164,6 +170,15 @@ class FusedAutoSteps:
         finally:
             if chosen is not None:  # an unread draft still writes the drafter's cache: let it finish
                 graphs.read(chosen)
+
+
+def decide(parents: torch.Tensor, logq: torch.Tensor, observed: torch.Tensor, predicted: torch.Tensor,
+           prior: torch.Tensor, sizes: torch.Tensor, verify_ms: torch.Tensor, propose_ms: torch.Tensor):
+    """A drafted tree's choice from the calibration's sums (:func:`~.budget.choose_on_device`), and its ancestor
+    mask: ``choice, rank, sums, mask``."""
+    mask = ancestor_mask_of(parents)
+    factors = depth_factors(observed, predicted, prior)
+    return *choose_on_device(parents, logq, factors, sizes, verify_ms, propose_ms, mask), mask
 
 
 def prefix_cut(keep: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, logq: torch.Tensor,
