@@ -257,7 +257,7 @@ def _rel(x, ref):
     return ((x.double() - ref).norm() / ref.norm()).item() if torch.isfinite(x).all() else float("inf")
 
 
-KERNEL_CASES = [  # kind, T, H, HV, K, V, dtype, l2, BKW
+KERNEL_CASES = [  # kind, T, H, HV, K, V, dtype, l2, BKC
     ("chain", 33, 1, 2, 16, 16, torch.float32, True, 16),
     ("deep", 37, 1, 1, 32, 24, torch.float32, False, 16),
     ("star", 20, 2, 2, 16, 16, torch.float32, True, 16),
@@ -268,7 +268,7 @@ KERNEL_CASES = [  # kind, T, H, HV, K, V, dtype, l2, BKW
 
 
 def _case_id(c):
-    return f"{c[0]}-T{c[1]}-H{c[2]}x{c[3]}-K{c[4]}V{c[5]}-{str(c[6])[6:]}-l2{int(c[7])}-BKW{c[8]}"
+    return f"{c[0]}-T{c[1]}-H{c[2]}x{c[3]}-K{c[4]}V{c[5]}-{str(c[6])[6:]}-l2{int(c[7])}-BKC{c[8]}"
 
 
 def _case_inputs(case, g_scale=1.0):
@@ -281,12 +281,12 @@ def _case_inputs(case, g_scale=1.0):
 def _check_verify_and_commit(kernels, case, device="cpu", g_scale=1.0):
     """The Triton verify and commit of ``case`` (its gates times ``g_scale``) against the fp64 references (computed on
     the CPU); returns the verify's ``(o, u, gamma)``."""
-    kind, T, H, HV, K, V, dtype, l2, BKW = case
+    kind, T, H, HV, K, V, dtype, l2, BKC = case
     parents, (q, k, v, g, beta, S0) = _case_inputs(case, g_scale)
     M = ancestor_mask(parents)
     on = lambda t: t.to(device)  # noqa: E731
     o, u, gamma = kernels.fused.kda_tree_verify_triton(on(q), on(k), on(v), on(g), on(beta), on(S0), on(M),
-                                                       use_qk_l2norm_in_kernel=l2, BKW=BKW)
+                                                       use_qk_l2norm_in_kernel=l2, BKC=BKC)
     d = lambda t: t.double()  # noqa: E731
     ro, ru, rg = kda_tree_verify_ref(d(q), d(k), d(v), d(g), d(beta), d(S0), M, use_qk_l2norm_in_kernel=l2)
     tol = 1e-5 if dtype == torch.float32 else 5e-3  # bf16: the output's rounding
@@ -354,7 +354,7 @@ def test_triton_pair_scores_dots_and_wide_channels_interpreter(ik, case, g_scale
     fp64 references; the channels take the expected path (the verify bit for bit as with every channel forced through
     that path: ``pair_spread_max`` ±inf); every channel on its own meets the tolerances too, and every channel forced
     into the dots fails them where some spread is past fp32's range (the wide path is what keeps those right)."""
-    kind, T, H, HV, K, V, dtype, l2, BKW = case
+    kind, T, H, HV, K, V, dtype, l2, BKC = case
     o, u, gamma = _check_verify_and_commit(ik, case, g_scale=g_scale)
     _assert_paths(_channel_spreads(gamma), ik.fused.PAIR_SPREAD_MAX, path)
 
@@ -363,7 +363,7 @@ def test_triton_pair_scores_dots_and_wide_channels_interpreter(ik, case, g_scale
     ro, ru, _ = kda_tree_verify_ref(*(t.double() for t in x), M, use_qk_l2norm_in_kernel=l2)
 
     def forced(limit):
-        return ik.fused.kda_tree_verify_triton(*x, M, use_qk_l2norm_in_kernel=l2, BKW=BKW, pair_spread_max=limit)[:2]
+        return ik.fused.kda_tree_verify_triton(*x, M, use_qk_l2norm_in_kernel=l2, BKC=BKC, pair_spread_max=limit)[:2]
 
     wide = forced(float("-inf"))
     with warnings.catch_warnings():  # past the limit the interpreter's numpy warns of the overflow
@@ -374,33 +374,6 @@ def test_triton_pair_scores_dots_and_wide_channels_interpreter(ik, case, g_scale
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     assert _rel(wide[0], ro) <= tol and _rel(wide[1], ru) <= 1e-5
     assert path == "dots" or max(_rel(dots[0], ro), _rel(dots[1], ru)) > 1e-3
-
-
-def test_triton_lower_triangle_tiles_interpreter(ik):
-    """The prep launch's 1-D grid over the NB·(NB+1)/2 lower-triangle tiles with many row blocks (7, the last one
-    partial) and the solve's tiles read back from them: verify and commit against the fp64 references."""
-    _check_verify_and_commit(ik, ("random", 100, 1, 1, 16, 8, torch.float32, True, 16))
-
-
-def test_triton_wide_channels_in_one_step_interpreter(ik):
-    """Wide channels confined to one [16, 16, BKW] step of the exact form (fast-forgetting channels 17 and 18 of 48;
-    the other steps skip it): the kernels against the fp64 references; forced into the dots (``pair_spread_max``
-    inf) those channels fail them, so they are what the exact form adds."""
-    case = ("deep", 40, 1, 1, 48, 16, torch.float32, True, 16)
-    parents, (q, k, v, g, beta, S0) = _case_inputs(case)
-    g[..., 17:19] *= 60.0
-    M = ancestor_mask(parents)
-    spread = _channel_spreads(ik.fused.kda_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True)[2])
-    wide = (spread > ik.fused.PAIR_SPREAD_MAX).any(2).flatten()
-    assert wide[17:19].all() and not wide[:17].any() and not wide[19:].any()
-    ro, ru, _ = kda_tree_verify_ref(*(t.double() for t in (q, k, v, g, beta, S0)), M, use_qk_l2norm_in_kernel=True)
-    o, u, _ = ik.fused.kda_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True)
-    assert _rel(o, ro) <= 1e-5 and _rel(u, ru) <= 1e-5
-    with warnings.catch_warnings():  # past the limit the interpreter's numpy warns of the overflow
-        warnings.simplefilter("ignore", RuntimeWarning)
-        o_d, u_d, _ = ik.fused.kda_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True,
-                                                      pair_spread_max=float("inf"))
-    assert max(_rel(o_d, ro), _rel(u_d, ru)) > 1e-3
 
 
 @pytest.mark.gpu
