@@ -173,6 +173,24 @@ def test_calibration_follows_observed_acceptance():
     assert sizer.factors() == factors
 
 
+def test_calibration_forgets_in_proportion_to_the_evidence():
+    """A step forgets a depth's sums by δ^S_d: after a run of steps at a rarely reached depth (S_d 0.1) whose
+    acceptances came early, the factor still remembers them, where forgetting by δ per step (the old rule) would
+    have driven it to a tenth; a depth reached at every step (S_d 1) forgets as fast as before."""
+    sizer = AutoBudget(BudgetPolicy(decay=0.9), FLAT, SIZES, 7)
+    steps = [4] * 2 + [2] * 20  # depths 1 and 2 held with reach 1.0 and 0.1; depth 2 accepted in the first two only
+    for accepted in steps:
+        sizer.drafts()
+        sizer.reach = [1.0, 1.0, 0.1]
+        sizer.observe(accepted)
+    o2, p2 = sizer.observed[2].item(), sizer.predicted[2].item()
+    rate = 0.9 ** 0.1
+    assert o2 == pytest.approx(sum(rate ** k for k in range(20, 22)), rel=1e-12)
+    assert p2 == pytest.approx(0.1 * sum(rate ** k for k in range(22)), rel=1e-12)
+    assert sizer.factors()[2] > 0.5  # (0.86; forgetting by δ a step, the old rule, gave 0.33)
+    assert sizer.observed[1].item() == pytest.approx(sum(0.9 ** k for k in range(22)), rel=1e-12)
+
+
 def test_unheld_depths_are_rated_as_the_depth_above():
     """c_d = (O_d + W_d c_{d-1}) / (P_d + W_d): the closed form equals the recursion, a depth never held takes the
     correction of the deepest one held (a shallow tree never makes deeper ones look as bad as the raw scores), and a
@@ -187,7 +205,7 @@ def test_unheld_depths_are_rated_as_the_depth_above():
         c.append((observed[d].item() + prior[d].item() * c[-1]) / (predicted[d].item() + prior[d].item()))
     assert factors == pytest.approx(c, rel=1e-12) and factors[5] == factors[6] == factors[7] == pytest.approx(c[4])
     sizer = AutoBudget(BudgetPolicy(), FLAT, SIZES, 7)
-    for _ in range(200):  # a drafter ten times better than its scores, trees held to depth 3 only
+    for _ in range(2000):  # a drafter ten times better than its scores, trees held to depth 3 only
         sizer.drafts()
         sizer.reach = [1.0, 0.1, 0.1, 0.1]
         sizer.observe(4)

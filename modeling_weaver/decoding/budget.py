@@ -155,14 +155,17 @@ PRIOR_FLOOR = 1e-6
 
 def calibrate(observed: torch.Tensor, predicted: torch.Tensor, prior: torch.Tensor, sums: torch.Tensor, accepted,
               decay: float) -> None:
-    """One drafting step's update, in place, over the depths its tree held (``sums[d] > 0``, d ≥ 1): ``O_d ← δ O_d +
-    [accepted − 1 ≥ d]``, ``P_d ← δ P_d + sums[d]``, ``W_d ← δ W_d`` (``accepted``: committed tokens, root
-    included; device ops)."""
+    """One drafting step's update, in place, over the depths its tree held (``sums[d] = S_d > 0``, d ≥ 1): ``O_d ←
+    δ^S_d O_d + [accepted − 1 ≥ d]``, ``P_d ← δ^S_d P_d + S_d``, ``W_d ← δ^S_d W_d`` (``accepted``: committed
+    tokens, root included; device ops). A step forgets in proportion to the evidence it brings: a deep depth, which
+    a step reaches rarely, keeps about as much predicted reach (``1 / (1 − δ)``) in its memory as a shallow one,
+    instead of ten steps that may hold no acceptance there at all."""
     depth = torch.arange(observed.shape[0], device=observed.device)
     held = (sums > 0) & (depth >= 1)
-    observed.copy_(torch.where(held, decay * observed + (accepted - 1 >= depth).to(observed.dtype), observed))
-    predicted.copy_(torch.where(held, decay * predicted + sums, predicted))
-    prior.copy_(torch.where(held, (decay * prior).clamp(min=PRIOR_FLOOR), prior))
+    rate = torch.pow(decay, sums.to(observed.dtype))
+    observed.copy_(torch.where(held, rate * observed + (accepted - 1 >= depth).to(observed.dtype), observed))
+    predicted.copy_(torch.where(held, rate * predicted + sums, predicted))
+    prior.copy_(torch.where(held, (rate * prior).clamp(min=PRIOR_FLOOR), prior))
 
 
 # ----------------------------------------------------------------------------------------------------------- policy
