@@ -37,35 +37,25 @@ from modeling_weaver.lab.replay import (ReplayedAcceptance, ab_setting, ab_switc
                                     synthetic_trace)
 
 
-def fused_graph_timing(drafter, mode: str, reps: int = 10) -> str:
-    """Host time of a fused graph's ``replay()`` and its GPU time per step back to back (advances the caches)."""
+def graph_timing(drafter, mode: str, reps: int = 10) -> str:
+    """Host time of ``replay()`` and GPU time back to back (replays advance the caches) of every captured whole step
+    of ``mode``: the fused step's graph, and the auto steps' choice and bucket graphs."""
     lines = []
     for key, steps in _STATIC_TARGETS[drafter].items():
         if key[0] != "draft":
             continue
         for step_key, step in steps._steps.items():
-            if step_key[0] != "fused" or step._graph is None or step.proposer.mode != mode:
+            if step_key[0] not in ("fused", "auto") or step.proposer.mode != mode:
                 continue
-            gpu_ms, host_ms = graph_replay_ms(step._graph[0], reps)
-            lines.append(f"{mode} fused graph: replay() returns after {host_ms:.2f} ms (median), "
-                         f"GPU {gpu_ms:.2f} ms per step back to back")
-    return "\n".join(lines)
-
-
-def auto_graph_timing(drafter, mode: str, reps: int = 10) -> str:
-    """GPU time of each captured graph of ``mode``'s auto steps (the choice; each bucket), replayed back to back."""
-    lines = []
-    for key, steps in _STATIC_TARGETS[drafter].items():
-        if key[0] != "draft":
-            continue
-        for step_key, step in steps._steps.items():
-            if step_key[0] != "auto" or step.proposer.mode != mode:
-                continue
-            for name, (graph, _, _) in step._graphs.items():
+            if step_key[0] == "fused":
+                graphs = {"fused graph": step._graph[0]} if step._graph is not None else {}
+            else:  # the choice graph, then one per captured bucket
+                graphs = {"auto choice (draft, tree, size)" if name == "choose" else
+                          f"auto bucket {step.sizes_list[name]}": graph for name, (graph, _, _) in step._graphs.items()}
+            for label, graph in graphs.items():
                 gpu_ms, host_ms = graph_replay_ms(graph, reps)
-                label = "choice (draft, tree, size)" if name == "choose" else f"bucket {step.sizes_list[name]}"
-                lines.append(f"{mode} auto {label}: replay() returns after {host_ms:.2f} ms (median), GPU "
-                             f"{gpu_ms:.2f} ms per replay back to back")
+                lines.append(f"{mode} {label}: replay() returns after {host_ms:.2f} ms (median), GPU {gpu_ms:.2f} ms "
+                             "per replay back to back")
     return "\n".join(lines)
 
 
@@ -182,14 +172,14 @@ def run(args, out: Path):
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
         print(f"\n## {mode}: {1e3 * (time.perf_counter() - t0):.0f} ms for {stats.num_steps} steps; phases "
-              f"{stats.phase_ms}\n{text.getvalue()}\n{fused_graph_timing(drafter, mode)}", flush=True)
+              f"{stats.phase_ms}\n{text.getvalue()}\n{graph_timing(drafter, mode)}", flush=True)
     for mode in args.modes if args.auto else []:
         acceptance = ReplayedAcceptance(traces[(mode, args.budget)], device)
         for _ in range(2):  # (the first captures)
             _, stats = replay_generate(target, drafter, weaver, ids, mode, "auto", acceptance, 512, args.target_step)
         torch.cuda.synchronize()
         print(f"\n## {mode} auto: sizes {dict(stats.size_histogram)}, MAL {stats.mean_accepted_length:.2f}\n"
-              f"{fused_graph_timing(drafter, mode)}\n{auto_graph_timing(drafter, mode)}", flush=True)
+              f"{graph_timing(drafter, mode)}", flush=True)
     if args.memory_tokens:
         mode = args.modes[0]
         check = memory_check(target, drafter, weaver, traces[(mode, args.budget)], mode, args.budget, 512,

@@ -21,9 +21,9 @@ from modeling_weaver.decoding import budget as budget_module
 from modeling_weaver.decoding import step_cache
 from modeling_weaver.decoding.verify import BucketedTarget
 from modeling_weaver.decoding.adaptive import FusedAutoSteps
-from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, candidate_sizes, choose_on_device,
-                                             depth_factors, expected_length, expected_lengths, pick_drafted,
-                                             pick_size, reach_sums, step_costs)
+from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, candidate_sizes,
+                                             choose_on_device, depth_factors, expected_length, expected_lengths,
+                                             pick_drafted, pick_size, reach_sums, step_costs)
 from modeling_weaver.decoding.drafting import DFlashRunner, StaticDraft
 from modeling_weaver.generate import _decode, generate, speculative_generate
 from modeling_weaver.options import StepOptions, TreePolicy
