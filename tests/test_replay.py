@@ -57,6 +57,8 @@ def test_planted_peaks_follow_the_step_of_a_mixed_set():
         PeakPlanter(tops=torch.tensor([0.5]))
     accept = ReplayedAcceptance([2, 1], tops=[0.8, 0.1])
     assert accept.planter.step is accept.step  # the acceptance's own counter drives its planter
+    with pytest.raises(ValueError, match="one planted peak per traced step"):
+        ReplayedAcceptance([2, 1, 3], tops=[0.8, 0.1])
 
 
 def test_replayed_acceptance_takes_the_most_probable_path_of_the_traced_length():

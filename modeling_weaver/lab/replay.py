@@ -100,6 +100,9 @@ class ReplayedAcceptance(DeviceAcceptance):
     """
 
     def __init__(self, trace: list[int], device=None, tops: list[float] | None = None):
+        if tops is not None and len(tops) != len(trace):
+            raise ValueError(f"a mixed set gives one planted peak per traced step: {len(tops)} peaks, "
+                             f"{len(trace)} steps")
         self.trace = torch.tensor(trace, dtype=torch.long, device=device)
         self.step = torch.zeros((), dtype=torch.long, device=device)
         # a mixed set's confidence follows the trace: the planter reads this acceptance's step
