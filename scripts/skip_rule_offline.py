@@ -13,13 +13,14 @@ recorded). Printed: tokens/ms per dataset relative to never skipping, and the wo
 import argparse
 import json
 
-from modeling_weaver.decoding.budget import CostTable
+from modeling_weaver.decoding.budget import AutoBudget, CostTable
+from modeling_weaver.options import BudgetPolicy
 
 
 def record(args):
     import torch
 
-    from modeling_weaver import BudgetPolicy, speculative_generate
+    from modeling_weaver import speculative_generate
     from modeling_weaver.cli import DEFAULT_SHIPPED_DRAFTERS
     from modeling_weaver.convert import load_dflash, load_weaver
     from modeling_weaver.decoding import budget
@@ -66,32 +67,31 @@ def record(args):
         json.dump(runs, f)
 
 
-def replay(run, rule, max_backoff):
-    """``(ms, tokens)`` of one recorded generation under ``rule(step, verdicts) -> skip?``."""
+def replay(run, skip_after: int, max_backoff: int):
+    """``(ms, tokens)`` of one recorded generation, the skips decided by :meth:`AutoBudget.steady` itself under
+    ``BudgetPolicy(skip_after=..., max_backoff=...)`` (``max_backoff=0``: never skip)."""
     costs = CostTable(tuple((int(k), v) for k, v in run["costs"]["verify_ms"].items()), run["costs"]["propose_ms"])
     sizes, steps, ar_ms = run["sizes"], run["steps"], costs.verify(0)
-    ms = tokens = i = backoff = 0
-    verdicts = []
+    sizer = AutoBudget(BudgetPolicy(skip_after=skip_after, max_backoff=max_backoff), costs, tuple(sizes), 1)
+    ms = tokens = i = 0
     while i < len(steps):
         step = steps[i]
         ms, tokens, i = ms + costs.propose_ms + costs.verify(step["chosen"]), tokens + step["accepted"], i + 1
-        verdicts.append(sizes[step["rates"].index(max(step["rates"]))] == 0)
-        if not rule(step, verdicts):
-            backoff = 0 if not verdicts[-1] else backoff
-            continue
-        backoff = min(max(1, 2 * backoff), max_backoff)
-        skipped = backoff * max(1, round(costs.propose_ms / ar_ms))
+        sizer.steady(sizes[step["rates"].index(max(step["rates"]))] == 0, step["chosen"] == 0)
+        skipped, sizer.skip = sizer.skip, 0
         ms, tokens, covered = ms + skipped * ar_ms, tokens + skipped, 0
         while i < len(steps) and covered < skipped:
             covered, i = covered + steps[i]["accepted"], i + 1
     return ms, tokens
 
 
+#: candidate rules as ``skip_after``: AR as the steady choice that many drafting steps in a row (or once with the
+#: drafted tree cut to its root) skips the next drafts
 RULES = {
-    "one AR verdict": lambda step, v: v[-1],
-    "one AR verdict, tree cut to its root": lambda step, v: v[-1] and step["chosen"] == 0,
-    "two AR verdicts in a row": lambda step, v: v[-2:] == [True, True] or (v[-1] and step["chosen"] == 0),
-    "three AR verdicts in a row": lambda step, v: v[-3:] == [True] * 3 or (v[-1] and step["chosen"] == 0),
+    "one AR verdict": 1,
+    "one AR verdict, tree cut to its root": 10**9,
+    "two AR verdicts in a row": 2,
+    "three AR verdicts in a row": 3,
 }
 
 
@@ -100,12 +100,12 @@ def rules(args):
         runs = json.load(f)
     for mode in dict.fromkeys(r["mode"] for r in runs):
         print(f"## {mode} (tokens/ms relative to never skipping)")
-        for name, rule in RULES.items():
+        for name, skip_after in RULES.items():
             for cap in args.max_backoff:
                 rel = {}
                 for run in (r for r in runs if r["mode"] == mode):
-                    ms, tokens = replay(run, rule, cap)
-                    ms0, tokens0 = replay(run, lambda step, v: False, cap)
+                    ms, tokens = replay(run, skip_after, cap)
+                    ms0, tokens0 = replay(run, 1, 0)
                     rel.setdefault(run["dataset"], []).append((tokens / ms) / (tokens0 / ms0))
                 means = " ".join(f"{ds} {sum(v) / len(v):.4f}" for ds, v in rel.items())
                 print(f"{name:40s} max_backoff {cap:2d}: {means}, worst {min(min(v) for v in rel.values()):.3f}")

@@ -106,7 +106,7 @@ class FusedAutoSteps:
     def _verify(self, nodes: int) -> torch.Tensor:
         tokens, parents, logq, mask = self._cut(self.rank < self.choice[2], self.tokens, self.parents, self.logq,
                                                 self.mask, nodes)
-        tokens = torch.cat([self.proposer.draft.bonus, tokens[1:]])
+        tokens = torch.cat([self.proposer.draft.bonus, tokens[1:]])  # (an AR step's root: no choice has seen it)
         summary, length = verify_and_commit(self.proposer, self.target.adapter, self.acceptance, tokens, parents,
                                             logq, mask)
         self._calibrate(self.observed, self.predicted, self.prior, self.sums, length, self.decay)
