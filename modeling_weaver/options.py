@@ -134,8 +134,12 @@ class BudgetPolicy:
         cache_dir: the folder of the cached tables (None: ``$MODELING_WEAVER_CACHE`` or ``~/.cache/modeling_weaver``).
         calibration_context: committed tokens under the calibration's steps (their attention reads them).
         calibration_reps: timed repetitions per measurement (the median is kept), after one warm-up.
-        every_size: choose among every draft count up to the largest candidate, their costs interpolated between the
-            measured sizes (None: on eager steps, which verify any size; fixed-shape steps keep to their buckets).
+        every_size: choose among every draft count up to the largest candidate (None: on eager steps, which verify
+            any size; fixed-shape steps keep to their buckets); on eager steps every count up to ``dense_costs`` is
+            then measured too, the cost of larger ones interpolated between the candidate sizes.
+        dense_costs: with ``every_size``, the largest draft count whose cost is measured rather than interpolated: a
+            verify of a few rows steps with its GEMMs' row blocking (on a 2-core CPU 6 drafts cost 13 % more than 5,
+            which a line from 4 to 8 hides; BENCHMARKS.md).
     """
 
     sizes: tuple[int, ...] = (0, 4, 8, 16, 32, 64)
@@ -149,6 +153,7 @@ class BudgetPolicy:
     calibration_context: int = 128
     calibration_reps: int = 5
     every_size: bool | None = None
+    dense_costs: int = 16
 
     def choices(self, sizes: tuple[int, ...], target_step: str) -> tuple[int, ...]:
         """The sizes a generation of ``target_step`` chooses among, from the measured candidate ``sizes``."""
@@ -157,6 +162,14 @@ class BudgetPolicy:
             return sizes
         low = 1 if 0 in sizes else min(sizes)  # (below the least measured size nothing is cheaper)
         return tuple(sorted(set(sizes) | set(range(low, max(sizes) + 1))))
+
+    def measured(self, sizes: tuple[int, ...], target_step: str) -> tuple[int, ...]:
+        """The sizes whose costs a generation of ``target_step`` measures, from the candidate ``sizes`` (fixed-shape
+        steps: those, their buckets)."""
+        if target_step != "eager":
+            return sizes
+        dense = {s for s in self.choices(sizes, target_step) if s <= self.dense_costs}
+        return tuple(sorted(set(sizes) | dense))
 
     def max_size_on(self, device) -> int:
         """The largest candidate size on ``device`` before the target's own bound."""

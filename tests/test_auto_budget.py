@@ -547,6 +547,23 @@ def _tiny_llama_setup():
     return target, drafter, weaver
 
 
+def test_eager_steps_measure_every_small_size():
+    """A few rows' verify cost steps with its GEMMs' row blocking, so eager steps measure every count up to
+    ``dense_costs`` and interpolate only above it; fixed-shape steps measure their buckets."""
+    policy = BudgetPolicy()
+    assert policy.measured((0, 4, 8), "eager") == tuple(range(9))
+    assert policy.measured((0, 4, 8, 16, 32, 64), "eager") == (*range(17), 32, 64)
+    assert policy.measured((0, 4, 8), "graph") == policy.measured((0, 4, 8), "static") == (0, 4, 8)
+    assert BudgetPolicy(every_size=True).measured((0, 4), "graph") == (0, 4)  # (a bucket's cost is what it runs)
+    assert BudgetPolicy(dense_costs=4).measured((0, 4, 8), "eager") == (0, 1, 2, 3, 4, 8)
+    assert BudgetPolicy(every_size=False).measured((0, 4, 8), "eager") == (0, 4, 8)
+    assert BudgetPolicy().measured((4, 8), "eager") == (4, 5, 6, 7, 8)
+    target, drafter, weaver = _tiny_llama_setup()
+    with pytest.raises(ValueError, match="dense_costs"):
+        speculative_generate(target, prompts(1)[0], drafter=drafter, weaver=weaver, tree_budget="auto",
+                             budget_policy=BudgetPolicy(dense_costs=-1))
+
+
 QUICK = dict(calibration_reps=1, calibration_context=8, sizes=(0, 4, 8))
 
 
@@ -566,8 +583,9 @@ def test_calibration_cache_is_keyed_and_read_back(tmp_path, monkeypatch):
     assert len(entries) == 1
     fields = next(iter(entries.values()))["fields"]
     assert fields["step"] == "eager" and fields["target"] == "LlamaForCausalLM" and fields["dtype"] == "torch.float32"
-    assert fields["mode"] == "weaver" and fields["sizes"] == [0, 4, 8] and fields["device"].startswith("cpu: ")
-    assert set(measured["verify_ms"]) == {"0", "4", "8"} and measured["propose_ms"] > 0
+    assert fields["mode"] == "weaver" and fields["device"].startswith("cpu: ")
+    assert fields["sizes"] == list(range(9))  # (eager steps: every count measured)
+    assert set(measured["verify_ms"]) == {str(k) for k in range(9)} and measured["propose_ms"] > 0
 
     def refuse(*args, **kwargs):
         raise AssertionError("measured again")

@@ -46,7 +46,7 @@ from .drafting import DFlashRunner, EagerProposer
 from .step_cache import capture_flags, static_buckets, static_draft
 
 CACHE_FILE = "step_costs.json"
-CALIBRATION_VERSION = "2"  # (bump when what is timed changes: older entries are then measured again)
+CALIBRATION_VERSION = "3"  # (bump when what is timed changes: older entries are then measured again)
 
 
 @dataclass(frozen=True)
@@ -251,6 +251,8 @@ def candidate_sizes(policy: BudgetPolicy, target, device) -> tuple[int, ...]:
         raise ValueError(f"BudgetPolicy.decay must be in (0, 1], got {policy.decay!r}")
     if not isinstance(policy.skip_after, int) or isinstance(policy.skip_after, bool) or policy.skip_after < 1:
         raise ValueError(f"BudgetPolicy.skip_after must be a number of steps >= 1, got {policy.skip_after!r}")
+    if not isinstance(policy.dense_costs, int) or isinstance(policy.dense_costs, bool) or policy.dense_costs < 0:
+        raise ValueError(f"BudgetPolicy.dense_costs must be a draft count >= 0, got {policy.dense_costs!r}")
     cap = min(policy.max_size_on(device), max_tree_budget(target, device))
     sizes = tuple(sorted({s for s in policy.sizes if s <= cap}))
     return sizes if any(sizes) else (*sizes, cap)  # (something to build: the largest tree that fits)
@@ -477,6 +479,7 @@ def step_costs(target, runner, weaver, mode: str, sizes: tuple[int, ...], tree_p
     if not isinstance(runner, DFlashRunner):
         raise ValueError('tree_budget="auto" measures its costs with a DFlash drafter: with another drafting runner, '
                          "give BudgetPolicy(costs=CostTable(...))")
+    sizes = policy.measured(sizes, step)
     fields = cost_fields(target, runner, weaver, mode, sizes, tree_policy, step_options, policy, step)
     key = _digest(fields)
     path = Path(policy.cache_dir) if policy.cache_dir is not None else cache_root()
