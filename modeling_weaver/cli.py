@@ -172,7 +172,7 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
                         "build costs more than its extra acceptance brings; BENCHMARKS.md)")
     p.add_argument("--tree-budget", type=tree_budget_value, default=None,
                    help="draft nodes per tree, or 'auto': each step's size chosen from step costs measured once "
-                        "(cached) and the drafter's confidence, AR steps included (default: the device's, 8 on CPU "
+                        "(cached) and the drafter's confidence, AR steps included (default: the device's, 5 on CPU "
                         "and 64 on CUDA — on a CPU a tree pass grows with its nodes, so larger trees cost more than "
                         "their extra acceptance brings; BENCHMARKS.md)")
     p.add_argument("--recalibrate", action="store_true",
@@ -410,7 +410,7 @@ def _add_export_arguments(p: argparse.ArgumentParser) -> None:
                         "generation time: weaver on CUDA when the repo has a Weaver, ddtree on CPU)")
     p.add_argument("--tree-budget", type=positive_int, default=None,
                    help="generation default tree budget (default: none, the device's at generation time: 64 on "
-                        "CUDA, 8 on CPU)")
+                        "CUDA, 5 on CPU)")
     p.add_argument("--card", help="JSON file of model-card fields (training data/steps, results_table, "
                                   "results_command, licences, ...; see MODEL_CARD.md)")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="cast the saved weights")

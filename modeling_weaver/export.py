@@ -167,7 +167,7 @@ def _defaults_line(defaults: dict) -> str:
     """The card's line for a repo's generation defaults; a missing one is the device's at generation time."""
     mode, budget = defaults.get("mode"), defaults.get("tree_budget")
     mode = f'`mode="{mode}"`' if mode else "the device's mode (weaver on CUDA, ddtree on CPU)"
-    budget = f"`tree_budget={budget}`" if budget else "the device's budget (64 on CUDA, 8 on CPU)"
+    budget = f"`tree_budget={budget}`" if budget else "the device's budget (64 on CUDA, 5 on CPU)"
     return f"{mode}, {budget}"
 
 
@@ -231,7 +231,7 @@ def export_pair(out, drafter: DFlashDraftModel, weaver: WeaverModel | None = Non
         drafter, weaver: trained models (``weaver=None`` exports a DFlash-only repo).
         mode, tree_budget: the generation defaults written to ``speculative_config.json``; None: the device's at
             generation time (:func:`~modeling_weaver.tree.default_tree_mode`,
-            :func:`~modeling_weaver.tree.default_tree_budget`: Weaver trees of 64 on CUDA, DDTree of 8 on a CPU).
+            :func:`~modeling_weaver.tree.default_tree_budget`: Weaver trees of 64 on CUDA, DDTree of 5 on a CPU).
         target_config: the target's config (checked with :func:`check_pair` before anything is written).
         target_name: Hub id of the target, e.g. ``"Qwen/Qwen3.6-27B"``.
         card: model-card fields (see ``MODEL_CARD.md``): training data / steps, ``results_table``,

@@ -65,7 +65,7 @@ def speculative_generate(
             brings; ``stats.mode`` says which ran). Every mode gives the same tokens.
         tree_budget: draft nodes per tree (the root/bonus token is extra), at most
             :func:`~modeling_weaver.tree.max_tree_budget`; default :func:`~modeling_weaver.tree.default_tree_budget`
-            (8 on CPU, 64 elsewhere); or ``"auto"``: each step verifies the size that maximises expected tokens per
+            (5 on CPU, 64 elsewhere); or ``"auto"``: each step verifies the size that maximises expected tokens per
             second, AR steps included, from step costs measured once and cached and the drafter's confidence
             (docs/DESIGN.md §12; ``stats.size_histogram``, ``stats.calibration``).
         max_new_tokens: default: ``generation_config``'s ``max_new_tokens`` or ``max_length``, else 128.

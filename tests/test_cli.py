@@ -223,7 +223,7 @@ def test_bench_budgets_default_to_the_devices():
     from modeling_weaver.tree import default_tree_budget
 
     assert build_parser("bench").parse_args(["bench"]).budgets is None
-    assert default_budgets("cpu") == [default_tree_budget("cpu")] == [8]
+    assert default_budgets("cpu") == [default_tree_budget("cpu")] == [5]
     assert default_budgets(torch.device("cuda", 0)) == [16, 32, 64]
 
 

@@ -66,18 +66,18 @@ def test_tree_budget_must_be_an_int(models, budget):
 
 
 def test_tree_budget_defaults_to_the_devices(models, monkeypatch):
-    """No budget given: the device's default (8 on CPU), which the loop then builds trees of."""
+    """No budget given: the device's default (5 on CPU), which the loop then builds trees of."""
     from modeling_weaver.decoding import loop
     from modeling_weaver.tree import default_tree_budget
 
-    assert default_tree_budget("cpu") == 8 and default_tree_budget(torch.device("cuda", 0)) == 64
+    assert default_tree_budget("cpu") == 5 and default_tree_budget(torch.device("cuda", 0)) == 64
     seen = []
     real = loop.plan_steps
     monkeypatch.setattr(loop, "plan_steps", lambda *a, **k: seen.append(k["tree_budget"]) or real(*a, **k))
     target, drafter, weaver = models
     speculative_generate(target, IDS, drafter=drafter, weaver=weaver, mode="ddtree", max_new_tokens=4)
     target.generate(IDS, custom_generate=generate, drafter=drafter, weaver=weaver, mode="ddtree", max_new_tokens=4)
-    assert seen == [8, 8]
+    assert seen == [5, 5]
 
 
 def test_tree_mode_defaults_to_the_devices(models, monkeypatch):

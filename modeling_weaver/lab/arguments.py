@@ -67,7 +67,7 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
                         help="tree modes (AR always runs as the baseline)")
     parser.add_argument("--budgets", type=tree_budget_value, nargs="+", default=None,
                         help="tree budgets (draft nodes), or 'auto' (each step's size chosen; eager target steps); "
-                             "default: 16 32 64 on CUDA, the device's default budget elsewhere (8 on CPU)")
+                             "default: 16 32 64 on CUDA, the device's default budget elsewhere (5 on CPU)")
     parser.add_argument("--recalibrate", action="store_true",
                         help="with budget auto: measure the step costs again (in each method's warm-up) and replace "
                              "the cached tables")
