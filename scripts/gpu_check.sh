@@ -5,6 +5,8 @@
 #
 #   git archive <commit> -- modeling_weaver kernels scripts hub_configs | (rm -rf .oldk; mkdir .oldk; tar x -C .oldk)
 #   run                        bash scripts/gpu_check.sh suite [pytest args]     # a part (README: GPU tests)
+#   run                        bash scripts/gpu_check.sh suite_all               # every part, JOBS (4) at a time
+#                              bash scripts/gpu_check.sh parts                   # the parts, as README.md lists them
 #   run carry=[".oldk"]        bash scripts/gpu_check.sh kernels                 # ≈ 3 min
 #   run carry=[".oldk"]        bash scripts/gpu_check.sh replay                  # ≈ 8 min
 #   run                        bash scripts/gpu_check.sh auto [replay args]      # budget auto vs fixed (#29)
@@ -21,7 +23,21 @@ in_tree() {  # run "$2..." with the code of tree $1 (this repo: .) on the path
   local tree=$1; shift
   (cd "$tree" && PYTHONPATH=$PWD:$PWD/kernels "$@")
 }
-case ${1:?suite|kernels|replay|auto|kda|replay35|two_gpus|replay2} in
+case ${1:?suite|suite_all|parts|kernels|replay|auto|kda|replay35|two_gpus|replay2} in
+  parts)  # the GPU suite's parts, one pytest command a line, from README.md's "GPU tests" (the one list of them)
+    sed -n '/^### GPU tests/,/^## /p' README.md | grep '^pytest -q -m gpu ' | sed 's/ *# .*$//' ;;
+  suite_all)  # every part at once, JOBS at a time on the one GPU: the tiny targets' tests are bound by launches and
+    # compiles on the host (16 cores), not by the GPU; each part's log and JUnit XML land in $OUT
+    mapfile -t parts < <(bash "$0" parts)
+    start=$SECONDS
+    for i in "${!parts[@]}"; do
+      while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-4}" ]; do wait -n; done
+      ( t0=$SECONDS
+        in_tree . timeout "${SUITE_S:-540}" bash -c "eval \"python3 -m \$1 -p no:cacheprovider --junitxml=\$2\"" _ \
+          "${parts[$i]}" "$OUT/part-$i.xml" > "$OUT/part-$i.log" 2>&1
+        echo "part $i rc=$? $((SECONDS - t0)) s: ${parts[$i]#pytest -q -m gpu } → $(tail -1 "$OUT/part-$i.log")" ) &
+    done
+    wait; echo "all parts: $((SECONDS - start)) s" ;;
   suite) shift
     in_tree . timeout ${SUITE_S:-540} python3 -m pytest -m gpu -q -p no:cacheprovider --junitxml="$OUT/gpu-suite.xml" "$@" \
       2>&1 | tail -40 ;;
