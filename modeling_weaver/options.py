@@ -138,8 +138,8 @@ class BudgetPolicy:
             any size; fixed-shape steps keep to their buckets); on eager steps every count up to ``dense_costs`` is
             then measured too, the cost of larger ones interpolated between the candidate sizes.
         dense_costs: with ``every_size``, the largest draft count whose cost is measured rather than interpolated: a
-            verify of a few rows steps with its GEMMs' row blocking (on a 2-core CPU 6 drafts cost 12 % more than 5,
-            which a line from 4 to 8 hides; BENCHMARKS.md).
+            verify of a few rows costs in steps of its GEMMs' row blocks, which a line between the candidate sizes
+            hides (BENCHMARKS.md, the CPU budget).
     """
 
     sizes: tuple[int, ...] = (0, 4, 8, 16, 32, 64)

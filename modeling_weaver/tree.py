@@ -529,8 +529,8 @@ def _free_memory(device: torch.device) -> int:
 
 def default_tree_budget(device) -> int:
     """The tree budget a generation on ``device`` uses when none is given: 5 on CPU, where a verify's few-row GEMMs
-    cost in steps of their row blocks (up to 6 rows, 5 drafts and the root, cost about what one does; 7 rows 12 %
-    more on two cores), 64 on accelerators, where 65 nodes cost about one AR step."""
+    cost in steps of their row blocks (up to 6 rows, 5 drafts and the root, cost about what one does; a seventh
+    starts the next block, BENCHMARKS.md), 64 on accelerators, where 65 nodes cost about one AR step."""
     return 5 if torch.device(device).type == "cpu" else 64
 
 
