@@ -98,15 +98,15 @@ RULES = {
 def rules(args):
     with open(args.steps) as f:
         runs = json.load(f)
+    never = [(tokens / ms) for ms, tokens in (replay(run, 1, 0) for run in runs)]  # tokens/ms with no skip
     for mode in dict.fromkeys(r["mode"] for r in runs):
         print(f"## {mode} (tokens/ms relative to never skipping)")
         for name, skip_after in RULES.items():
             for cap in args.max_backoff:
                 rel = {}
-                for run in (r for r in runs if r["mode"] == mode):
+                for run, base in ((r, b) for r, b in zip(runs, never) if r["mode"] == mode):
                     ms, tokens = replay(run, skip_after, cap)
-                    ms0, tokens0 = replay(run, 1, 0)
-                    rel.setdefault(run["dataset"], []).append((tokens / ms) / (tokens0 / ms0))
+                    rel.setdefault(run["dataset"], []).append((tokens / ms) / base)
                 means = " ".join(f"{ds} {sum(v) / len(v):.4f}" for ds, v in rel.items())
                 print(f"{name:40s} max_backoff {cap:2d}: {means}, worst {min(min(v) for v in rel.values()):.3f}")
 

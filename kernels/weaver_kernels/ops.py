@@ -437,7 +437,7 @@ def kda_tree_verify(
     See ``kda_tree.naive.kda_tree_verify_ref``. Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32,
     ``gamma [B, T, HV, K]`` fp32. With ``A_log`` (HV entries) and ``dt_bias`` (HV·K), ``g`` and ``beta`` are the raw
     projections f and b (KimiLinear's gates, :func:`~weaver_kernels.kda_gates`), formed in the verify launch on CUDA.
-    CUDA: Triton (``kda_tree.fused``, one launch, T ≤ 256 nodes); elsewhere the reference."""
+    CUDA: Triton (``kda_tree.fused``, three launches, T ≤ 256 nodes); elsewhere the reference."""
     if (A_log is None) != (dt_bias is None):
         raise ValueError("kda_tree_verify: A_log and dt_bias go together")
     if scale is None:
