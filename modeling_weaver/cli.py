@@ -184,8 +184,8 @@ def _add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32 or bfloat16 — bf16 "
                                                    "makes tree verification relatively cheaper on CPUs with "
                                                    "avx512_bf16/AMX, but near-tie argmaxes may then flip")
-    p.add_argument("--drafter-dtype", default="auto", help="auto (bf16 where bf16 matmuls are native, else the "
-                                                           "target's), float32 or bfloat16 — never changes the output")
+    p.add_argument("--drafter-dtype", default="auto", help="the DFlash drafter's and the Weaver's: auto (bf16 "
+                   "where bf16 matmuls are native, else the target's), float32 or bfloat16 — never changes the output")
     p.add_argument("--packed-linears", choices=("auto", "on", "off"), default="auto",
                    help="run the CPU models' linears on prepacked oneDNN weights (pack_cpu_linears: AR and the "
                         "speculative loop alike, 1.5-4x faster GEMMs, one packed copy of the weights); auto: on CPU")
@@ -246,9 +246,11 @@ def _real_setup(args):
     device = torch.device(args.device) if args.device else smollm2.resolve_device(None)
     dtype = smollm2.resolve_dtype(args.dtype, device)
     target, tokenizer = smollm2.load_target(args.target or "smollm2", dtype=dtype, device=device)
-    drafter = load_dflash(drafters / "dflash", dtype=smollm2.resolve_drafter_dtype(args.drafter_dtype, device, dtype),
-                          device=device)
-    weaver = load_weaver(drafters / "weaver", dtype=dtype, device=device) if (drafters / "weaver").is_dir() else None
+    drafter_dtype = smollm2.resolve_drafter_dtype(args.drafter_dtype, device, dtype)
+    drafter = load_dflash(drafters / "dflash", dtype=drafter_dtype, device=device)
+    # the Weaver only shapes trees too: in the drafter's dtype (bf16 linears on CPUs that have them)
+    weaver = (load_weaver(drafters / "weaver", dtype=drafter_dtype, device=device) if (drafters / "weaver").is_dir()
+              else None)
     prompts = []
     for text in args.prompt or _DEMO_PROMPTS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

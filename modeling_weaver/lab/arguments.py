@@ -80,8 +80,8 @@ def add_benchmark_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     parser.add_argument("--device", type=torch_device, default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), float32, bfloat16")
     parser.add_argument("--drafter-dtype", default="auto",
-                        help="auto (bf16 where bf16 matmuls are native, else the target's), float32, bfloat16; "
-                             "draft logits only shape trees: the output never depends on it")
+                        help="the DFlash drafter's and the Weaver's: auto (bf16 where bf16 matmuls are native, else the "
+                             "target's), float32, bfloat16; drafts only shape trees: the output never depends on it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmark_results",
                         help="output folder: new, empty, or an earlier bench output with --overwrite (filled when the "

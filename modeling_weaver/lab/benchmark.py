@@ -415,12 +415,12 @@ def run_benchmark(args) -> int:
     drafter_dtype = resolve_drafter_dtype(args.drafter_dtype, device, dtype)
     drafter = (DFlashDraftModel.from_pretrained(args.drafter, dtype=drafter_dtype).to(device).eval()
                if args.drafter else None)
-    weaver = WeaverModel.from_pretrained(args.weaver, dtype=dtype).to(device).eval() if args.weaver else None
+    weaver = WeaverModel.from_pretrained(args.weaver, dtype=drafter_dtype).to(device).eval() if args.weaver else None
     methods = build_methods(args.modes, budgets, args.temperatures, args.sampling_verifications,
                             args.hf_baseline)
     datasets = list(prompts)
     info = (f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), dtype "
-            f"{str(dtype).replace('torch.', '')} (drafter {str(drafter_dtype).replace('torch.', '')}), target "
+            f"{str(dtype).replace('torch.', '')} (drafters {str(drafter_dtype).replace('torch.', '')}), target "
             f"{args.target}, max_new_tokens {args.max_new_tokens}, "
             f"prompts {', '.join(f'{DATASET_TITLES.get(d, d)} {len(v)}' for d, v in prompts.items())}, "
             f"{time.strftime('%Y-%m-%d')}; AR = our TargetAdapter path, target steps {args.target_step}")
