@@ -6,7 +6,8 @@ spines with side branches (``weaver_kernels.testing``, as ``scripts/bench_kernel
 
 - KDA tree: ``kda_tree_verify_triton`` (``kda_tree.fused``, rollback-free, writes no state) and
   ``kda_tree_commit_triton`` (``kda_tree.commit``, accepted path = deepest leaf), the Triton kernels the
-  ``weaver_kernels.kda_tree_verify`` / ``kda_tree_commit`` ops launch on CUDA; separately and as one step;
+  ``weaver_kernels.kda_tree_verify`` / ``kda_tree_commit`` ops launch on CUDA; separately and as one step; beside
+  them the verify's Neumann form ``kda_tree_verify_neumann`` (``kda_tree.neumann``, T ≤ 128) with the same commit;
 - GDN tree at the same heads and dims: ``gdn_tree_verify_triton`` in its default form (``impl=None``) and
   ``gdn_tree_commit_triton``, what ``bench_kernels.py`` times (plus the fused form where the default is another);
 - the intermediate-state baseline for KDA: a recurrent Triton kernel (defined here: the package has no KDA one) that
@@ -65,6 +66,8 @@ from weaver_kernels.gdn_tree.dispatch import verify_form  # noqa: E402
 from weaver_kernels.gdn_tree.naive import gdn_gates, gdn_tree_commit_ref, gdn_tree_verify_ref  # noqa: E402
 from weaver_kernels.kda_tree.commit import kda_tree_commit_triton  # noqa: E402
 from weaver_kernels.kda_tree.fused import kda_tree_verify_triton  # noqa: E402
+from weaver_kernels.kda_tree.neumann import MAX_NODES as NEUMANN_MAX_NODES  # noqa: E402
+from weaver_kernels.kda_tree.neumann import kda_tree_verify_neumann  # noqa: E402
 from weaver_kernels.kda_tree.naive import (  # noqa: E402
     kda_gates,
     kda_recurrent_ref,
@@ -260,28 +263,34 @@ def bench_tree(T, kind, layers, args, dev):
                                      use_qk_l2norm_in_kernel=True)
     Sr = kda_tree_commit_ref(d(x["S0"]), d(x["k"]), ru, rg, path, use_qk_l2norm_in_kernel=True)
 
-    def kverify(y):
-        return kda_tree_verify_triton(y["q"], y["k"], y["v"], y["kg"], y["kb"], y["S0"], mask,
-                                      use_qk_l2norm_in_kernel=True, **y["kraw"])
+    for name, verify in (("kda", kda_tree_verify_triton), ("kda_neumann", kda_tree_verify_neumann)):
+        if name == "kda_neumann" and T > NEUMANN_MAX_NODES:
+            continue
 
-    o, u, gm = kverify(x)
-    S = x["S0"].clone()
-    kda_tree_commit_triton(S, x["k"], u, gm, path, use_qk_l2norm_in_kernel=True)
-    kda_ok = check(res, "kda", dict(o=rel_rms(o, ro), u=rel_rms(u, ru), gamma=rel_rms(gm, rg), state=rel_rms(S, Sr)),
-                   f32)
-    if kda_ok:
-        pending = [kverify(y)[1:] for y in layers]  # each layer's u and Γ, for the commit alone
+        def kverify(y, verify=verify):
+            return verify(y["q"], y["k"], y["v"], y["kg"], y["kb"], y["S0"], mask, use_qk_l2norm_in_kernel=True,
+                          **y["kraw"])
 
-        def kstep(y):
+        o, u, gm = kverify(x)
+        S = x["S0"].clone()
+        kda_tree_commit_triton(S, x["k"], u, gm, path, use_qk_l2norm_in_kernel=True)
+        if not check(res, name, dict(o=rel_rms(o, ro), u=rel_rms(u, ru), gamma=rel_rms(gm, rg), state=rel_rms(S, Sr)),
+                     f32):
+            continue
+
+        def kstep(y, kverify=kverify):
             def f():
                 _, u_, g_ = kverify(y)
                 kda_tree_commit_triton(y["S"], y["k"], u_, g_, path, use_qk_l2norm_in_kernel=True)
             return f
 
-        res["kda_verify"] = timed([lambda y=y: kverify(y) for y in layers], args.reps)
-        res["kda_commit"] = timed([lambda y=y, p=p: kda_tree_commit_triton(y["S"], y["k"], p[0], p[1], path, True)
-                                   for y, p in zip(layers, pending)], args.reps)
-        res["kda_step"] = timed([kstep(y) for y in layers], args.reps)
+        res[f"{name}_verify"] = timed([lambda y=y, kverify=kverify: kverify(y) for y in layers], args.reps)
+        if name == "kda":  # (the commit is one kernel for both forms)
+            pending = [kverify(y)[1:] for y in layers]  # each layer's u and Γ, for the commit alone
+            res["kda_commit"] = timed([lambda y=y, p=p: kda_tree_commit_triton(y["S"], y["k"], p[0], p[1], path,
+                                                                               True)
+                                       for y, p in zip(layers, pending)], args.reps)
+        res[f"{name}_step"] = timed([kstep(y) for y in layers], args.reps)
 
     # ---- GDN tree at the same heads and dims: its default form (and the fused form beside it)
     gro, gru, grg = gdn_tree_verify_ref(d(x["q"]), d(x["k"]), d(x["v"]), d(x["gg"]), d(x["gbeta"]), d(x["gS0"]), mask,
@@ -407,17 +416,19 @@ def table(results, fla_res, meta):
         f"command: {meta['command']}",
         f"shapes: every row batch 1, {H} q/k heads = {H} value heads, K = V = {K}; q/k/v bf16, committed states fp32; "
         f"gates: {meta['gates_note']}",
-        "rows: KDA = kda_tree_verify_triton + kda_tree_commit_triton (per-channel gates g [1, T, H, K]); GDN = "
+        "rows: KDA = kda_tree_verify_triton + kda_tree_commit_triton (per-channel gates g [1, T, H, K]), KDA Neumann = "
+        "kda_tree_verify_neumann + the same commit; GDN = "
         "gdn_tree_verify_triton (impl=None: the form named) + gdn_tree_commit_triton at the same heads/dims (scalar "
         "gates [1, T, H]); baseline = this script's recurrent Triton KDA kernel writing all T node states "
         f"[{K}, {K}] fp32 + torch copy of the accepted one; fla = fla.ops.kda on a chain of T tokens (output + final "
         "state), not a tree",
         f"per layer, µs: {meta['timing']}",
         "",
-        "| tree | T | depth | path | KDA verify | KDA commit | KDA verify+commit | GDN verify+commit (form) "
+        "| tree | T | depth | path | KDA verify | KDA commit | KDA verify+commit | KDA Neumann verify "
+        "| KDA Neumann verify+commit | GDN verify+commit (form) "
         "| KDA / GDN (bar ≤ 1.5×) | baseline: all states + copy (BV) | baseline / KDA (bar ≥ 5×) | GDN fused v+c "
         "| fla chunk_kda (chain) | fla fused_recurrent_kda (chain) |",
-        "|---" * 14 + "|",
+        "|---" * 16 + "|",
     ]
     for r in results:
         k, _ = us(r, "kda_step")
@@ -428,7 +439,8 @@ def table(results, fla_res, meta):
                                                                                         "fused_recurrent_kda")]
         lines.append(
             f"| {r['kind']} | {r['T']} | {r['max_depth']} | {r['path_len']} | {cell(r, 'kda_verify')} "
-            f"| {cell(r, 'kda_commit')} | {cell(r, 'kda_step')} | {cell(r, 'gdn_step')} ({r['gdn_default_form']}) "
+            f"| {cell(r, 'kda_commit')} | {cell(r, 'kda_step')} | {cell(r, 'kda_neumann_verify')} "
+            f"| {cell(r, 'kda_neumann_step')} | {cell(r, 'gdn_step')} ({r['gdn_default_form']}) "
             f"| {ratio(k, g):.2f}× | {cell(r, 'baseline')} (BV{(r.get('baseline') or {}).get('BV', '-')}) "
             f"| {ratio(b, k):.1f}× | {cell(r, 'gdn_fused_step') if 'gdn_fused_step' in r else '(same)'} "
             f"| {fla_cells[0]} | {fla_cells[1]} |")
@@ -436,13 +448,15 @@ def table(results, fla_res, meta):
     for r in results:
         if r["T"] != 64:
             continue
-        k, g, b = us(r, "kda_step")[0], us(r, "gdn_step")[0], us(r, "baseline")[0]
-        rk, rb = ratio(k, g), ratio(b, k)
+        g, b = us(r, "gdn_step")[0], us(r, "baseline")[0]
         verdict = lambda ok, v: ("n/a" if v != v or INTERPRET  # noqa: E731  (interpreter times judge nothing)
                                  else "PASS" if ok else "FAIL")
-        lines.append(f"bar at T = 64, {r['kind']}: KDA/GDN verify+commit = {rk:.2f}× "
-                     f"(≤ 1.5×: {verdict(rk <= 1.5, rk)}); "
-                     f"baseline/KDA = {rb:.1f}× (≥ 5×: {verdict(rb >= 5, rb)})")
+        for form, key in (("fused", "kda_step"), ("Neumann", "kda_neumann_step")):
+            k = us(r, key)[0]
+            rk, rb = ratio(k, g), ratio(b, k)
+            lines.append(f"bar at T = 64, {r['kind']}, KDA {form}: KDA/GDN verify+commit = {rk:.2f}× "
+                         f"(≤ 1.5×: {verdict(rk <= 1.5, rk)}); "
+                         f"baseline/KDA = {rb:.1f}× (≥ 5×: {verdict(rb >= 5, rb)})")
     lines.append("")
     lines.append("checks before timing (layer 0, rel. RMS against the fp64 references; a failed row is not timed):")
     for r in results:

@@ -250,7 +250,16 @@ def ik():
     from weaver_kernels.utils import load_interpreted
 
     return SimpleNamespace(fused=load_interpreted("weaver_kernels.kda_tree.fused"),
+                           neumann=load_interpreted("weaver_kernels.kda_tree.neumann"),
                            commit=load_interpreted("weaver_kernels.kda_tree.commit"))
+
+
+#: the verify's forms: the fused row-block solve, and the Neumann form (depth-many dense products)
+FORMS = ("fused", "neumann")
+
+
+def _verify(kernels, form):
+    return kernels.fused.kda_tree_verify_triton if form == "fused" else kernels.neumann.kda_tree_verify_neumann
 
 
 def _rel(x, ref):
@@ -278,15 +287,15 @@ def _case_inputs(case, g_scale=1.0):
     return _tree(kind, T, random.Random(T)), (q, k, v, g.float() * g_scale, beta.float(), S0.float())
 
 
-def _check_verify_and_commit(kernels, case, device="cpu", g_scale=1.0):
-    """The Triton verify and commit of ``case`` (its gates times ``g_scale``) against the fp64 references (computed on
-    the CPU); returns the verify's ``(o, u, gamma)``."""
+def _check_verify_and_commit(kernels, case, device="cpu", g_scale=1.0, form="fused"):
+    """The Triton verify (of ``form``) and commit of ``case`` (its gates times ``g_scale``) against the fp64
+    references (computed on the CPU); returns the verify's ``(o, u, gamma)``."""
     kind, T, H, HV, K, V, dtype, l2, BKC = case
     parents, (q, k, v, g, beta, S0) = _case_inputs(case, g_scale)
     M = ancestor_mask(parents)
     on = lambda t: t.to(device)  # noqa: E731
-    o, u, gamma = kernels.fused.kda_tree_verify_triton(on(q), on(k), on(v), on(g), on(beta), on(S0), on(M),
-                                                       use_qk_l2norm_in_kernel=l2, BKC=BKC)
+    o, u, gamma = _verify(kernels, form)(on(q), on(k), on(v), on(g), on(beta), on(S0), on(M),
+                                         use_qk_l2norm_in_kernel=l2, BKC=BKC)
     d = lambda t: t.double()  # noqa: E731
     ro, ru, rg = kda_tree_verify_ref(d(q), d(k), d(v), d(g), d(beta), d(S0), M, use_qk_l2norm_in_kernel=l2)
     tol = 1e-5 if dtype == torch.float32 else 5e-3  # bf16: the output's rounding
@@ -301,11 +310,21 @@ def _check_verify_and_commit(kernels, case, device="cpu", g_scale=1.0):
     return o, u, gamma
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=_case_id)
-def test_triton_verify_and_commit_interpreter(ik, case):
-    """The Triton verify and commit against the fp64 references: several row blocks, K not a power of two, V not a
-    multiple of the value block, forests, 16-bit inputs; the commit with a right-padded path."""
-    _check_verify_and_commit(ik, case)
+def test_triton_verify_and_commit_interpreter(ik, case, form):
+    """The Triton verify (each form) and commit against the fp64 references: several row blocks, K not a power of
+    two, V not a multiple of the value block, forests, 16-bit inputs; the commit with a right-padded path."""
+    _check_verify_and_commit(ik, case, form=form)
+
+
+def test_neumann_form_refuses_trees_past_its_bound(ik):
+    """The Neumann form holds a tree's coefficient matrix in registers: larger trees are refused, not truncated."""
+    T = ik.neumann.MAX_NODES + 1
+    q, k, v, g, beta, S0 = kda_inputs(1, T, 1, 1, 16, 16, torch.float32, seed=1)
+    M = ancestor_mask(random_parents(T, random.Random(1)))
+    with pytest.raises(ValueError, match=f"at most {ik.neumann.MAX_NODES} nodes"):
+        ik.neumann.kda_tree_verify_neumann(q, k, v, g, beta, S0, M)
 
 
 def _channel_spreads(gamma):
@@ -396,12 +415,13 @@ REAL_SHAPE_CASES = [("random", 64, 32, 32, 128, 128, torch.bfloat16, True, 32),
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("case", KERNEL_CASES + REAL_SHAPE_CASES, ids=_case_id)
-def test_triton_verify_and_commit_on_gpu(case):
-    """The compiled kernels (not the interpreter) on the small cases and at Kimi Linear's shape."""
-    from weaver_kernels.kda_tree import commit, fused
+def test_triton_verify_and_commit_on_gpu(case, form):
+    """The compiled kernels (not the interpreter), each form, on the small cases and at Kimi Linear's shape."""
+    from weaver_kernels.kda_tree import commit, fused, neumann
 
-    _check_verify_and_commit(SimpleNamespace(fused=fused, commit=commit), case, "cuda")
+    _check_verify_and_commit(SimpleNamespace(fused=fused, neumann=neumann, commit=commit), case, "cuda", form=form)
 
 
 def _raw_gate_case(kind, T, H, K, V, dtype, seed):
@@ -546,13 +566,14 @@ def test_ops_run_triton_on_gpu(case):
         torch.library.opcheck(torch.ops.weaver.kda_tree_commit.default, (x.S0.clone(), x.k, u, gamma, x.path, True))
 
 
-def test_triton_forgetting_channels_interpreter(ik):
+@pytest.mark.parametrize("form", FORMS)
+def test_triton_forgetting_channels_interpreter(ik, form):
     """Off-path Γ differences past the exp's range (a channel with g = −1000) stay masked in the kernels too."""
     parents = random_parents(20, random.Random(5))
     q, k, v, g, beta, S0 = kda_inputs(1, 20, 1, 1, 16, 16, torch.float32, seed=11)
     g[:, 3::4, :, 0] = -1000.0
     M = ancestor_mask(parents)
-    o, u, gamma = ik.fused.kda_tree_verify_triton(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True)
+    o, u, gamma = _verify(ik, form)(q, k, v, g, beta, S0, M, use_qk_l2norm_in_kernel=True)
     ro, ru, rg = kda_tree_verify_ref(q.double(), k.double(), v.double(), g.double(), beta.double(), S0.double(), M,
                                      use_qk_l2norm_in_kernel=True)
     assert _rel(o, ro) <= 1e-5 and _rel(u, ru) <= 1e-5
@@ -584,16 +605,18 @@ def test_triton_raw_gates_interpreter(ik):
         ik.fused.kda_tree_verify_triton(q, k, v, f, b, S0, M, A_log=A_log, dt_bias=dt_bias[:H])
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kind,T,A_shift,path", [("forest", 33, 1.0, "dots"), ("deep", 37, 1.0, "mixed"),
                                                  ("random", 21, 2.0, "mixed"), ("random", 21, 5.0, "wide")])
-def test_triton_raw_gates_dots_and_wide_channels_interpreter(ik, kind, T, A_shift, path):
+def test_triton_raw_gates_dots_and_wide_channels_interpreter(ik, kind, T, A_shift, path, form):
     """Gates formed in the kernel (the adapter's raw projections, ``A_log`` raised so decays are faster) with pair
-    tile channels through the dots, each on its own, and both: verify and commit against the fp64 references."""
+    tile channels through the dots, each on its own, and both: verify (each form) and commit against the fp64
+    references."""
     c = _raw_gate_case(kind, T, 2, 16, 16, torch.float32, seed=T)
     c.A_log = c.A_log + A_shift
     refs = _raw_gate_refs(c)
-    o, u, gamma = ik.fused.kda_tree_verify_triton(c.q, c.k, c.v, c.f, c.b, c.S0, c.M, use_qk_l2norm_in_kernel=True,
-                                                  A_log=c.A_log, dt_bias=c.dt_bias)
+    o, u, gamma = _verify(ik, form)(c.q, c.k, c.v, c.f, c.b, c.S0, c.M, use_qk_l2norm_in_kernel=True,
+                                    A_log=c.A_log, dt_bias=c.dt_bias)
     S = ik.commit.kda_tree_commit_triton(c.S0.clone(), c.k, u, gamma, c.path, use_qk_l2norm_in_kernel=True)
     _assert_near_refs(o, u, gamma, S, refs, torch.float32)
     _assert_paths(_channel_spreads(gamma), ik.fused.PAIR_SPREAD_MAX, path)

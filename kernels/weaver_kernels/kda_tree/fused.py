@@ -247,6 +247,34 @@ def _kda_tree_verify_kernel(
         tl.debug_barrier()  # this program's u rows are read back by later blocks: order the stores first
 
 
+def verify_inputs(q, k, v, g, initial_state, tree_mask, scale, A_log, dt_bias, BKC, max_nodes, name):
+    """A verify launcher's checks and prepared inputs (both forms'): ``q, k, v, g`` (last dims contiguous), ``s0``,
+    the mask as uint8, ``scale``, whether the gates are raw, ``BK``."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    if HV % H:
+        raise ValueError(f"value heads ({HV}) must be a multiple of q/k heads ({H})")
+    if T > max_nodes:
+        raise ValueError(f"{name} supports at most {max_nodes} nodes, got {T}")
+    if tuple(tree_mask.shape) != (T, T) or tuple(g.shape) != (B, T, HV, K):
+        raise ValueError(f"tree_mask must be [{T}, {T}] and g [B, T, HV, K] = {(B, T, HV, K)}, got "
+                         f"{tuple(tree_mask.shape)} and {tuple(g.shape)}")
+    raw = A_log is not None
+    if raw != (dt_bias is not None):
+        raise ValueError("kda_tree_verify: A_log and dt_bias go together")
+    if raw and (A_log.numel() != HV or dt_bias.numel() != HV * K):
+        raise ValueError(f"kda_tree_verify: A_log must hold {HV} values (one per value head), dt_bias {HV * K} "
+                         "(one per channel)")
+    BK = max(16, next_pow2(K))
+    if BKC < 16 or BKC & (BKC - 1) or BKC > BK:
+        raise ValueError(f"BKC must be a power of two between 16 and {BK}, got {BKC}")
+    mask = tree_mask.contiguous()
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)
+    return (last_contig(q), last_contig(k), last_contig(v), last_contig(g), initial_state.contiguous(), mask,
+            K**-0.5 if scale is None else float(scale), raw, BK)
+
+
 def kda_tree_verify_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -273,30 +301,10 @@ def kda_tree_verify_triton(
     (:func:`~weaver_kernels.kda_tree.naive.kda_gates`' formula). ``pair_spread_max``: the widest Γ spread (nats) of a
     channel of a pair tile in the dots, added on its own past it; the default is the fp32-safe one, ±inf sends every
     channel one way (the tests' check of each)."""
+    q, k, v, g, s0, mask, scale, raw, BK = verify_inputs(q, k, v, g, initial_state, tree_mask, scale, A_log, dt_bias,
+                                                         BKC, MAX_NODES, "kda_tree_verify_triton")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    if HV % H:
-        raise ValueError(f"value heads ({HV}) must be a multiple of q/k heads ({H})")
-    if T > MAX_NODES:
-        raise ValueError(f"kda_tree_verify_triton supports at most {MAX_NODES} nodes, got {T}")
-    if tuple(tree_mask.shape) != (T, T) or tuple(g.shape) != (B, T, HV, K):
-        raise ValueError(f"tree_mask must be [{T}, {T}] and g [B, T, HV, K] = {(B, T, HV, K)}, got "
-                         f"{tuple(tree_mask.shape)} and {tuple(g.shape)}")
-    raw = A_log is not None
-    if raw != (dt_bias is not None):
-        raise ValueError("kda_tree_verify: A_log and dt_bias go together")
-    if raw and (A_log.numel() != HV or dt_bias.numel() != HV * K):
-        raise ValueError(f"kda_tree_verify: A_log must hold {HV} values (one per value head), dt_bias {HV * K} "
-                         "(one per channel)")
-    BK = max(16, next_pow2(K))
-    if BKC < 16 or BKC & (BKC - 1) or BKC > BK:
-        raise ValueError(f"BKC must be a power of two between 16 and {BK}, got {BKC}")
-    scale = K**-0.5 if scale is None else float(scale)
-    q, k, v, g = last_contig(q), last_contig(k), last_contig(v), last_contig(g)
-    s0 = initial_state.contiguous()
-    mask = tree_mask.contiguous()
-    if mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)
     o = torch.empty((B, T, HV, V), dtype=v.dtype, device=v.device)
     u = torch.empty((B, T, HV, V), dtype=torch.float32, device=v.device)
     gamma = torch.empty((B, T, HV, K), dtype=torch.float32, device=v.device)

@@ -1,0 +1,147 @@
+"""The tree KDA kernels compiled for a CUDA target on the CPU: no device, Triton's CUDA backend and its ptxas only.
+
+The interpreter tests run the kernels' Python, not Triton's compiler: a kernel that the compiler rejects (an MLIR pass
+failing, ptxas refusing the PTX) passes them and fails on the GPU only. Here each launch of the real wrappers
+(``kda_tree_verify_triton``, ``kda_tree_verify_neumann``, ``kda_tree_commit_triton``) at Kimi Linear's shape is
+compiled instead of run: a stand-in driver names the target (the arguments' specializations are the wrapper's own),
+and Triton's compile goes through every pass down to a cubin from ptxas. Skipped where the CUDA backend or ptxas is
+missing, or where the kernels were imported under ``TRITON_INTERPRET=1``. Nothing is cached in the repository (a
+temporary Triton cache per module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import subprocess
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from weaver_kernels.testing import ancestor_mask, random_parents
+
+TARGET_ARCH = 90  # H100
+
+
+def _offline_cuda_reason() -> str | None:
+    """Why kernels cannot be compiled for CUDA here, or None."""
+    try:
+        import triton
+        from triton.backends import backends
+    except Exception as e:  # noqa: BLE001
+        return f"triton not importable ({e!r})"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "TRITON_INTERPRET=1: the kernels are interpreted, not compiled"
+    if "nvidia" not in backends:
+        return f"triton {triton.__version__} has no CUDA backend"
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(TARGET_ARCH).path
+        subprocess.run([ptxas, "--version"], check=True, capture_output=True, timeout=60)
+    except Exception as e:  # noqa: BLE001
+        return f"no working ptxas for sm_{TARGET_ARCH} in triton {triton.__version__} ({e!r})"
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    if not (hasattr(driver, "set_active") and hasattr(driver, "_active") and hasattr(JITFunction, "create_binder")):
+        return f"triton {triton.__version__}: the offline driver stand-in does not fit its runtime"
+    return None
+
+
+class _TargetOnlyDriver:
+    """What a compile-only launch asks of the active driver: a device, a stream and the target."""
+
+    def __init__(self, arch: int):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def is_active(self):
+        return True
+
+
+@contextlib.contextmanager
+def compile_only(kernels, arch: int, compiled: list):
+    """Within the block every launch of ``kernels`` compiles for ``cuda:arch`` (a warm-up: nothing runs) and its
+    compiled kernel is appended to ``compiled``. The kernels' own caches are set aside and put back after."""
+    from triton.runtime.driver import driver
+
+    old_driver, old_caches = driver._active, {k: k.device_caches for k in kernels}
+    driver.set_active(_TargetOnlyDriver(arch))
+    for k in kernels:
+        k.device_caches = defaultdict(k.create_binder)
+
+        def run(*args, grid, warmup, _k=k, **kwargs):
+            compiled.append(type(_k).run(_k, *args, grid=grid, warmup=True, **kwargs))
+            return compiled[-1]
+
+        k.run = run
+    try:
+        yield
+    finally:
+        driver._active = old_driver
+        for k in kernels:
+            del k.run
+            k.device_caches = old_caches[k]
+
+
+@pytest.fixture(scope="module")
+def kda_kernels(tmp_path_factory):
+    reason = _offline_cuda_reason()
+    if reason:
+        pytest.skip(reason)
+    from weaver_kernels.kda_tree import commit, fused, neumann
+
+    if fused.INTERPRET or commit.INTERPRET or neumann.INTERPRET:
+        pytest.skip("the kda_tree modules were imported under TRITON_INTERPRET=1")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_cache")))  # a real compile, kept out of the repo
+    yield SimpleNamespace(fused=fused, neumann=neumann, commit=commit)
+    mp.undo()
+
+
+@pytest.mark.parametrize("form", ["fused", "neumann"])
+@pytest.mark.parametrize("T, raw", [(64, True), (128, False)], ids=["T64-raw_gates", "T128-formed_gates"])
+def test_kda_tree_kernels_compile_for_sm90(kda_kernels, T, raw, form):
+    """Kimi Linear's KDA shape (32 heads, K = V = 128, bf16 inputs, l2-normed q/k), a T-node tree, gates raw (with
+    A_log and dt_bias) or formed: each launch of the verify (fused or Neumann form) and the commit compiles to an
+    sm_90 cubin."""
+    x = kda_kernels
+    H = HV = 32
+    K = V = 128
+    bf = torch.bfloat16
+    gen = torch.Generator().manual_seed(T)
+    q, k = (torch.randn(1, T, H, K, generator=gen).to(bf) for _ in range(2))
+    v = torch.randn(1, T, HV, V, generator=gen).to(bf)
+    g = torch.randn(1, T, HV, K, generator=gen).to(bf if raw else torch.float32)
+    beta = torch.randn(1, T, HV, generator=gen).to(bf if raw else torch.float32)
+    S0 = torch.zeros(1, HV, K, V)
+    mask = ancestor_mask(random_parents(T, random.Random(T)))
+    gates = dict(A_log=torch.zeros(HV), dt_bias=torch.zeros(HV * K)) if raw else {}
+    if form == "fused":
+        verify = x.fused.kda_tree_verify_triton
+        kernels = [x.fused._kda_gamma_kernel, x.fused._kda_pairs_kernel, x.fused._kda_tree_verify_kernel]
+    else:
+        verify = x.neumann.kda_tree_verify_neumann
+        kernels = [x.fused._kda_gamma_kernel, x.neumann._kda_coef_kernel, x.neumann._kda_neumann_solve_kernel]
+    kernels.append(x.commit._kda_tree_commit_kernel)
+    compiled: list = []
+    with compile_only(kernels, TARGET_ARCH, compiled):
+        _, u, gamma = verify(q, k, v, g, beta, S0, mask, use_qk_l2norm_in_kernel=True, **gates)
+        x.commit.kda_tree_commit_triton(S0, k, u, gamma, torch.arange(8), use_qk_l2norm_in_kernel=True)
+    assert [c.name for c in compiled] == [kk.__name__ for kk in kernels]
+    for c in compiled:
+        assert c.metadata.target.arch == TARGET_ARCH and len(c.asm["cubin"]) > 0, c.name
