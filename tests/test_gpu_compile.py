@@ -12,6 +12,7 @@ temporary Triton cache per module).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import subprocess
@@ -113,12 +114,12 @@ def kda_kernels(tmp_path_factory):
     mp.undo()
 
 
-@pytest.mark.parametrize("form", ["fused", "neumann"])
+@pytest.mark.parametrize("form", ["fused", "neumann", "neumann_tf32x3"])
 @pytest.mark.parametrize("T, raw", [(64, True), (128, False)], ids=["T64-raw_gates", "T128-formed_gates"])
 def test_kda_tree_kernels_compile_for_sm90(kda_kernels, T, raw, form):
     """Kimi Linear's KDA shape (32 heads, K = V = 128, bf16 inputs, l2-normed q/k), a T-node tree, gates raw (with
-    A_log and dt_bias) or formed: each launch of the verify (fused or Neumann form) and the commit compiles to an
-    sm_90 cubin."""
+    A_log and dt_bias) or formed: each launch of the verify (fused or Neumann form, the latter's Horner products in
+    IEEE fp32 or tf32x3) and the commit compiles to an sm_90 cubin."""
     x = kda_kernels
     H = HV = 32
     K = V = 128
@@ -135,7 +136,8 @@ def test_kda_tree_kernels_compile_for_sm90(kda_kernels, T, raw, form):
         verify = x.fused.kda_tree_verify_triton
         kernels = [x.fused._kda_gamma_kernel, x.fused._kda_pairs_kernel, x.fused._kda_tree_verify_kernel]
     else:
-        verify = x.neumann.kda_tree_verify_neumann
+        verify = functools.partial(x.neumann.kda_tree_verify_neumann,
+                                   precision="tf32x3" if form.endswith("tf32x3") else "ieee")
         kernels = [x.fused._kda_gamma_kernel, x.neumann._kda_coef_kernel, x.neumann._kda_neumann_solve_kernel]
     kernels.append(x.commit._kda_tree_commit_kernel)
     compiled: list = []
