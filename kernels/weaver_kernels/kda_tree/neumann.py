@@ -139,23 +139,26 @@ def kda_tree_verify_neumann(
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     *,
-    BV: int = 32,
+    BV: int | None = None,
     BKC: int = 16,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     pair_spread_max: float = PAIR_SPREAD_MAX,
     precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~.fused.kda_tree_verify_triton`'s contract (same arguments and outputs) in the Neumann form, for trees
-    of at most :data:`MAX_NODES` nodes. ``BV``: value columns per solve program; ``precision``: the Horner dots'
-    ``input_precision`` (``"ieee"``: fp32 products throughout)."""
+    of at most :data:`MAX_NODES` nodes. ``BV``, ``num_warps``: value columns per solve program and its warps (None: the
+    GDN Neumann solve's configs by padded size, 32 and 4 up to 64 nodes, 64 and 8 above: its [T_pad, T_pad]
+    coefficients in registers); ``precision``: the Horner dots' ``input_precision`` (``"ieee"``: fp32 throughout)."""
     q, k, v, g, s0, mask, scale, raw, BK = verify_inputs(q, k, v, g, initial_state, tree_mask, scale, A_log, dt_bias,
                                                          BKC, MAX_NODES, "kda_tree_verify_neumann")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     TP = max(16, next_pow2(T))
     NB = TP // 16
+    BV = BV or (32 if TP <= 64 else 64)
+    solve_warps = num_warps or (4 if TP <= 64 else 8)
     o = torch.empty((B, T, HV, V), dtype=v.dtype, device=v.device)
     u = torch.empty((B, T, HV, V), dtype=torch.float32, device=v.device)
     gamma = torch.empty((B, T, HV, K), dtype=torch.float32, device=v.device)
@@ -166,13 +169,13 @@ def kda_tree_verify_neumann(
     sq, sk, sv, sb = q.stride()[:3], k.stride()[:3], v.stride()[:3], beta.stride()[:3]
     with launch_ctx(INTERPRET):
         _kda_gamma_kernel[(triton.cdiv(T, 16), B * HV)](g, mask, gamma, a_log, dt, T, *g.stride()[:3], H=H, HV=HV,
-                                                        K=K, BK=BK, BT=16, RAW_GATES=raw, num_warps=num_warps)
+                                                        K=K, BK=BK, BT=16, RAW_GATES=raw, num_warps=4)
         _kda_coef_kernel[(NB * NB, B * HV)](
             q, k, beta, mask, gamma, coef, depth, T, *sq, *sk, *sb, H=H, HV=HV, K=K, BK=BK, BKC=BKC, BT=16, NB=NB,
-            TP=TP, L2NORM=l2, SPREAD_MAX=float(pair_spread_max), RAW_GATES=raw, num_warps=num_warps,
+            TP=TP, L2NORM=l2, SPREAD_MAX=float(pair_spread_max), RAW_GATES=raw, num_warps=4,
         )
         _kda_neumann_solve_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, beta, s0, coef, gamma, depth, o, u, T, scale, *sq, *sk, *sv, *sb, H=H, HV=HV, K=K, V=V, TP=TP,
-            BKC=BKC, BV=BV, L2NORM=l2, RAW_GATES=raw, SOLVE_PREC=precision, num_warps=num_warps, num_stages=1,
+            BKC=BKC, BV=BV, L2NORM=l2, RAW_GATES=raw, SOLVE_PREC=precision, num_warps=solve_warps, num_stages=1,
         )
     return o, u, gamma
