@@ -13,8 +13,9 @@ e^Γ) S0 + C U)``. The per-channel decay only changes how N and C are formed: fr
 3. solve (grid V / BV × B·HV): R, d Horner dots, O, every row at once.
 
 Why: the fused form's solve is a chain of row blocks, each waiting for the one before (a diagonal inverse, a barrier
-and reloads per block); here the chain is d dots of the whole tree. It pays for the shallow trees of block drafters
-and loses on long chains (d near T), as the GDN form does. T ≤ ``MAX_NODES`` (the coefficient matrix per program).
+and reloads per block); here the chain is d dots of the whole tree. Meant for the shallow trees of block drafters:
+on long chains (d near T) the GDN form lost to its row blocks (BENCHMARKS.md, Kernels), and this one is not yet timed.
+T ≤ ``MAX_NODES`` (the coefficient matrix per program).
 """
 
 from __future__ import annotations
