@@ -318,6 +318,12 @@ def test_triton_verify_and_commit_interpreter(ik, case, form):
     _check_verify_and_commit(ik, case, form=form)
 
 
+def test_neumann_form_at_its_bound_interpreter(ik):
+    """The Neumann form at its largest tree, a chain of ``MAX_NODES`` (depth 127: every Horner step used)."""
+    _check_verify_and_commit(ik, ("chain", ik.neumann.MAX_NODES, 1, 1, 16, 16, torch.float32, True, 16),
+                             form="neumann")
+
+
 def test_neumann_form_refuses_trees_past_its_bound(ik):
     """The Neumann form holds a tree's coefficient matrix in registers: larger trees are refused, not truncated."""
     T = ik.neumann.MAX_NODES + 1
