@@ -8,7 +8,7 @@ spines with side branches (``weaver_kernels.testing``, as ``scripts/bench_kernel
   ``kda_tree_commit_triton`` (``kda_tree.commit``, accepted path = deepest leaf), the Triton kernels the
   ``weaver_kernels.kda_tree_verify`` / ``kda_tree_commit`` ops launch on CUDA; separately and as one step; beside
   them the verify's Neumann form ``kda_tree_verify_neumann`` (``kda_tree.neumann``, T ≤ 128) with the same commit,
-  its Horner products in IEEE fp32 and in tf32x3 (tensor cores, three passes);
+  its solve's dots in tf32x3 (its default: tensor cores, three passes) and in IEEE fp32 (FMA dots);
 - GDN tree at the same heads and dims: ``gdn_tree_verify_triton`` in its default form (``impl=None``) and
   ``gdn_tree_commit_triton``, what ``bench_kernels.py`` times (plus the fused form where the default is another);
 - the intermediate-state baseline for KDA: a recurrent Triton kernel (defined here: the package has no KDA one) that
@@ -266,7 +266,7 @@ def bench_tree(T, kind, layers, args, dev):
     Sr = kda_tree_commit_ref(d(x["S0"]), d(x["k"]), ru, rg, path, use_qk_l2norm_in_kernel=True)
 
     forms = (("kda", kda_tree_verify_triton), ("kda_neumann", kda_tree_verify_neumann),
-             ("kda_neumann_tf32x3", functools.partial(kda_tree_verify_neumann, precision="tf32x3")))
+             ("kda_neumann_ieee", functools.partial(kda_tree_verify_neumann, precision="ieee")))
     for name, verify in forms:
         if name.startswith("kda_neumann") and T > NEUMANN_MAX_NODES:
             continue
@@ -421,7 +421,7 @@ def table(results, fla_res, meta):
         f"shapes: every row batch 1, {H} q/k heads = {H} value heads, K = V = {K}; q/k/v bf16, committed states fp32; "
         f"gates: {meta['gates_note']}",
         "rows: KDA = kda_tree_verify_triton + kda_tree_commit_triton (per-channel gates g [1, T, H, K]), KDA Neumann = "
-        "kda_tree_verify_neumann (Horner products ieee, or tf32x3) + the same commit; GDN = "
+        "kda_tree_verify_neumann (solve dots tf32x3, or IEEE) + the same commit; GDN = "
         "gdn_tree_verify_triton (impl=None: the form named) + gdn_tree_commit_triton at the same heads/dims (scalar "
         "gates [1, T, H]); baseline = this script's recurrent Triton KDA kernel writing all T node states "
         f"[{K}, {K}] fp32 + torch copy of the accepted one; fla = fla.ops.kda on a chain of T tokens (output + final "
@@ -429,7 +429,7 @@ def table(results, fla_res, meta):
         f"per layer, µs: {meta['timing']}",
         "",
         "| tree | T | depth | path | KDA verify | KDA commit | KDA verify+commit | KDA Neumann verify "
-        "| KDA Neumann verify+commit | KDA Neumann tf32x3 verify+commit | GDN verify+commit (form) "
+        "| KDA Neumann verify+commit | KDA Neumann (IEEE dots) verify+commit | GDN verify+commit (form) "
         "| KDA / GDN (bar ≤ 1.5×) | baseline: all states + copy (BV) | baseline / KDA (bar ≥ 5×) | GDN fused v+c "
         "| fla chunk_kda (chain) | fla fused_recurrent_kda (chain) |",
         "|---" * 17 + "|",
@@ -444,7 +444,7 @@ def table(results, fla_res, meta):
         lines.append(
             f"| {r['kind']} | {r['T']} | {r['max_depth']} | {r['path_len']} | {cell(r, 'kda_verify')} "
             f"| {cell(r, 'kda_commit')} | {cell(r, 'kda_step')} | {cell(r, 'kda_neumann_verify')} "
-            f"| {cell(r, 'kda_neumann_step')} | {cell(r, 'kda_neumann_tf32x3_step')} "
+            f"| {cell(r, 'kda_neumann_step')} | {cell(r, 'kda_neumann_ieee_step')} "
             f"| {cell(r, 'gdn_step')} ({r['gdn_default_form']}) "
             f"| {ratio(k, g):.2f}× | {cell(r, 'baseline')} (BV{(r.get('baseline') or {}).get('BV', '-')}) "
             f"| {ratio(b, k):.1f}× | {cell(r, 'gdn_fused_step') if 'gdn_fused_step' in r else '(same)'} "
@@ -457,7 +457,7 @@ def table(results, fla_res, meta):
         verdict = lambda ok, v: ("n/a" if v != v or INTERPRET  # noqa: E731  (interpreter times judge nothing)
                                  else "PASS" if ok else "FAIL")
         for form, key in (("fused", "kda_step"), ("Neumann", "kda_neumann_step"),
-                          ("Neumann tf32x3", "kda_neumann_tf32x3_step")):
+                          ("Neumann, IEEE dots", "kda_neumann_ieee_step")):
             k = us(r, key)[0]
             rk, rb = ratio(k, g), ratio(b, k)
             lines.append(f"bar at T = 64, {r['kind']}, KDA {form}: KDA/GDN verify+commit = {rk:.2f}× "

@@ -105,8 +105,8 @@ def _kda_neumann_solve_kernel(
         q_n = tl.load(q_base + o_n[:, None] * sq_t + o_kc[None, :], mask=m_nk, other=0.0).to(tl.float32)
         S = tl.load(s_base + o_kc[:, None] * V + o_v[None, :], mask=m_kc[:, None] & m_v[None, :],
                     other=0.0).to(tl.float32)
-        kS += tl.dot(k_n * eG, S, input_precision="ieee")
-        qS += tl.dot(q_n * eG, S, input_precision="ieee")
+        kS += tl.dot(k_n * eG, S, input_precision=SOLVE_PREC)
+        qS += tl.dot(q_n * eG, S, input_precision=SOLVE_PREC)
         kss += rsum(k_n * k_n, axis=1)
         qss += rsum(q_n * q_n, axis=1)
     if L2NORM:
@@ -124,7 +124,7 @@ def _kda_neumann_solve_kernel(
     for _ in range(0, tl.load(depth)):  # U = Σ_{m ≤ depth} N^m R
         U = R + tl.dot(N, U, input_precision=SOLVE_PREC)
     tl.store(node_rows(u, i_b64, i_hv, T, HV, V) + o_n[:, None] * (HV * V) + o_v[None, :], U, mask=m_nv)
-    o_acc = qS + tl.dot(tl.load(c_base + TP * TP), U, input_precision="ieee")
+    o_acc = qS + tl.dot(tl.load(c_base + TP * TP), U, input_precision=SOLVE_PREC)
     tl.store(node_rows(o, i_b64, i_hv, T, HV, V) + o_n[:, None] * (HV * V) + o_v[None, :],
              (o_acc * scale).to(o.dtype.element_ty), mask=m_nv)
 
@@ -146,19 +146,20 @@ def kda_tree_verify_neumann(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     pair_spread_max: float = PAIR_SPREAD_MAX,
-    precision: str = "ieee",
+    precision: str = "tf32x3",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~.fused.kda_tree_verify_triton`'s contract (same arguments and outputs) in the Neumann form, for trees
-    of at most :data:`MAX_NODES` nodes. ``BV``, ``num_warps``: value columns per solve program and its warps (None: the
-    GDN Neumann solve's configs by padded size, 32 and 4 up to 64 nodes, 64 and 8 above: its [T_pad, T_pad]
-    coefficients in registers); ``precision``: the Horner dots' ``input_precision`` (``"ieee"``: fp32 throughout)."""
+    of at most :data:`MAX_NODES` nodes. ``BV``, ``num_warps``: value columns per solve program and its warps (None:
+    16 with 4 warps up to 64 nodes, 16 with 8 above); ``precision``: the solve's dots' ``input_precision``, by default
+    ``"tf32x3"`` (tensor cores, about fp32's accuracy); ``"ieee"`` (FMA dots) spills registers at these tiles (ptxas
+    for sm_90: ~5 KB at 64 nodes, none with tf32x3 at the defaults)."""
     q, k, v, g, s0, mask, scale, raw, BK = verify_inputs(q, k, v, g, initial_state, tree_mask, scale, A_log, dt_bias,
                                                          BKC, MAX_NODES, "kda_tree_verify_neumann")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     TP = max(16, next_pow2(T))
     NB = TP // 16
-    BV = BV or (32 if TP <= 64 else 64)
+    BV = BV or 16
     solve_warps = num_warps or (4 if TP <= 64 else 8)
     o = torch.empty((B, T, HV, V), dtype=v.dtype, device=v.device)
     u = torch.empty((B, T, HV, V), dtype=torch.float32, device=v.device)
