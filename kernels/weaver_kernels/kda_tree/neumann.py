@@ -39,7 +39,8 @@ def _kda_coef_kernel(
     NB: tl.constexpr, TP: tl.constexpr, L2NORM: tl.constexpr, SPREAD_MAX: tl.constexpr, RAW_GATES: tl.constexpr,
 ):
     """Tile (row block i, column block c) of one value head's N and C (``program_id(0) = i · NB + c``): the pair
-    scores of :mod:`.fused` for c ≤ i, zeros above the diagonal (the solve reads whole matrices, unmasked)."""
+    scores of :mod:`.fused` for c ≤ i, zeros above the diagonal and past the nodes (the solve reads whole matrices,
+    unmasked)."""
     i_b64, i_hv, i_h = head_program(H, HV)
     i, c = tl.program_id(0) // NB, tl.program_id(0) % NB
     t_r, m_r = lanes(i, BT, T)
@@ -49,7 +50,7 @@ def _kda_coef_kernel(
         o_n, m_n = lanes(0, TP, T)
         M = tl.load(tmask + o_n[:, None] * T + o_n[None, :], mask=m_n[:, None] & m_n[None, :], other=0) != 0
         tl.store(depth, tl.reduce(rsum(M.to(tl.int32), axis=1), 0, maximum) - 1)
-    if c <= i:
+    if (c <= i) & (i * BT < T):  # (a row block wholly past the nodes is padding: all its channels would look wide)
         k_base, q_base = k + i_b64 * sk_b + i_h * sk_h, q + i_b64 * sq_b + i_h * sq_h
         gm_base = node_rows(gamma, i_b64, i_hv, T, HV, K)
         kk, qk, ss = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
