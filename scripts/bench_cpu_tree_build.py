@@ -9,9 +9,11 @@ Variants: DDTree, the Weaver in fp32 and, where bf16 matmuls are native, in bf16
 """
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections import defaultdict
+from unittest import mock
 
 import torch
 import weaver_kernels
@@ -27,23 +29,20 @@ from modeling_weaver.packed import packed_cpu_linears
 from modeling_weaver.tree import tree_drafts, with_root
 
 
-def timed_parts(weaver) -> tuple[dict, list]:
-    """Wrap the Weaver build's parts with wall-clock timers: ``(ms per part, undo callbacks)``."""
-    spent, undo = defaultdict(float), []
+def timed_parts(weaver, stack: contextlib.ExitStack) -> dict:
+    """Wrap the Weaver build's parts with wall-clock timers while ``stack`` is open: ms per part."""
+    spent = defaultdict(float)
     for owner, name in ((weaver, "encode_prompt"), (weaver, "node_inputs"), (weaver, "step"),
                         (weaver_kernels, "pool_scores"), (weaver_kernels, "weaver_expand"),
                         (tree_module, "best_known"), (tree_module, "weaver_tree_tensors")):
-        original = getattr(owner, name)
-
-        def wrapper(*args, _original=original, _name=name, **kwargs):
+        def wrapper(*args, _original=getattr(owner, name), _name=name, **kwargs):
             start = time.perf_counter()
             out = _original(*args, **kwargs)
             spent[_name] += 1e3 * (time.perf_counter() - start)
             return out
 
-        setattr(owner, name, wrapper)
-        undo.append(lambda owner=owner, name=name, original=original: setattr(owner, name, original))
-    return spent, undo
+        stack.enter_context(mock.patch.object(owner, name, wrapper))
+    return spent
 
 
 def main() -> None:
@@ -69,15 +68,12 @@ def main() -> None:
         steps.append((root, hidden.clone(), logits.clone(), budget, last_hidden.clone()))
         return build(mode, root, hidden, logits, budget, weaver, last_hidden, *rest, **options)
 
-    drafting.tree_drafts = record
-    try:
+    with mock.patch.object(drafting, "tree_drafts", record):
         for items in load_eval_prompts().values():
             for p in items[:args.prompts]:
                 ids = torch.tensor([chat_prompt_ids(tokenizer, p.text)])
                 speculative_generate(target, ids, drafter=drafter, weaver=weavers[drafter_dtype], mode="weaver",
                                      max_new_tokens=args.max_new_tokens)
-    finally:
-        drafting.tree_drafts = build
     embed, head = target.get_input_embeddings(), target.get_output_embeddings().weight
     variants = {"ddtree": ("ddtree", None)} | {f"weaver {str(d).removeprefix('torch.')}": ("weaver", w)
                                                 for d, w in weavers.items()}
@@ -95,14 +91,11 @@ def main() -> None:
         print(f"{len(steps)} steps (budget {steps[0][3]}), {args.repeats} builds each: {each}")
         if args.parts:
             weaver = weavers[drafter_dtype]
-            spent, undo = timed_parts(weaver)
-            try:
+            with contextlib.ExitStack() as stack:
+                spent = timed_parts(weaver, stack)
                 for root, hidden, logits, budget, last_hidden in steps * args.repeats:
                     with_root(root, tree_drafts("weaver", root, hidden, logits, budget, weaver, last_hidden, embed,
                                                 head))
-            finally:
-                for callback in undo:
-                    callback()
             builds = len(steps) * args.repeats
             print(f"Weaver ({str(drafter_dtype).removeprefix('torch.')}) build parts, mean ms per build: " + ", ".join(
                 f"{name} {ms / builds:.3f}" for name, ms in spent.items()) + " (weaver_tree_tensors holds the node "

@@ -62,8 +62,8 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
                  HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr,
                  SPREAD_MAX: tl.constexpr):
     """Raw ``Σ_c k_ic k_jc D_ijc`` and ``Σ_c q_ic k_jc D_ijc`` ([BT, BT]) of rows t_r against columns t_c, with
-    ``D_ijc = exp(Γ_ic − Γ_jc)`` on ancestor-or-self pairs and 0 elsewhere, and the columns' ‖k_j‖² (for the l2
-    norm), over the K channels BKC at a time. A channel whose spread ``S_c = R_c − min_{j ∈ cols} Γ_jc`` (``R_c =
+    ``D_ijc = exp(Γ_ic − Γ_jc)`` on ancestor-or-self pairs and 0 elsewhere, the columns' ‖k_j‖² and the rows'
+    ‖k_i‖², ‖q_i‖² (for the l2 norms; unused results cost nothing), over the K channels BKC at a time. A channel whose spread ``S_c = R_c − min_{j ∈ cols} Γ_jc`` (``R_c =
     max_{i ∈ rows} Γ_ic``) is within ``SPREAD_MAX`` goes into dots with the decay folded into the operands,
     ``e^{Γ_ic − Γ_jc} = e^{Γ_ic − R_c} · e^{R_c − Γ_jc}`` (row factor ≤ 1, column factor ≤ e^{S_c}); the mask after
     the dots (a select). A wider channel (or one whose spread is not finite) is zeroed in those operands and added
@@ -73,6 +73,8 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
     kk = tl.full([BT, BT], 0.0, tl.float32)
     qk = tl.full([BT, BT], 0.0, tl.float32)
     ss = tl.full([BT], 0.0, tl.float32)
+    ss_k = tl.full([BT], 0.0, tl.float32)
+    ss_q = tl.full([BT], 0.0, tl.float32)
     for kc in tl.static_range(0, BK, BKC):
         o_kc = kc + tl.arange(0, BKC)
         m_kc = o_kc < K
@@ -97,6 +99,8 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
         kk += tl.dot(tl.where(x_r, k_r * e_r, 0.0), kT, input_precision="ieee")
         qk += tl.dot(tl.where(x_r, q_r * e_r, 0.0), kT, input_precision="ieee")
         ss += rsum(k_c * k_c, axis=1)
+        ss_k += rsum(k_r * k_r, axis=1)
+        ss_q += rsum(q_r * q_r, axis=1)
         # the wide channels, 16 to a bit mask: each one's keys, queries and Γ from memory
         for w in tl.static_range(kc, kc + BKC, 16):
             bits = rsum(tl.where(wide & (o_kc // 16 == w // 16), 1 << (o_kc % 16), 0), axis=0)
@@ -113,7 +117,7 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
                         kk += k_r1[:, None] * kD
                         qk += q_r1[:, None] * kD
     # the mask after the dots: a non-ancestor entry's sum may be inf or NaN there (the wide terms are 0 off it)
-    return tl.where(M, kk, 0.0), tl.where(M, qk, 0.0), ss
+    return tl.where(M, kk, 0.0), tl.where(M, qk, 0.0), ss, ss_k, ss_q
 
 
 @triton.jit
@@ -157,7 +161,7 @@ def _kda_pairs_kernel(
         t_c, m_c = lanes(c, BT, T)
         k_base, q_base = k + i_b64 * sk_b + i_h * sk_h, q + i_b64 * sq_b + i_h * sq_h
         gm_base = node_rows(gamma, i_b64, i_hv, T, HV, K)
-        kk, qk, ss = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
+        kk, qk, ss, _, _ = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
                                   HV, K, BK, BKC, BT, SPREAD_MAX)
         if L2NORM:
             rk_c = tl.rsqrt(ss + 1e-6)

@@ -53,19 +53,15 @@ def _kda_coef_kernel(
     if (c <= i) & (i * BT < T):  # (a row block wholly past the nodes is padding: all its channels would look wide)
         k_base, q_base = k + i_b64 * sk_b + i_h * sk_h, q + i_b64 * sq_b + i_h * sq_h
         gm_base = node_rows(gamma, i_b64, i_hv, T, HV, K)
-        kk, qk, ss = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
+        kk, qk, ss, ss_k, ss_q = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
                                   HV, K, BK, BKC, BT, SPREAD_MAX)
         b_r = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
         if RAW_GATES:
             b_r = tl.where(m_r, gate_beta(b_r, beta.dtype.element_ty), 0.0)
-        if L2NORM:  # the rows' norms here, the columns' from the pair scores
-            o_k, m_k = lanes(0, BK, K)
-            m_rk = m_r[:, None] & m_k[None, :]
-            k_r = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
-            q_r = tl.load(q_base + t_r[:, None] * sq_t + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        if L2NORM:  # (the rows' and columns' squared norms come with the pair scores)
             rk_c = tl.rsqrt(ss + 1e-6)
-            kk = kk * tl.rsqrt(rsum(k_r * k_r, axis=1) + 1e-6)[:, None] * rk_c[None, :]
-            qk = qk * tl.rsqrt(rsum(q_r * q_r, axis=1) + 1e-6)[:, None] * rk_c[None, :]
+            kk = kk * tl.rsqrt(ss_k + 1e-6)[:, None] * rk_c[None, :]
+            qk = qk * tl.rsqrt(ss_q + 1e-6)[:, None] * rk_c[None, :]
         tl.store(base, tl.where(t_r[:, None] != t_c[None, :], -(b_r[:, None] * kk), 0.0))
         tl.store(base + TP * TP, qk)
     else:
