@@ -8,7 +8,8 @@ spines with side branches (``weaver_kernels.testing``, as ``scripts/bench_kernel
   ``kda_tree_commit_triton`` (``kda_tree.commit``, accepted path = deepest leaf), the Triton kernels the
   ``weaver_kernels.kda_tree_verify`` / ``kda_tree_commit`` ops launch on CUDA; separately and as one step; beside
   them the verify's Neumann form ``kda_tree_verify_neumann`` (``kda_tree.neumann``, T ≤ 128) with the same commit,
-  its solve's dots in tf32x3 (its default: tensor cores, three passes) and in IEEE fp32 (FMA dots);
+  its solve's dots in tf32x3 (its default: tensor cores, three passes) and in IEEE fp32 (FMA dots), and with 32 key
+  channels per chunk instead of 16 (half the chunks, so half the CTA barriers of the coefficient and solve loops);
 - GDN tree at the same heads and dims: ``gdn_tree_verify_triton`` in its default form (``impl=None``) and
   ``gdn_tree_commit_triton``, what ``bench_kernels.py`` times (plus the fused form where the default is another);
 - the intermediate-state baseline for KDA: a recurrent Triton kernel (defined here: the package has no KDA one) that
@@ -266,9 +267,10 @@ def bench_tree(T, kind, layers, args, dev):
     Sr = kda_tree_commit_ref(d(x["S0"]), d(x["k"]), ru, rg, path, use_qk_l2norm_in_kernel=True)
 
     forms = (("kda", kda_tree_verify_triton), ("kda_neumann", kda_tree_verify_neumann),
-             ("kda_neumann_ieee", functools.partial(kda_tree_verify_neumann, precision="ieee")))
+             ("kda_neumann_ieee", functools.partial(kda_tree_verify_neumann, precision="ieee")),
+             ("kda_neumann_bkc32", functools.partial(kda_tree_verify_neumann, BKC=32)))
     for name, verify in forms:
-        if name.startswith("kda_neumann") and T > NEUMANN_MAX_NODES:
+        if name.startswith("kda_neumann") and T > NEUMANN_MAX_NODES or name.endswith("bkc32") and x["k"].shape[-1] < 32:
             continue
 
         def kverify(y, verify=verify):
@@ -421,7 +423,8 @@ def table(results, fla_res, meta):
         f"shapes: every row batch 1, {H} q/k heads = {H} value heads, K = V = {K}; q/k/v bf16, committed states fp32; "
         f"gates: {meta['gates_note']}",
         "rows: KDA = kda_tree_verify_triton + kda_tree_commit_triton (per-channel gates g [1, T, H, K]), KDA Neumann = "
-        "kda_tree_verify_neumann (solve dots tf32x3, or IEEE) + the same commit; GDN = "
+        "kda_tree_verify_neumann (solve dots tf32x3, or IEEE; key channels 16 per chunk, or 32) + the same commit; "
+        "GDN = "
         "gdn_tree_verify_triton (impl=None: the form named) + gdn_tree_commit_triton at the same heads/dims (scalar "
         "gates [1, T, H]); baseline = this script's recurrent Triton KDA kernel writing all T node states "
         f"[{K}, {K}] fp32 + torch copy of the accepted one; fla = fla.ops.kda on a chain of T tokens (output + final "
@@ -429,10 +432,11 @@ def table(results, fla_res, meta):
         f"per layer, µs: {meta['timing']}",
         "",
         "| tree | T | depth | path | KDA verify | KDA commit | KDA verify+commit | KDA Neumann verify "
-        "| KDA Neumann verify+commit | KDA Neumann (IEEE dots) verify+commit | GDN verify+commit (form) "
+        "| KDA Neumann verify+commit | KDA Neumann (IEEE dots) verify+commit | KDA Neumann (BKC 32) verify+commit "
+        "| GDN verify+commit (form) "
         "| KDA / GDN (bar ≤ 1.5×) | baseline: all states + copy (BV) | baseline / KDA (bar ≥ 5×) | GDN fused v+c "
         "| fla chunk_kda (chain) | fla fused_recurrent_kda (chain) |",
-        "|---" * 17 + "|",
+        "|---" * 18 + "|",
     ]
     for r in results:
         k, _ = us(r, "kda_step")
@@ -445,6 +449,7 @@ def table(results, fla_res, meta):
             f"| {r['kind']} | {r['T']} | {r['max_depth']} | {r['path_len']} | {cell(r, 'kda_verify')} "
             f"| {cell(r, 'kda_commit')} | {cell(r, 'kda_step')} | {cell(r, 'kda_neumann_verify')} "
             f"| {cell(r, 'kda_neumann_step')} | {cell(r, 'kda_neumann_ieee_step')} "
+            f"| {cell(r, 'kda_neumann_bkc32_step')} "
             f"| {cell(r, 'gdn_step')} ({r['gdn_default_form']}) "
             f"| {ratio(k, g):.2f}× | {cell(r, 'baseline')} (BV{(r.get('baseline') or {}).get('BV', '-')}) "
             f"| {ratio(b, k):.1f}× | {cell(r, 'gdn_fused_step') if 'gdn_fused_step' in r else '(same)'} "
@@ -457,7 +462,8 @@ def table(results, fla_res, meta):
         verdict = lambda ok, v: ("n/a" if v != v or INTERPRET  # noqa: E731  (interpreter times judge nothing)
                                  else "PASS" if ok else "FAIL")
         for form, key in (("fused", "kda_step"), ("Neumann", "kda_neumann_step"),
-                          ("Neumann, IEEE dots", "kda_neumann_ieee_step")):
+                          ("Neumann, IEEE dots", "kda_neumann_ieee_step"),
+                          ("Neumann, BKC 32", "kda_neumann_bkc32_step")):
             k = us(r, key)[0]
             rk, rb = ratio(k, g), ratio(b, k)
             lines.append(f"bar at T = 64, {r['kind']}, KDA {form}: KDA/GDN verify+commit = {rk:.2f}× "

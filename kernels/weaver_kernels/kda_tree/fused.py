@@ -72,9 +72,10 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
     M = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
     kk = tl.full([BT, BT], 0.0, tl.float32)
     qk = tl.full([BT, BT], 0.0, tl.float32)
-    ss = tl.full([BT], 0.0, tl.float32)
-    ss_k = tl.full([BT], 0.0, tl.float32)
-    ss_q = tl.full([BT], 0.0, tl.float32)
+    # squares summed lane by lane, across lanes once after the loop (not a cross-lane sum per chunk)
+    ss = tl.full([BT, BKC], 0.0, tl.float32)
+    ss_k = tl.full([BT, BKC], 0.0, tl.float32)
+    ss_q = tl.full([BT, BKC], 0.0, tl.float32)
     for kc in tl.static_range(0, BK, BKC):
         o_kc = kc + tl.arange(0, BKC)
         m_kc = o_kc < K
@@ -98,9 +99,9 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
         kT = tl.trans(tl.where(x_c, k_c * e_c, 0.0))  # [BKC, BT]
         kk += tl.dot(tl.where(x_r, k_r * e_r, 0.0), kT, input_precision="ieee")
         qk += tl.dot(tl.where(x_r, q_r * e_r, 0.0), kT, input_precision="ieee")
-        ss += rsum(k_c * k_c, axis=1)
-        ss_k += rsum(k_r * k_r, axis=1)
-        ss_q += rsum(q_r * q_r, axis=1)
+        ss += k_c * k_c
+        ss_k += k_r * k_r
+        ss_q += q_r * q_r
         # the wide channels, 16 to a bit mask: each one's keys, queries and Γ from memory
         for w in tl.static_range(kc, kc + BKC, 16):
             bits = rsum(tl.where(wide & (o_kc // 16 == w // 16), 1 << (o_kc % 16), 0), axis=0)
@@ -117,7 +118,8 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
                         kk += k_r1[:, None] * kD
                         qk += q_r1[:, None] * kD
     # the mask after the dots: a non-ancestor entry's sum may be inf or NaN there (the wide terms are 0 off it)
-    return tl.where(M, kk, 0.0), tl.where(M, qk, 0.0), ss, ss_k, ss_q
+    return (tl.where(M, kk, 0.0), tl.where(M, qk, 0.0), rsum(ss, axis=1), rsum(ss_k, axis=1),
+            rsum(ss_q, axis=1))
 
 
 @triton.jit

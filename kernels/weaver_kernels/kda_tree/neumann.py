@@ -91,8 +91,8 @@ def _kda_neumann_solve_kernel(
     # (K ⊙ e^Γ) S0 and (Q ⊙ e^Γ) S0, BKC channels at a time (three [T_pad, K] operands at once would spill)
     kS = tl.full([TP, BV], 0.0, tl.float32)
     qS = tl.full([TP, BV], 0.0, tl.float32)
-    kss = tl.full([TP], 0.0, tl.float32)
-    qss = tl.full([TP], 0.0, tl.float32)
+    kss = tl.full([TP, BKC], 0.0, tl.float32)  # (summed across lanes once, after the loop)
+    qss = tl.full([TP, BKC], 0.0, tl.float32)
     for kc in tl.static_range(0, K, BKC):
         o_kc = kc + tl.arange(0, BKC)
         m_kc = o_kc < K
@@ -104,11 +104,11 @@ def _kda_neumann_solve_kernel(
                     other=0.0).to(tl.float32)
         kS += tl.dot(k_n * eG, S, input_precision=SOLVE_PREC)
         qS += tl.dot(q_n * eG, S, input_precision=SOLVE_PREC)
-        kss += rsum(k_n * k_n, axis=1)
-        qss += rsum(q_n * q_n, axis=1)
+        kss += k_n * k_n
+        qss += q_n * q_n
     if L2NORM:
-        kS = kS * tl.rsqrt(kss + 1e-6)[:, None]
-        qS = qS * tl.rsqrt(qss + 1e-6)[:, None]
+        kS = kS * tl.rsqrt(rsum(kss, axis=1) + 1e-6)[:, None]
+        qS = qS * tl.rsqrt(rsum(qss, axis=1) + 1e-6)[:, None]
     b_n = tl.load(b_base + o_n * sb_t, mask=m_n, other=0.0).to(tl.float32)
     if RAW_GATES:  # β = sigmoid(b) in b's dtype, as the module computes it
         b_n = tl.where(m_n, gate_beta(b_n, beta.dtype.element_ty), 0.0)
