@@ -270,8 +270,9 @@ def bench_tree(T, kind, layers, args, dev):
              ("kda_neumann_ieee", functools.partial(kda_tree_verify_neumann, precision="ieee")),
              ("kda_neumann_bkc32", functools.partial(kda_tree_verify_neumann, BKC=32)))
     for name, verify in forms:
-        if name.startswith("kda_neumann") and T > NEUMANN_MAX_NODES or name.endswith("bkc32") and x["k"].shape[-1] < 32:
-            continue
+        if (name.startswith("kda_neumann") and T > NEUMANN_MAX_NODES) or (name.endswith("bkc32")
+                                                                          and x["k"].shape[-1] < 32):
+            continue  # (past the Neumann form's nodes; 32 channels per chunk need K >= 32)
 
         def kverify(y, verify=verify):
             return verify(y["q"], y["k"], y["v"], y["kg"], y["kb"], y["S0"], mask, use_qk_l2norm_in_kernel=True,
@@ -424,8 +425,7 @@ def table(results, fla_res, meta):
         f"gates: {meta['gates_note']}",
         "rows: KDA = kda_tree_verify_triton + kda_tree_commit_triton (per-channel gates g [1, T, H, K]), KDA Neumann = "
         "kda_tree_verify_neumann (solve dots tf32x3, or IEEE; key channels 16 per chunk, or 32) + the same commit; "
-        "GDN = "
-        "gdn_tree_verify_triton (impl=None: the form named) + gdn_tree_commit_triton at the same heads/dims (scalar "
+        "GDN = gdn_tree_verify_triton (impl=None: the form named) + gdn_tree_commit_triton at the same heads/dims (scalar "
         "gates [1, T, H]); baseline = this script's recurrent Triton KDA kernel writing all T node states "
         f"[{K}, {K}] fp32 + torch copy of the accepted one; fla = fla.ops.kda on a chain of T tokens (output + final "
         "state), not a tree",
