@@ -39,6 +39,13 @@ def rsum(x, axis: tl.constexpr):
 
 
 @triton.jit
+def tree_depth(M):
+    """The depth of a tree from its ancestor-or-self mask ``M`` (bool, every node's row): the most ancestors of a
+    node, less itself (the Neumann forms' Horner count)."""
+    return tl.reduce(rsum(M.to(tl.int32), axis=1), 0, maximum) - 1
+
+
+@triton.jit
 def head_program(H: tl.constexpr, HV: tl.constexpr):
     """``(i_b, i_hv, i_h)`` of a program whose grid axis 1 runs over batch × HV value heads, value heads grouped
     over the H query/key heads: the batch index as int64 (its offsets span every head), the value head, the key

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_utils import INTERPRET, head_inputs, head_program, lanes, maximum, node_rows, rsum, state_tile
+from ..triton_utils import INTERPRET, head_inputs, head_program, lanes, node_rows, rsum, state_tile, tree_depth
 from ..utils import launch_ctx, next_pow2
 from .common import gate_beta, gate_decay, root_step
 
@@ -73,7 +73,7 @@ def _neumann_prep_kernel(
         else:
             tl.store(gm_base + o_n * HV, G_c, mask=m_n)
         if tl.program_id(1) == 0:  # (one program writes the depth)
-            tl.store(depth, tl.reduce(rsum(M.to(tl.int32), axis=1), 0, maximum) - 1)
+            tl.store(depth, tree_depth(M))
     M_r = tl.load(tmask + (t_r[:, None] + PEEL) * T + o_n[None, :] + PEEL, mask=m_r[:, None] & m_n[None, :],
                   other=0) != 0
     G_r = rsum(tl.where(M_r, g_all[None, :], 0.0), axis=1)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..gdn_tree.common import gate_beta
-from ..triton_utils import INTERPRET, head_program, lanes, maximum, node_rows, rsum, state_tile
+from ..triton_utils import INTERPRET, head_program, lanes, node_rows, rsum, state_tile, tree_depth
 from ..utils import launch_ctx, next_pow2
 from .fused import PAIR_SPREAD_MAX, _kda_gamma_kernel, _pair_scores, verify_inputs
 
@@ -49,7 +49,7 @@ def _kda_coef_kernel(
     if (i == 0) & (c == 0) & (tl.program_id(1) == 0):  # the depth: the most ancestors of a node, less itself
         o_n, m_n = lanes(0, TP, T)
         M = tl.load(tmask + o_n[:, None] * T + o_n[None, :], mask=m_n[:, None] & m_n[None, :], other=0) != 0
-        tl.store(depth, tl.reduce(rsum(M.to(tl.int32), axis=1), 0, maximum) - 1)
+        tl.store(depth, tree_depth(M))
     if (c <= i) & (i * BT < T):  # (a row block wholly past the nodes is padding: all its channels would look wide)
         k_base, q_base = k + i_b64 * sk_b + i_h * sk_h, q + i_b64 * sq_b + i_h * sq_h
         gm_base = node_rows(gamma, i_b64, i_hv, T, HV, K)
