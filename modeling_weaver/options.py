@@ -140,6 +140,10 @@ class BudgetPolicy:
         dense_costs: with ``every_size``, the largest draft count whose cost is measured rather than interpolated: a
             verify of a few rows costs in steps of its GEMMs' row blocks, which a line between the candidate sizes
             hides (BENCHMARKS.md, the CPU budget).
+        look_ahead: on eager steps, build each tree only this many drafts past the size chosen last (the largest at
+            first and after steps without drafting), so that a steady choice below the largest does not pay each
+            step for drafting the largest (a draft's head projects one row per depth); a choice at that bound
+            raises the next one. None: always the largest.
     """
 
     sizes: tuple[int, ...] = (0, 4, 8, 16, 32, 64)
@@ -154,6 +158,7 @@ class BudgetPolicy:
     calibration_reps: int = 5
     every_size: bool | None = None
     dense_costs: int = 16
+    look_ahead: int | None = 1
 
     def choices(self, sizes: tuple[int, ...], target_step: str) -> tuple[int, ...]:
         """The sizes a generation of ``target_step`` chooses among, from the measured candidate ``sizes``."""

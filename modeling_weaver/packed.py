@@ -19,7 +19,7 @@ at its next call. :func:`unpack_cpu_linears` restores the modules.
 **int8 weights for a drafter** — :func:`int8_linears` routes every ``nn.Linear`` call of at most ``max_rows`` rows
 through an int8 copy of the weight (one scale per output row, ``weaver_kernels.int8_linear``: on CUDA one Triton
 launch reading each weight byte once, half of bf16's bytes; on a CPU with torch's int8 GEMM,
-``weaver_kernels.cpu_int8_linear`` — fbgemm's, a quarter of fp32's bytes, the activations rounded per call too;
+``weaver_kernels.cpu_int8_linear`` — fbgemm's, a quarter of fp32's bytes, each row's activations rounded too;
 elsewhere the torch reference, which dequantises on every call). Meant for drafters, whose outputs only shape
 proposal trees: a speculative step's drafting is a few rows through the drafter's whole weights, memory-bound.
 Calls with more rows (a prompt's context) and autograd use the original weight. The copy is made once: after

@@ -8,7 +8,7 @@
 #   run                        bash scripts/gpu_check.sh suite_all               # every part, JOBS (4) at a time
 #                              bash scripts/gpu_check.sh parts                   # the parts, as README.md lists them
 #   run carry=[".oldk"]        bash scripts/gpu_check.sh kernels                 # ≈ 3 min
-#   run carry=[".oldk"]        bash scripts/gpu_check.sh replay                  # ≈ 8 min
+#   run carry=[".oldk"]        bash scripts/gpu_check.sh replay [replay args]    # > 8 min with every method
 #   run                        bash scripts/gpu_check.sh auto [replay args]      # budget auto vs fixed (#29)
 #   run carry=[".whl"]         bash scripts/gpu_check.sh kda [bench_kda args]    # KDA table (issue #31), ≤ 5 min
 #   run                        bash scripts/gpu_check.sh replay35 [replay args]  # Qwen3.5-35B-A3B shape (#30), ≤ 9 min
@@ -50,13 +50,14 @@ case ${1:?suite|suite_all|parts|kernels|replay|auto|kda|replay35|two_gpus|replay
         --out "$OUT/kernels-$name.json" > "$OUT/kernels-$name.log" 2>&1
       echo "$name rc=$?"; tail -25 "$OUT/kernels-$name.log"
     done ;;
-  replay)  # replayed acceptance at budget 64, compiled steps in CUDA graphs (BENCHMARKS.md, 27B-shape replay)
+  replay) shift  # replayed acceptance at budget 64, compiled steps in CUDA graphs (BENCHMARKS.md, 27B-shape replay);
+    # extra args go to both replays (e.g. --modes weaver: one method, so that both trees fit one call)
     [ -d "$REF/modeling_weaver" ] || { echo "no reference tree in $REF" >&2; exit 2; }
     for tree in . "$REF"; do
       name=$([ "$tree" = . ] && echo this || echo ref)
       in_tree "$tree" timeout ${REPLAY_S:-270} python3 -m modeling_weaver.cli replay \
         --synthetic-mal chain=4 ddtree=5.4 weaver=7.1 --budgets ${BUDGETS:-64} --target-step compiled --hf-tokens 0 \
-        --out "$OUT/replay-$name" > "$OUT/replay-$name.log" 2>&1
+        --out "$OUT/replay-$name" "$@" > "$OUT/replay-$name.log" 2>&1
       echo "$name rc=$?"; grep "^|" "$OUT/replay-$name.log" | head -12
     done ;;
   auto) shift  # issue #29: auto against the fixed budgets at the 27B shape, this tree only (graph steps: one bucket

@@ -159,6 +159,68 @@ def test_eager_steps_choose_among_every_size():
     assert AutoBudget(policy, linear, (0, 4, 8), BLOCK - 1).choose(tree).num_drafts in (4, 8)
 
 
+def test_eager_trees_are_built_one_size_past_the_last_choice():
+    """With a resizable (eager) proposer the next tree is built ``look_ahead`` drafts past the size chosen last: the
+    largest at first, raised by a choice at the bound, the largest again after steps without drafting; fixed-shape
+    proposers and ``look_ahead=None`` build the largest always (``build`` None: the proposer's own budget)."""
+    linear = CostTable(((0, 10.0), (4, 14.0), (8, 18.0)), 2.0)
+    sure = bushy(0.97, depth=5, width=3)  # chosen at 5 (test above)
+    sizer = AutoBudget(BudgetPolicy(), linear, tuple(range(9)), BLOCK - 1, resizable=True)
+    assert sizer.build == 8
+    assert sizer.choose(sure).num_drafts == 5 and sizer.build == 6
+    chain = bushy(0.97, depth=6, width=1)  # every node worth its cost: the whole tree, at the bound
+    assert sizer.choose(chain).num_drafts == 6 and sizer.build == 7
+    assert sizer.choose(bushy(0.97, depth=7, width=1)).num_drafts == 7 and sizer.build == 8
+    assert sizer.choose(chain).num_drafts == 6 and sizer.build == 7
+    assert sizer.choose(bushy(0.01, width=1)).num_drafts == 0 and sizer.build == 8 and not sizer.drafts()  # AR
+    two = AutoBudget(BudgetPolicy(look_ahead=2), linear, tuple(range(9)), BLOCK - 1, resizable=True)
+    two.choose(sure)
+    assert two.build == 7
+    for fixed in (AutoBudget(BudgetPolicy(), linear, tuple(range(9)), BLOCK - 1),
+                  AutoBudget(BudgetPolicy(look_ahead=None), linear, tuple(range(9)), BLOCK - 1, resizable=True)):
+        fixed.choose(sure)
+        assert fixed.build is None
+    with pytest.raises(ValueError, match="look_ahead"):
+        candidate_sizes(BudgetPolicy(look_ahead=0), TINY_TARGETS["llama"](), "cpu")
+
+
+def test_a_step_asks_the_eager_proposer_for_the_built_size(monkeypatch):
+    """The loop passes the sizer's build size to an eager proposer, which drafts that many depths and builds that
+    tree (output unchanged); a budget above the proposer's own, or any other on a fixed-shape one, is refused."""
+    from modeling_weaver.decoding.drafting import EagerProposer, Proposer
+
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    asked, propose = [], EagerProposer.propose
+
+    def recording(self, *args, budget=None):
+        proposal = propose(self, *args, budget=budget)
+        asked.append((budget, proposal.tree.num_drafts))
+        return proposal
+
+    monkeypatch.setattr(EagerProposer, "propose", recording)
+    ids, new = prompts(2)[1], 40
+    expected = reference(target, ids, new)
+    runner = AlternatingOracle(reference(target, ids, new + 2 * BLOCK), text_config(target.config).hidden_size)
+    got, _ = _decode(target, ids[0], runner=runner, weaver=None, mode="ddtree", tree_budget="auto",
+                     max_new_tokens=new, processors=LogitsProcessorList(), do_sample=False, verification=None,
+                     generator=None, streamer=None, budget_policy=BudgetPolicy(costs=STEEP, max_size=32),
+                     stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(ids.shape[1] + new)]))
+    assert torch.equal(got, expected)
+    assert asked[0][0] == 32 and all(0 < b <= 32 and n <= b for b, n in asked), asked
+    assert min(b for b, _ in asked) < 32, asked  # (a smaller tree after a smaller choice)
+    proposer = EagerProposer(DFlashRunner(drafter, target), "ddtree", 8, None, target)
+    with pytest.raises(ValueError, match="budget must be 1..8"):
+        proposer.propose(0, torch.zeros(1, 1), 1, torch.zeros(1), budget=9)
+
+    class Fixed(Proposer):
+        budget = 4
+
+    assert Fixed()._budget(None) == Fixed()._budget(4) == 4
+    with pytest.raises(ValueError, match="budget must be 4"):
+        Fixed()._budget(3)
+
+
 def test_calibration_follows_observed_acceptance():
     sizer = AutoBudget(BudgetPolicy(decay=0.5), FLAT, SIZES, BLOCK - 1)
     for _ in range(6):  # the drafter says 0.9 per depth; only the first draft is ever accepted

@@ -20,11 +20,11 @@ needs_fbgemm = pytest.mark.skipif(not weaver_kernels.cpu_int8_available(), reaso
 
 
 def _within_activation_rounding(out, x, q, scale, bias=None):
-    """``out`` is ``x @ (q · scale).T (+ bias)`` up to rounding ``x`` to fbgemm's 7-bit grid (one step for the whole
-    tensor: (max(x, 0) - min(x, 0)) / 127), whose error in output row i is at most half a step times Σ_j |w_ij|."""
+    """``out`` is ``x @ (q · scale).T (+ bias)`` up to rounding each row of ``x`` to its own 7-bit grid (step max |x_r|
+    / 63), whose error in output (r, i) is at most half row r's step times Σ_j |w_ij|."""
     w = q.double() * scale.double()[:, None]
     ref = x.double() @ w.T + (0 if bias is None else bias.double())
-    step = (x.double().clamp(min=0).max() - x.double().clamp(max=0).min()) / 127
+    step = x.double().abs().amax(-1, keepdim=True) / 63
     bound = 0.5 * step * w.abs().sum(1) * 1.001 + 1e-5
     assert (out.double() - ref).abs().le(bound).all(), float(((out.double() - ref).abs() / bound).max())
     return (out.double() - ref).abs().max()
@@ -260,6 +260,23 @@ def test_cpu_int8_gemm_is_the_rows_up_to_activation_rounding():
         err = _within_activation_rounding(weaver_kernels.cpu_int8_linear(x, packed), x, q, scale, bias)
         assert err > 0
     assert weaver_kernels.cpu_int8_linear(x.bfloat16(), packed).dtype == torch.bfloat16
+
+
+@needs_fbgemm
+def test_cpu_int8_gemm_rows_do_not_depend_on_the_call():
+    """Each row is rounded on its own grid: a row's output is the same bits alone or beside rows of other ranges (a
+    draft's depth-d logits do not depend on how many depths are projected); one activation scale per call, the
+    negative control, changes the small row's output once a large row joins it."""
+    g = torch.Generator().manual_seed(0)
+    q, scale = weaver_kernels.quantize_rows(torch.randn(300, 64, generator=g))
+    packed = weaver_kernels.cpu_int8_pack(q, scale)
+    x = torch.randn(5, 64, generator=g) * torch.tensor([0.1, 1.0, 30.0, 3.0, 0.0])[:, None]
+    whole = weaver_kernels.cpu_int8_linear(x, packed)
+    for rows in (slice(0, 1), slice(0, 2), slice(1, 4), slice(4, 5)):
+        assert torch.equal(weaver_kernels.cpu_int8_linear(x[rows], packed), whole[rows])
+    assert torch.equal(whole[4], torch.zeros(300))  # (a zero row: no division by zero)
+    one_scale = lambda rows: torch.ops.quantized.linear_dynamic(rows.contiguous(), packed.packed, True)  # noqa: E731
+    assert not torch.equal(one_scale(x[:1]), one_scale(x)[:1])
 
 
 @needs_fbgemm

@@ -251,6 +251,9 @@ def candidate_sizes(policy: BudgetPolicy, target, device) -> tuple[int, ...]:
         raise ValueError(f"BudgetPolicy.decay must be in (0, 1], got {policy.decay!r}")
     if not isinstance(policy.skip_after, int) or isinstance(policy.skip_after, bool) or policy.skip_after < 1:
         raise ValueError(f"BudgetPolicy.skip_after must be a number of steps >= 1, got {policy.skip_after!r}")
+    if policy.look_ahead is not None and (not isinstance(policy.look_ahead, int) or isinstance(policy.look_ahead, bool)
+                                         or policy.look_ahead < 1):
+        raise ValueError(f"BudgetPolicy.look_ahead must be a number of drafts >= 1 or None, got {policy.look_ahead!r}")
     if not isinstance(policy.dense_costs, int) or isinstance(policy.dense_costs, bool) or policy.dense_costs < 0:
         raise ValueError(f"BudgetPolicy.dense_costs must be a draft count >= 0, got {policy.dense_costs!r}")
     cap = min(policy.max_size_on(device), max_tree_budget(target, device))
@@ -272,11 +275,20 @@ def auto_sizes(tree_budget: int | str, policy: BudgetPolicy | None, target, devi
 
 class AutoBudget:
     """One generation's adaptive tree size, the seam the split steps call each step: :meth:`drafts` (draft this
-    step?), :meth:`choose` (cut the tree built at the largest size to the chosen prefix), :meth:`observe` (the
-    accepted length, for the calibration). :meth:`report` says what it used."""
+    step?), :meth:`choose` (cut the drafted tree to the chosen prefix), :meth:`observe` (the
+    accepted length, for the calibration). :meth:`report` says what it used.
 
-    def __init__(self, policy: BudgetPolicy, costs: CostTable, sizes: tuple[int, ...], max_depth: int):
+    With a ``resizable`` proposer (eager steps) and ``policy.look_ahead``, the tree is built at :attr:`build` drafts
+    instead of the largest size: ``look_ahead`` past the size chosen last (the largest at first and after steps
+    without drafting). A steady choice below the largest then does not pay each step for drafting and building the
+    largest, and a choice at the bound raises the next one."""
+
+    def __init__(self, policy: BudgetPolicy, costs: CostTable, sizes: tuple[int, ...], max_depth: int,
+                 resizable: bool = False):
         self.policy, self.costs, self.sizes = policy, costs, sizes
+        # the drafts the next tree is built with (a resizable proposer's; else None: the proposer's own budget)
+        self.look_ahead = policy.look_ahead if resizable else None
+        self.build = None if self.look_ahead is None else max(sizes)
         # decayed sums of observed and predicted reach per depth and the prior's weight (fp64; fused steps move them
         # to the device)
         self.observed = torch.zeros(max_depth + 1, dtype=torch.float64)
@@ -306,6 +318,8 @@ class AutoBudget:
         best = max(rates)
         size = pick_drafted(self.sizes, lengths, self.costs, len(nodes), rate=best)
         self.steady(self.sizes[rates.index(best)] == 0, min(size, len(nodes)) == 0)
+        if self.look_ahead is not None and size and not self.skip:
+            self.build = min(size + self.look_ahead, max(self.sizes))
         if size == 0:
             self.reach = None
             return subtree(tree, [])
@@ -327,6 +341,8 @@ class AutoBudget:
         if ar and (cut or self.streak >= self.policy.skip_after):
             self.backoff = min(max(1, 2 * self.backoff), self.policy.max_backoff)
             self.skip = self.backoff * max(1, round(self.costs.propose_ms / self.costs.step_ms(0)))
+            if self.build is not None:  # (the next draft, after steps without one, looks at the largest tree again)
+                self.build = max(self.sizes)
         elif not ar:
             self.backoff = 0
 

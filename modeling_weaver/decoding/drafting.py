@@ -57,8 +57,9 @@ class DraftHead:
     the drafting cost), or with ``int8`` int8 rows with one scale each through ``weaver_kernels.int8_linear``: half of
     bf16's bytes for the draft's largest read, at a small error on the logits (an e4m3 copy was tried: larger error,
     less acceptance, and slower; BENCHMARKS.md); on a CPU, fbgemm's int8 GEMM (``weaver_kernels.
-    cpu_int8_linear``: a quarter of fp32's bytes, the rows of a call rounded with one scale, so a depth's logits
-    depend on how many depths are projected; compiled steps, which cannot trace it, take the reference).
+    cpu_int8_linear``: a quarter of fp32's bytes, each row's activations rounded too, on a grid of its own, so a
+    depth's logits do not depend on how many depths are projected; compiled steps, which cannot trace it, take the
+    reference).
     ``weight`` is the target's own weight, held weakly: a cached copy must not keep the target alive. ``module``: the
     lm_head itself, called when no copy is needed (so a drafter projects as the target does: through its packed CPU
     weight inside a generation, ``StepOptions.packed_linears``).
@@ -185,21 +186,41 @@ class Proposal(NamedTuple):
 
 class Proposer:
     """Draft + tree build for one mode and budget: :meth:`propose` gives the step's :class:`Proposal`, timing its
-    phases with ``timed(phase)``. ``block_size`` and ``feature_layer_ids`` come from the drafter."""
+    phases with ``timed(phase)``. ``block_size`` and ``feature_layer_ids`` come from the drafter; ``resizable``:
+    whether a step may ask for a smaller tree than the budget (``propose(..., budget=)``)."""
 
     block_size: int
     feature_layer_ids: list[int]
 
+    @property
+    def resizable(self) -> bool:
+        return False
+
     def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor,
-                timed=untimed) -> Proposal:
+                timed=untimed, budget: int | None = None) -> Proposal:
         """The tree rooted at ``bonus`` (position ``n``), after the new ``context`` (target features of positions
-        ``n-C..n-1``); ``last_hidden``: the target's final hidden state at ``n-1`` (Weaver's prompt)."""
+        ``n-C..n-1``); ``last_hidden``: the target's final hidden state at ``n-1`` (Weaver's prompt); ``budget``:
+        this step's drafts, at most the proposer's own (None: its own; only where ``resizable``)."""
         raise NotImplementedError
+
+    def _budget(self, budget: int | None) -> int:
+        """This step's drafts: ``budget`` checked against the proposer's own (None: its own)."""
+        own = self.budget
+        if budget is None or budget == own:
+            return own
+        if not self.resizable or isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget <= own:
+            raise ValueError(f"this proposer builds {own} drafts a step; a step's budget must be "
+                             f"{'1..' if self.resizable else ''}{own}, got {budget!r}")
+        return budget
 
 
 class EagerProposer(Proposer):
     """A drafting ``runner`` (:class:`DFlashRunner` or a stand-in) at each step's own shapes, then the tree of
-    ``mode`` built from its drafts (phases ``draft`` and ``tree``)."""
+    ``mode`` built from its drafts (phases ``draft`` and ``tree``); a step may ask for fewer drafts."""
+
+    @property
+    def resizable(self) -> bool:
+        return True
 
     def __init__(self, runner, mode: str, budget: int, weaver, target, policy: TreePolicy = DEFAULT_POLICY,
                  local: bool = False):
@@ -212,12 +233,13 @@ class EagerProposer(Proposer):
         self.home = self.embed_tokens.weight.device  # (the target's tokens: where the tree is verified)
 
     def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor,
-                timed=untimed) -> Proposal:
+                timed=untimed, budget: int | None = None) -> Proposal:
+        budget = self._budget(budget)
         with timed("draft"):
-            hidden, logits = self.runner.draft(bonus, context, n, depths=self.budget)
+            hidden, logits = self.runner.draft(bonus, context, n, depths=budget)
         with timed("tree"):
             # built where the drafter put its drafts (the Weaver sits with the drafter), verified at home
-            tree = with_root(bonus, tree_drafts(self.mode, bonus, hidden, logits, self.budget, self.weaver,
+            tree = with_root(bonus, tree_drafts(self.mode, bonus, hidden, logits, budget, self.weaver,
                                                 last_hidden.to(hidden.device),
                                                 embedding_on(self.embed_tokens, hidden.device),
                                                 self.lm_head_weight, policy=self.policy))
@@ -236,10 +258,14 @@ class RankZeroProposer(Proposer):
         self.inner, self.device, self.dist = inner, device, dist
         self.block_size, self.feature_layer_ids = inner.block_size, inner.feature_layer_ids
 
+    @property
+    def resizable(self) -> bool:
+        return self.inner.resizable
+
     def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor,
-                timed=untimed) -> Proposal:
+                timed=untimed, budget: int | None = None) -> Proposal:
         dist, first = self.dist, self.dist.get_rank() == 0
-        proposal = self.inner.propose(bonus, context, n, last_hidden, timed) if first else None
+        proposal = self.inner.propose(bonus, context, n, last_hidden, timed, budget=budget) if first else None
         with timed("tree"):
             size = torch.tensor([len(proposal.tree) if first else 0], device=self.device)
             dist.broadcast(size, 0)
@@ -468,7 +494,8 @@ class StaticProposer(Proposer):
 
     @torch.no_grad()
     def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor,
-                timed=untimed) -> Proposal:
+                timed=untimed, budget: int | None = None) -> Proposal:
+        self._budget(budget)  # (fixed shapes: its own budget only)
         with timed("draft+tree"):
             self.draft.load(bonus, context, n)
             self.last_hidden.copy_(last_hidden)

@@ -187,7 +187,8 @@ class SplitSteps:
         while True:
             drafts = sizer is None or sizer.drafts()
             if drafts:
-                tree = self.proposer.propose(self.bonus, self.context, verifier.length, self.last_hidden, timed).tree
+                tree = self.proposer.propose(self.bonus, self.context, verifier.length, self.last_hidden, timed,
+                                             budget=None if sizer is None else sizer.build).tree
                 if sizer is not None:
                     with timed("tree"):
                         tree = sizer.choose(tree)
@@ -257,10 +258,9 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
     (:class:`~.verify.BucketedTarget`), greedy ones as whole steps that choose on the device
     (:class:`~.adaptive.FusedAutoSteps`)."""
     depth = runner.block_size - 1  # every tree drafts within one block: the bound picks the GDN verify kernel
-    sizer = None
+    costs = None
     if auto is not None:  # (first: a fixed-shape calibration runs the generation's own steps, which are reset below)
         costs = step_costs(target, runner, weaver, mode, sizes, tree_policy, step_options, auto, target_step)
-        sizer = AutoBudget(auto, costs, auto.choices(sizes, target_step), depth)
     if target_step != "eager" and len({p.device for p in target.parameters()}) > 1:
         raise ValueError(f'target_step="{target_step}" needs a target on one device; this one is split over '
                          f'{sorted(str(d) for d in {p.device for p in target.parameters()})} (device_map): use '
@@ -270,7 +270,7 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
                                  max_tree_depth=depth, options=step_options)
     else:  # kept per target and drafter: later generations replay the same graphs
         flags = capture_flags(target_step, device)
-        if sizer is not None:
+        if auto is not None:
             verifier = static_buckets(target, max_length, [s + 1 for s in sizes], runner.feature_layer_ids, **flags,
                                       max_tree_depth=depth, options=step_options)
         else:
@@ -294,6 +294,8 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
         proposer = EagerProposer(runner, mode, tree_budget, weaver, target, tree_policy, local=rank0)
     if rank0:
         proposer = RankZeroProposer(proposer, verifier.device)
+    sizer = None if auto is None else AutoBudget(auto, costs, auto.choices(sizes, target_step), depth,
+                                                 resizable=proposer.resizable)
     on_device = accept is None or isinstance(accept, DeviceAcceptance)
     if isinstance(proposer, StaticProposer) and not scores.do_sample and not scores.processors and on_device:
         if sizer is not None:  # (the size chosen on the device, each bucket's step whole)
