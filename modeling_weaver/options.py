@@ -118,7 +118,7 @@ class BudgetPolicy:
         sizes: the candidate draft counts whose costs are measured; 0 is a plain AR step (no speculation). Capped by
             ``max_size``. Eager steps choose among every count up to the largest (``every_size``).
         max_size: the largest tree built each step, then cut to the chosen size (None: 64 on CUDA, 8 elsewhere —
-            every drafting step builds this tree, and on a CPU building and verifying more than 8 drafts costs more
+            fixed-shape drafting steps build this tree, and on a CPU building and verifying more than 8 drafts costs more
             than their extra acceptance brings, BENCHMARKS.md; at most :func:`~modeling_weaver.tree.max_tree_budget`).
         decay: how fast the acceptance calibration forgets (per step; the weight of the step ``k`` steps back is
             ``decay**k``).

@@ -5,7 +5,8 @@
   the number of draft nodes (0: a plain AR step), and of draft + tree build at the largest size. Measured once on
   dummy inputs with the generation's own target, drafter and tree mode, then cached as JSON under the cache folder,
   keyed by the device, the target (class, config, dtype, module types), the step kind and the drafting setup.
-- **Value** (:func:`best_first`, :func:`expected_lengths`): the tree is built at the largest size; its nodes in
+- **Value** (:func:`best_first`, :func:`expected_lengths`): the tree is built at the largest size (eager steps:
+  one draft past the size chosen last, :attr:`AutoBudget.build`); its nodes in
   best-first order (path probability under the drafter's / Weaver's scores, shallower first among ties) make every
   prefix a subtree. A prefix's expected committed length is ``1 + Σ_d r_d`` with
   ``r_d = min(r_{d-1}, c_d · Σ_{nodes of depth d} exp(path log q))`` (``r_0 = 1``): the chance to reach depth d,
