@@ -118,8 +118,9 @@ class BudgetPolicy:
         sizes: the candidate draft counts whose costs are measured; 0 is a plain AR step (no speculation). Capped by
             ``max_size``. Eager steps choose among every count up to the largest (``every_size``).
         max_size: the largest tree built each step, then cut to the chosen size (None: 64 on CUDA, 8 elsewhere —
-            fixed-shape drafting steps build this tree, and on a CPU building and verifying more than 8 drafts costs more
-            than their extra acceptance brings, BENCHMARKS.md; at most :func:`~modeling_weaver.tree.max_tree_budget`).
+            fixed-shape drafting steps build this tree, and on a CPU building and verifying more than 8 drafts costs
+            more than their extra acceptance brings, BENCHMARKS.md; at most
+            :func:`~modeling_weaver.tree.max_tree_budget`).
         decay: how fast the acceptance calibration forgets (per step; the weight of the step ``k`` steps back is
             ``decay**k``).
         skip_after: after this many drafting steps in a row whose steady choice (draft time counted) is AR, or one

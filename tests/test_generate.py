@@ -548,7 +548,7 @@ def test_int8_draft_head_stays_exact(target_step, monkeypatch):
     calls, int8_linear, cpu_int8_linear = [], weaver_kernels.int8_linear, weaver_kernels.cpu_int8_linear
     monkeypatch.setattr(weaver_kernels, "int8_linear", lambda *a: calls.append(a[1].shape) or int8_linear(*a))
     monkeypatch.setattr(weaver_kernels, "cpu_int8_linear",  # (fbgemm's GEMM on a CPU that has it)
-                        lambda x, packed: calls.append(tuple(packed.packed.unpack()[0].shape)) or cpu_int8_linear(x, packed))
+                        lambda x, w: calls.append(tuple(w.packed.unpack()[0].shape)) or cpu_int8_linear(x, w))
     target = TINY_TARGETS["qwen3_5"]()
     drafter, weaver = make_drafters(target, mask_token_id=VOCAB - 1)
     for mode in MODES:

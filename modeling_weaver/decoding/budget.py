@@ -276,8 +276,8 @@ def auto_sizes(tree_budget: int | str, policy: BudgetPolicy | None, target, devi
 
 class AutoBudget:
     """One generation's adaptive tree size, the seam the split steps call each step: :meth:`drafts` (draft this
-    step?), :meth:`choose` (cut the drafted tree to the chosen prefix), :meth:`observe` (the
-    accepted length, for the calibration). :meth:`report` says what it used.
+    step?), :meth:`choose` (cut the drafted tree to the chosen prefix), :meth:`observe` (the accepted length, for the
+    calibration). :meth:`report` says what it used.
 
     With a ``resizable`` proposer (eager steps) and ``policy.look_ahead``, the tree is built at :attr:`build` drafts
     instead of the largest size: ``look_ahead`` past the size chosen last (the largest at first and after steps

@@ -191,6 +191,7 @@ class Proposer:
 
     block_size: int
     feature_layer_ids: list[int]
+    budget: int
 
     @property
     def resizable(self) -> bool:
@@ -248,9 +249,9 @@ class EagerProposer(Proposer):
 
 class RankZeroProposer(Proposer):
     """``StepOptions.tp_drafter="rank0"`` on a tensor-parallel target: rank 0 proposes with the proposer it wraps
-    (built ``local``: it calls nothing of the target's that is a collective) and broadcasts the tree (its size, then tokens and parents, then ``logq``); the other ranks receive it on
-    ``device`` (their own GPU under NCCL, the CPU under gloo), and their drafters never run (their proposals hold the
-    tree alone: no hidden states, no logits)."""
+    (built ``local``: it calls nothing of the target's that is a collective) and broadcasts the tree (its size, then
+    tokens and parents, then ``logq``); the other ranks receive it on ``device`` (their own GPU under NCCL, the CPU
+    under gloo), and their drafters never run (their proposals hold the tree alone: no hidden states, no logits)."""
 
     def __init__(self, inner: Proposer, device: torch.device):
         import torch.distributed as dist
