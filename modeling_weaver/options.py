@@ -144,7 +144,8 @@ class BudgetPolicy:
         look_ahead: on eager steps, build each tree only this many drafts past the size chosen last (the largest at
             first and after steps without drafting), so that a steady choice below the largest does not pay each
             step for drafting the largest (a draft's head projects one row per depth); a choice at that bound
-            raises the next one. None: always the largest.
+            raises the next one. 0: always the largest. None: 1 on a CPU, 0 on CUDA (where a draft of the largest
+            tree costs little more than a smaller one, and one draft a step would take dozens of steps to grow).
     """
 
     sizes: tuple[int, ...] = (0, 4, 8, 16, 32, 64)
@@ -159,7 +160,7 @@ class BudgetPolicy:
     calibration_reps: int = 5
     every_size: bool | None = None
     dense_costs: int = 16
-    look_ahead: int | None = 1
+    look_ahead: int | None = None
 
     def choices(self, sizes: tuple[int, ...], target_step: str) -> tuple[int, ...]:
         """The sizes a generation of ``target_step`` chooses among, from the measured candidate ``sizes``."""
@@ -176,6 +177,12 @@ class BudgetPolicy:
             return sizes
         dense = {s for s in self.choices(sizes, target_step) if s <= self.dense_costs}
         return tuple(sorted(set(sizes) | dense))
+
+    def look_ahead_on(self, device) -> int:
+        """Drafts past the last choice that an eager step's tree is built with on ``device`` (0: the largest)."""
+        if self.look_ahead is not None:
+            return self.look_ahead
+        return 0 if torch.device(device).type == "cuda" else 1
 
     def max_size_on(self, device) -> int:
         """The largest candidate size on ``device`` before the target's own bound."""

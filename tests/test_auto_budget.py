@@ -160,12 +160,13 @@ def test_eager_steps_choose_among_every_size():
 
 
 def test_eager_trees_are_built_one_size_past_the_last_choice():
-    """With a resizable (eager) proposer the next tree is built ``look_ahead`` drafts past the size chosen last: the
-    largest at first, raised by a choice at the bound, the largest again after steps without drafting; fixed-shape
-    proposers and ``look_ahead=None`` build the largest always (``build`` None: the proposer's own budget)."""
+    """With a look-ahead (a resizable, eager proposer's) the next tree is built ``look_ahead`` drafts past the size
+    chosen last: the largest at first, raised by a choice at the bound, the largest again after steps without
+    drafting; without one (fixed-shape proposers, ``look_ahead=0``, CUDA by default) the largest always (``build``
+    None: the proposer's own budget)."""
     linear = CostTable(((0, 10.0), (4, 14.0), (8, 18.0)), 2.0)
     sure = bushy(0.97, depth=5, width=3)  # chosen at 5 (test above)
-    sizer = AutoBudget(BudgetPolicy(), linear, tuple(range(9)), BLOCK - 1, resizable=True)
+    sizer = AutoBudget(BudgetPolicy(), linear, tuple(range(9)), BLOCK - 1, look_ahead=1)
     assert sizer.build == 8
     assert sizer.choose(sure).num_drafts == 5 and sizer.build == 6
     chain = bushy(0.97, depth=6, width=1)  # every node worth its cost: the whole tree, at the bound
@@ -173,15 +174,16 @@ def test_eager_trees_are_built_one_size_past_the_last_choice():
     assert sizer.choose(bushy(0.97, depth=7, width=1)).num_drafts == 7 and sizer.build == 8
     assert sizer.choose(chain).num_drafts == 6 and sizer.build == 7
     assert sizer.choose(bushy(0.01, width=1)).num_drafts == 0 and sizer.build == 8 and not sizer.drafts()  # AR
-    two = AutoBudget(BudgetPolicy(look_ahead=2), linear, tuple(range(9)), BLOCK - 1, resizable=True)
+    two = AutoBudget(BudgetPolicy(), linear, tuple(range(9)), BLOCK - 1, look_ahead=2)
     two.choose(sure)
     assert two.build == 7
-    for fixed in (AutoBudget(BudgetPolicy(), linear, tuple(range(9)), BLOCK - 1),
-                  AutoBudget(BudgetPolicy(look_ahead=None), linear, tuple(range(9)), BLOCK - 1, resizable=True)):
-        fixed.choose(sure)
-        assert fixed.build is None
+    fixed = AutoBudget(BudgetPolicy(), linear, tuple(range(9)), BLOCK - 1)
+    fixed.choose(sure)
+    assert fixed.build is None
+    assert BudgetPolicy().look_ahead_on("cpu") == 1 and BudgetPolicy().look_ahead_on("cuda") == 0
+    assert BudgetPolicy(look_ahead=0).look_ahead_on("cpu") == 0 and BudgetPolicy(look_ahead=3).look_ahead_on("cuda") == 3
     with pytest.raises(ValueError, match="look_ahead"):
-        candidate_sizes(BudgetPolicy(look_ahead=0), TINY_TARGETS["llama"](), "cpu")
+        candidate_sizes(BudgetPolicy(look_ahead=-1), TINY_TARGETS["llama"](), "cpu")
 
 
 def test_a_step_asks_the_eager_proposer_for_the_built_size(monkeypatch):

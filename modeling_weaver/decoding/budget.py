@@ -5,8 +5,8 @@
   the number of draft nodes (0: a plain AR step), and of draft + tree build at the largest size. Measured once on
   dummy inputs with the generation's own target, drafter and tree mode, then cached as JSON under the cache folder,
   keyed by the device, the target (class, config, dtype, module types), the step kind and the drafting setup.
-- **Value** (:func:`best_first`, :func:`expected_lengths`): the tree is built at the largest size (eager steps:
-  one draft past the size chosen last, :attr:`AutoBudget.build`); its nodes in
+- **Value** (:func:`best_first`, :func:`expected_lengths`): the tree is built at the largest size (eager steps on
+  a CPU: one draft past the size chosen last, :attr:`AutoBudget.build`); its nodes in
   best-first order (path probability under the drafter's / Weaver's scores, shallower first among ties) make every
   prefix a subtree. A prefix's expected committed length is ``1 + Σ_d r_d`` with
   ``r_d = min(r_{d-1}, c_d · Σ_{nodes of depth d} exp(path log q))`` (``r_0 = 1``): the chance to reach depth d,
@@ -253,8 +253,8 @@ def candidate_sizes(policy: BudgetPolicy, target, device) -> tuple[int, ...]:
     if not isinstance(policy.skip_after, int) or isinstance(policy.skip_after, bool) or policy.skip_after < 1:
         raise ValueError(f"BudgetPolicy.skip_after must be a number of steps >= 1, got {policy.skip_after!r}")
     if policy.look_ahead is not None and (not isinstance(policy.look_ahead, int) or isinstance(policy.look_ahead, bool)
-                                         or policy.look_ahead < 1):
-        raise ValueError(f"BudgetPolicy.look_ahead must be a number of drafts >= 1 or None, got {policy.look_ahead!r}")
+                                         or policy.look_ahead < 0):
+        raise ValueError(f"BudgetPolicy.look_ahead must be a number of drafts >= 0 or None, got {policy.look_ahead!r}")
     if not isinstance(policy.dense_costs, int) or isinstance(policy.dense_costs, bool) or policy.dense_costs < 0:
         raise ValueError(f"BudgetPolicy.dense_costs must be a draft count >= 0, got {policy.dense_costs!r}")
     cap = min(policy.max_size_on(device), max_tree_budget(target, device))
@@ -279,16 +279,16 @@ class AutoBudget:
     step?), :meth:`choose` (cut the drafted tree to the chosen prefix), :meth:`observe` (the accepted length, for the
     calibration). :meth:`report` says what it used.
 
-    With a ``resizable`` proposer (eager steps) and ``policy.look_ahead``, the tree is built at :attr:`build` drafts
-    instead of the largest size: ``look_ahead`` past the size chosen last (the largest at first and after steps
-    without drafting). A steady choice below the largest then does not pay each step for drafting and building the
-    largest, and a choice at the bound raises the next one."""
+    With ``look_ahead`` > 0 (``BudgetPolicy.look_ahead_on``, given a resizable proposer: eager steps), the tree is
+    built at :attr:`build` drafts instead of the largest size: ``look_ahead`` past the size chosen last (the largest
+    at first and after steps without drafting). A steady choice below the largest then does not pay each step for
+    drafting and building the largest, and a choice at the bound raises the next one."""
 
     def __init__(self, policy: BudgetPolicy, costs: CostTable, sizes: tuple[int, ...], max_depth: int,
-                 resizable: bool = False):
+                 look_ahead: int = 0):
         self.policy, self.costs, self.sizes = policy, costs, sizes
-        # the drafts the next tree is built with (a resizable proposer's; else None: the proposer's own budget)
-        self.look_ahead = policy.look_ahead if resizable else None
+        # the drafts the next tree is built with (None: the proposer's own budget, the largest size)
+        self.look_ahead = look_ahead or None
         self.build = None if self.look_ahead is None else max(sizes)
         # decayed sums of observed and predicted reach per depth and the prior's weight (fp64; fused steps move them
         # to the device)

@@ -295,7 +295,7 @@ def plan_steps(target, runner, *, mode: str, tree_budget: int, weaver, target_st
     if rank0:
         proposer = RankZeroProposer(proposer, verifier.device)
     sizer = None if auto is None else AutoBudget(auto, costs, auto.choices(sizes, target_step), depth,
-                                                 resizable=proposer.resizable)
+                                                 auto.look_ahead_on(device) if proposer.resizable else 0)
     on_device = accept is None or isinstance(accept, DeviceAcceptance)
     if isinstance(proposer, StaticProposer) and not scores.do_sample and not scores.processors and on_device:
         if sizer is not None:  # (the size chosen on the device, each bucket's step whole)
