@@ -251,6 +251,13 @@ def check(res, name, errs, bound):
     return ok
 
 
+def sweep_configs(sweep: bool, K: int, V: int):
+    """The fused form's launch configs that ``--sweep`` times: warps (every launch's), value block, key chunk."""
+    if not sweep:
+        return []
+    return [(w, bv, c) for w in (1, 2, 4, 8) for bv in (16, 32) for c in (16, 32) if bv <= V and c <= K]
+
+
 # ------------------------------------------------------------------------------------------------------ one tree
 def bench_tree(T, kind, layers, args, dev):
     parents, dep, leaf = make_tree(T, kind, seed=T + {"chain": 7, "deep15": 3}.get(kind, 0))
@@ -269,6 +276,8 @@ def bench_tree(T, kind, layers, args, dev):
     forms = (("kda", kda_tree_verify_triton), ("kda_neumann", kda_tree_verify_neumann),
              ("kda_neumann_ieee", functools.partial(kda_tree_verify_neumann, precision="ieee")),
              ("kda_neumann_bkc32", functools.partial(kda_tree_verify_neumann, BKC=32)))
+    forms += tuple((f"sweep_w{w}_bv{bv}_bkc{c}", functools.partial(kda_tree_verify_triton, num_warps=w, BV=bv, BKC=c))
+                   for w, bv, c in sweep_configs(args.sweep, x["k"].shape[-1], x["v"].shape[-1]))
     for name, verify in forms:
         if (name.startswith("kda_neumann") and T > NEUMANN_MAX_NODES) or (name.endswith("bkc32")
                                                                           and x["k"].shape[-1] < 32):
@@ -469,6 +478,13 @@ def table(results, fla_res, meta):
             lines.append(f"bar at T = 64, {r['kind']}, KDA {form}: KDA/GDN verify+commit = {rk:.2f}× "
                          f"(≤ 1.5×: {verdict(rk <= 1.5, rk)}); "
                          f"baseline/KDA = {rb:.1f}× (≥ 5×: {verdict(rb >= 5, rb)})")
+    for r in results:
+        swept = sorted((us(r, key)[0], key[len("sweep_"):-len("_step")]) for key in r
+                       if key.startswith("sweep_") and key.endswith("_step"))
+        if swept:
+            lines.append(f"sweep of the fused form ({r['kind']}, T = {r['T']}; warps, value block, key chunk; "
+                         f"verify + commit µs, fastest first; the default is w4_bv16_bkc16): "
+                         + ", ".join(f"{name} {t:.1f}" for t, name in swept))
     lines.append("")
     lines.append("checks before timing (layer 0, rel. RMS against the fp64 references; a failed row is not timed):")
     for r in results:
@@ -503,6 +519,9 @@ def main():
                     help="raw: bf16 projections f, b + A_log/dt_bias, gates formed in the kernels (the model's feed); "
                          "formed: fp32 g and bf16 β formed beforehand")
     ap.add_argument("--baseline-bv", type=int, nargs="+", default=[16, 32], help="baseline value blocks to try")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the fused form at every launch config of warps (1 2 4 8), value block (16 32) and "
+                         "key chunk (16 32), each checked first")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--interpret", action="store_true",
