@@ -114,12 +114,13 @@ def refuse(name: str, value=None) -> ValueError:
     return ValueError(f"{name}{shown} is not supported by tree speculative decoding: {REFUSED[name]}")
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_count(name: str, value, meaning: str = "") -> None:
-    if not _is_int(value):
+    if not is_int(value):
         raise TypeError(f"{name} {meaning}must be an int >= 1, got {value!r}")
     if value < 1:
         raise ValueError(f"{name} {meaning}must be an int >= 1, got {value!r}")
@@ -204,7 +205,7 @@ def _check_eos(target, eos_token_id) -> None:
     ids = list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     if isinstance(eos_token_id, torch.Tensor):
         ids = eos_token_id.flatten().tolist() if not eos_token_id.is_floating_point() else [eos_token_id]
-    if not all(_is_int(i) for i in ids):  # ([]: no eos at all, the target's overridden)
+    if not all(is_int(i) for i in ids):  # ([]: no eos at all, the target's overridden)
         raise TypeError(f"eos_token_id must be a token id (int) or a list of them, got {eos_token_id!r}")
     vocab = _vocab_size(target)
     bad = [i for i in ids if not 0 <= i < vocab]

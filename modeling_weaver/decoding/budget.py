@@ -43,6 +43,7 @@ from ..options import BudgetPolicy, StepOptions, TreePolicy
 from ..output_dir import cache_root
 from ..target import TargetAdapter
 from ..tree import Tree, ancestor_mask_of, max_tree_budget, subtree
+from ..validation import is_int
 from .drafting import DFlashRunner, EagerProposer
 from .step_cache import capture_flags, static_buckets, static_draft
 
@@ -246,16 +247,15 @@ def choose_on_device(parents: torch.Tensor, logq: torch.Tensor, factors: torch.T
 
 def candidate_sizes(policy: BudgetPolicy, target, device) -> tuple[int, ...]:
     """The policy's sizes up to its largest tree on ``device`` and the target's bound (the largest is built)."""
-    if not policy.sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in policy.sizes):
+    if not policy.sizes or any(not is_int(s) or s < 0 for s in policy.sizes):
         raise ValueError(f"BudgetPolicy.sizes must be draft counts >= 0 (0: an AR step), got {policy.sizes!r}")
     if not 0 < policy.decay <= 1:
         raise ValueError(f"BudgetPolicy.decay must be in (0, 1], got {policy.decay!r}")
-    if not isinstance(policy.skip_after, int) or isinstance(policy.skip_after, bool) or policy.skip_after < 1:
+    if not is_int(policy.skip_after) or policy.skip_after < 1:
         raise ValueError(f"BudgetPolicy.skip_after must be a number of steps >= 1, got {policy.skip_after!r}")
-    if policy.look_ahead is not None and (not isinstance(policy.look_ahead, int) or isinstance(policy.look_ahead, bool)
-                                         or policy.look_ahead < 0):
+    if policy.look_ahead is not None and (not is_int(policy.look_ahead) or policy.look_ahead < 0):
         raise ValueError(f"BudgetPolicy.look_ahead must be a number of drafts >= 0 or None, got {policy.look_ahead!r}")
-    if not isinstance(policy.dense_costs, int) or isinstance(policy.dense_costs, bool) or policy.dense_costs < 0:
+    if not is_int(policy.dense_costs) or policy.dense_costs < 0:
         raise ValueError(f"BudgetPolicy.dense_costs must be a draft count >= 0, got {policy.dense_costs!r}")
     cap = min(policy.max_size_on(device), max_tree_budget(target, device))
     sizes = tuple(sorted({s for s in policy.sizes if s <= cap}))
@@ -287,9 +287,9 @@ class AutoBudget:
     def __init__(self, policy: BudgetPolicy, costs: CostTable, sizes: tuple[int, ...], max_depth: int,
                  look_ahead: int = 0):
         self.policy, self.costs, self.sizes = policy, costs, sizes
+        self.look_ahead, self.largest = look_ahead, max(sizes)
         # the drafts the next tree is built with (None: the proposer's own budget, the largest size)
-        self.look_ahead = look_ahead or None
-        self.build = None if self.look_ahead is None else max(sizes)
+        self.build = self.largest if look_ahead else None
         # decayed sums of observed and predicted reach per depth and the prior's weight (fp64; fused steps move them
         # to the device)
         self.observed = torch.zeros(max_depth + 1, dtype=torch.float64)
@@ -319,8 +319,8 @@ class AutoBudget:
         best = max(rates)
         size = pick_drafted(self.sizes, lengths, self.costs, len(nodes), rate=best)
         self.steady(self.sizes[rates.index(best)] == 0, min(size, len(nodes)) == 0)
-        if self.look_ahead is not None and size and not self.skip:
-            self.build = min(size + self.look_ahead, max(self.sizes))
+        if self.look_ahead and (size or self.skip):  # (after steps without a draft: the largest tree again)
+            self.build = self.largest if self.skip else min(size + self.look_ahead, self.largest)
         if size == 0:
             self.reach = None
             return subtree(tree, [])
@@ -342,8 +342,6 @@ class AutoBudget:
         if ar and (cut or self.streak >= self.policy.skip_after):
             self.backoff = min(max(1, 2 * self.backoff), self.policy.max_backoff)
             self.skip = self.backoff * max(1, round(self.costs.propose_ms / self.costs.step_ms(0)))
-            if self.build is not None:  # (the next draft, after steps without one, looks at the largest tree again)
-                self.build = max(self.sizes)
         elif not ar:
             self.backoff = 0
 

@@ -25,6 +25,7 @@ import weaver_kernels
 from ..options import StepOptions, TreePolicy
 from ..target import compile_static
 from ..tree import DEFAULT_POLICY, Tree, tree_drafts, with_root
+from ..validation import is_int
 from . import graphs
 
 
@@ -209,7 +210,7 @@ class Proposer:
         own = self.budget
         if budget is None or budget == own:
             return own
-        if not self.resizable or isinstance(budget, bool) or not isinstance(budget, int) or not 0 < budget <= own:
+        if not self.resizable or not is_int(budget) or not 0 < budget <= own:
             raise ValueError(f"this proposer builds {own} drafts a step; a step's budget must be "
                              f"{'1..' if self.resizable else ''}{own}, got {budget!r}")
         return budget

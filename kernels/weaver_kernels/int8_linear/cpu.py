@@ -42,7 +42,7 @@ def cpu_int8_linear(x: torch.Tensor, weight: CpuInt8Weight) -> torch.Tensor:
     rows = x.float().reshape(-1, x.shape[-1])
     size = rows.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
     out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-        (rows / size).contiguous(), _STEP, _ZERO, weight.packed).mul_(size)
+        rows / size, _STEP, _ZERO, weight.packed).mul_(size)
     if weight.bias is not None:
         out += weight.bias
     return out.reshape(*x.shape[:-1], -1).to(x.dtype)
