@@ -141,11 +141,16 @@ class BudgetPolicy:
         dense_costs: with ``every_size``, the largest draft count whose cost is measured rather than interpolated: a
             verify of a few rows costs in steps of its GEMMs' row blocks, which a line between the candidate sizes
             hides (BENCHMARKS.md, the CPU budget).
-        look_ahead: on eager steps, build each tree only this many drafts past the size chosen last (the largest at
-            first and after steps without drafting), so that a steady choice below the largest does not pay each
-            step for drafting the largest (a draft's head projects one row per depth); a choice at that bound
-            raises the next one. 0: always the largest. None: 1 on a CPU, 0 on CUDA (where a draft of the largest
-            tree costs little more than a smaller one, and one draft a step would take dozens of steps to grow).
+        look_ahead: on eager steps, build each tree at the size chosen last, and on look-ahead steps this many
+            drafts past it (the largest at first and after steps without drafting), so that a steady choice below
+            the largest does not pay each step for drafting the largest (a draft's head projects one row per depth);
+            a choice past the last raises the next build. 0: always the largest. None: 1 on a CPU, 0 on CUDA (where
+            a draft of the largest tree costs little more than a smaller one, and one draft a step would take dozens
+            of steps to grow).
+        look_ahead_gap: the most steps between two look-aheads: between them a tree is built at the size chosen
+            last. A look-ahead whose extra drafts are chosen, or a choice below the last, brings one the next step;
+            after a look-ahead whose extra drafts are not chosen, the gap doubles up to this (0: every step looks
+            ahead).
     """
 
     sizes: tuple[int, ...] = (0, 4, 8, 16, 32, 64)
@@ -161,6 +166,7 @@ class BudgetPolicy:
     every_size: bool | None = None
     dense_costs: int = 16
     look_ahead: int | None = None
+    look_ahead_gap: int = 8
 
     def choices(self, sizes: tuple[int, ...], target_step: str) -> tuple[int, ...]:
         """The sizes a generation of ``target_step`` chooses among, from the measured candidate ``sizes``."""

@@ -21,9 +21,9 @@ from modeling_weaver.decoding import budget as budget_module
 from modeling_weaver.decoding import step_cache
 from modeling_weaver.decoding.verify import BucketedTarget
 from modeling_weaver.decoding.adaptive import FusedAutoSteps
-from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, candidate_sizes,
-                                             choose_on_device, depth_factors, expected_length, expected_lengths,
-                                             pick_drafted, pick_size, reach_sums, step_costs)
+from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, calibrate,
+                                             candidate_sizes, choose_on_device, depth_factors, expected_length,
+                                             expected_lengths, pick_drafted, pick_size, reach_sums, step_costs)
 from modeling_weaver.decoding.drafting import DFlashRunner, StaticDraft
 from modeling_weaver.generate import _decode, generate, speculative_generate
 from modeling_weaver.options import StepOptions, TreePolicy
@@ -160,13 +160,13 @@ def test_eager_steps_choose_among_every_size():
 
 
 def test_eager_trees_are_built_one_size_past_the_last_choice():
-    """With a look-ahead (a resizable, eager proposer's) the next tree is built ``look_ahead`` drafts past the size
-    chosen last: the largest at first, raised by a choice at the bound, the largest again after steps without
-    drafting; without one (fixed-shape proposers, ``look_ahead=0``, CUDA by default) the largest always (``build``
-    None: the proposer's own budget)."""
+    """With a look-ahead (a resizable, eager proposer's) and ``look_ahead_gap=0`` the next tree is built
+    ``look_ahead`` drafts past the size chosen last: the largest at first, raised by a choice at the bound, the
+    largest again after steps without drafting; without one (fixed-shape proposers, ``look_ahead=0``, CUDA by
+    default) the largest always (``build`` None: the proposer's own budget)."""
     linear = CostTable(((0, 10.0), (4, 14.0), (8, 18.0)), 2.0)
     sure = bushy(0.97, depth=5, width=3)  # chosen at 5 (test above)
-    sizer = AutoBudget(BudgetPolicy(), linear, tuple(range(9)), BLOCK - 1, look_ahead=1)
+    sizer = AutoBudget(BudgetPolicy(look_ahead_gap=0), linear, tuple(range(9)), BLOCK - 1, look_ahead=1)
     assert sizer.build == 8
     assert sizer.choose(sure).num_drafts == 5 and sizer.build == 6
     chain = bushy(0.97, depth=6, width=1)  # every node worth its cost: the whole tree, at the bound
@@ -174,7 +174,7 @@ def test_eager_trees_are_built_one_size_past_the_last_choice():
     assert sizer.choose(bushy(0.97, depth=7, width=1)).num_drafts == 7 and sizer.build == 8
     assert sizer.choose(chain).num_drafts == 6 and sizer.build == 7
     assert sizer.choose(bushy(0.01, width=1)).num_drafts == 0 and sizer.build == 8 and not sizer.drafts()  # AR
-    two = AutoBudget(BudgetPolicy(), linear, tuple(range(9)), BLOCK - 1, look_ahead=2)
+    two = AutoBudget(BudgetPolicy(look_ahead_gap=0), linear, tuple(range(9)), BLOCK - 1, look_ahead=2)
     two.choose(sure)
     assert two.build == 7
     fixed = AutoBudget(BudgetPolicy(), linear, tuple(range(9)), BLOCK - 1)
@@ -184,6 +184,31 @@ def test_eager_trees_are_built_one_size_past_the_last_choice():
     assert BudgetPolicy(look_ahead=0).look_ahead_on("cpu") == 0 and BudgetPolicy(look_ahead=3).look_ahead_on("cuda") == 3
     with pytest.raises(ValueError, match="look_ahead"):
         candidate_sizes(BudgetPolicy(look_ahead=-1), TINY_TARGETS["llama"](), "cpu")
+
+
+def test_look_aheads_grow_sparse_while_their_extra_drafts_are_not_chosen():
+    """Between look-aheads a tree is built at the size chosen last. A look-ahead not taken doubles the steps to the
+    next one, up to ``look_ahead_gap``; one taken looks ahead again the next step; skipped steps start over."""
+    linear = CostTable(((0, 10.0), (4, 14.0), (8, 18.0)), 2.0)
+    sizer = AutoBudget(BudgetPolicy(look_ahead_gap=4), linear, tuple(range(9)), BLOCK - 1, look_ahead=1)
+
+    def step(tree):  # the tree the proposer builds at the sizer's size: its best-first prefix
+        keep = [i for i, _, _ in best_first(tree.parents.tolist(), tree.logq.tolist())[:sizer.build]]
+        return sizer.choose(subtree(tree, keep)).num_drafts
+
+    sure = bushy(0.97, depth=5, width=3)  # worth 5 drafts from any larger tree
+    builds = [sizer.build]
+    for _ in range(14):
+        assert step(sure) == 5
+        builds.append(sizer.build)
+    # the largest, one past 5 (5 was more than 0), then look-aheads 1, 2, 4, 4 steps apart
+    assert builds == [8, 6, 5, 6, 5, 5, 6, 5, 5, 5, 5, 6, 5, 5, 5], builds
+    chain = bushy(0.97, depth=8, width=1)  # every node worth its cost: grows at the next look-ahead, then each step
+    chosen = [step(chain) for _ in range(5)]
+    assert chosen == [5, 5, 6, 7, 8] and sizer.build == 8, chosen
+    assert step(bushy(0.01, width=1)) == 0 and not sizer.drafts() and sizer.build == 8  # AR: skipped, then the largest
+    with pytest.raises(ValueError, match="look_ahead_gap"):
+        candidate_sizes(BudgetPolicy(look_ahead_gap=-1), TINY_TARGETS["llama"](), "cpu")
 
 
 def test_a_step_asks_the_eager_proposer_for_the_built_size(monkeypatch):
@@ -247,12 +272,36 @@ def test_calibration_forgets_in_proportion_to_the_evidence():
         sizer.drafts()
         sizer.reach = [1.0, 1.0, 0.1]
         sizer.observe(accepted)
-    o2, p2 = sizer.observed[2].item(), sizer.predicted[2].item()
+    o2, p2 = sizer.observed[2], sizer.predicted[2]
     rate = 0.9 ** 0.1
     assert o2 == pytest.approx(sum(rate ** k for k in range(20, 22)), rel=1e-12)
     assert p2 == pytest.approx(0.1 * sum(rate ** k for k in range(22)), rel=1e-12)
     assert sizer.factors()[2] > 0.5  # (0.86; forgetting by δ a step, the old rule, gave 0.33)
-    assert sizer.observed[1].item() == pytest.approx(sum(0.9 ** k for k in range(22)), rel=1e-12)
+    assert sizer.observed[1] == pytest.approx(sum(0.9 ** k for k in range(22)), rel=1e-12)
+
+
+def test_the_host_calibration_is_the_devices():
+    """AutoBudget.observe (host floats, eager steps) updates as calibrate (device tensors, fused steps) does, over
+    random steps: reach sums of varying depth, acceptances, a prior worn to its floor."""
+    import random
+
+    rng = random.Random(0)
+    sizer = AutoBudget(BudgetPolicy(decay=0.8), FLAT, SIZES, 7)
+    observed, predicted, prior = torch.zeros(3, 8, dtype=torch.float64)
+    prior += 1.0
+    for _ in range(300):
+        depth = rng.randint(0, 9)
+        reach = [1.0] + [rng.uniform(0.0, 1.0) * (rng.random() < 0.9) for _ in range(depth)]
+        accepted = rng.randint(1, depth + 1)
+        sizer.drafts()
+        sizer.reach = reach
+        sizer.observe(accepted)
+        sums = torch.zeros(8, dtype=torch.float64)
+        sums[:min(8, len(reach))] = torch.tensor(reach[:8], dtype=torch.float64)
+        calibrate(observed, predicted, prior, sums, accepted, 0.8)
+        for host, device in ((sizer.observed, observed), (sizer.predicted, predicted), (sizer.prior, prior)):
+            assert host == pytest.approx(device.tolist(), rel=1e-12, abs=1e-300)
+    assert min(sizer.prior[1:]) == pytest.approx(1e-6)  # (the floor reached)
 
 
 def test_unheld_depths_are_rated_as_the_depth_above():
@@ -276,7 +325,7 @@ def test_unheld_depths_are_rated_as_the_depth_above():
     factors = sizer.factors()
     assert factors[1:4] == pytest.approx([10.0] * 3, rel=1e-5)
     assert factors[4] == factors[7] == pytest.approx(factors[3])  # (the old prior of 1 rated depth 4 at 1)
-    assert sizer.prior[1].item() == pytest.approx(1e-6) and all(math.isfinite(f) for f in factors)
+    assert sizer.prior[1] == pytest.approx(1e-6) and all(math.isfinite(f) for f in factors)
 
 
 def random_tree(rng, nodes: int, padding: int) -> Tree:
@@ -299,8 +348,10 @@ def test_the_device_choice_is_the_hosts():
                            (16, 20 + rng.uniform(0, 10)), (32, 30 + rng.uniform(0, 30))), rng.uniform(0.5, 20))
         sizer = AutoBudget(BudgetPolicy(), costs, sizes, 15)
         for name in ("observed", "predicted", "prior"):
-            setattr(sizer, name, torch.tensor([rng.uniform(0.01, 5) for _ in range(16)], dtype=torch.float64))
-        factors = depth_factors(sizer.observed, sizer.predicted, sizer.prior)
+            setattr(sizer, name, [rng.uniform(0.01, 5) for _ in range(16)])
+        factors = depth_factors(*(torch.tensor(getattr(sizer, name), dtype=torch.float64)
+                                  for name in ("observed", "predicted", "prior")))
+        assert sizer.factors() == pytest.approx(factors.tolist(), rel=1e-12)  # (the host's recurrence)
         choice, rank, sums = choose_on_device(tree.parents, tree.logq, factors, torch.tensor(sizes),
                                               torch.tensor([costs.verify(k) for k in range(33)], dtype=torch.float64),
                                               costs.propose_ms)

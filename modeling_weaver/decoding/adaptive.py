@@ -77,13 +77,13 @@ class FusedAutoSteps:
 
     def start(self, sizer: AutoBudget, timed=untimed) -> FusedAutoSteps:
         """This generation's policy: its costs and calibration go to the device buffers, where the steps update the
-        calibration (the sizer's own tensors become views of them, so its report reads them)."""
+        calibration (they replace the sizer's host floats, so its report reads them)."""
         if tuple(sizer.sizes) != self.sizes_list or sizer.policy.decay != self.decay:
             raise ValueError("the fused auto steps were made for other sizes or another decay")
         self.verify_ms.copy_(torch.tensor([sizer.costs.verify(k) for k in range(self.num_nodes)]))
         self.propose_ms.fill_(sizer.costs.propose_ms)
         for name in ("observed", "predicted", "prior"):
-            getattr(self, name).copy_(getattr(sizer, name))
+            getattr(self, name).copy_(torch.as_tensor(getattr(sizer, name), dtype=torch.float64))
             setattr(sizer, name, getattr(self, name))
         self.sizer, self.timed = sizer, timed
         return self

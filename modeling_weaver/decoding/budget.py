@@ -6,7 +6,7 @@
   dummy inputs with the generation's own target, drafter and tree mode, then cached as JSON under the cache folder,
   keyed by the device, the target (class, config, dtype, module types), the step kind and the drafting setup.
 - **Value** (:func:`best_first`, :func:`expected_lengths`): the tree is built at the largest size (eager steps on
-  a CPU: one draft past the size chosen last, :attr:`AutoBudget.build`); its nodes in
+  a CPU: the size chosen last, now and then one draft past it, :attr:`AutoBudget.build`); its nodes in
   best-first order (path probability under the drafter's / Weaver's scores, shallower first among ties) make every
   prefix a subtree. A prefix's expected committed length is ``1 + Σ_d r_d`` with
   ``r_d = min(r_{d-1}, c_d · Σ_{nodes of depth d} exp(path log q))`` (``r_0 = 1``): the chance to reach depth d,
@@ -255,6 +255,8 @@ def candidate_sizes(policy: BudgetPolicy, target, device) -> tuple[int, ...]:
         raise ValueError(f"BudgetPolicy.skip_after must be a number of steps >= 1, got {policy.skip_after!r}")
     if policy.look_ahead is not None and (not is_int(policy.look_ahead) or policy.look_ahead < 0):
         raise ValueError(f"BudgetPolicy.look_ahead must be a number of drafts >= 0 or None, got {policy.look_ahead!r}")
+    if not is_int(policy.look_ahead_gap) or policy.look_ahead_gap < 0:
+        raise ValueError(f"BudgetPolicy.look_ahead_gap must be a number of steps >= 0, got {policy.look_ahead_gap!r}")
     if not is_int(policy.dense_costs) or policy.dense_costs < 0:
         raise ValueError(f"BudgetPolicy.dense_costs must be a draft count >= 0, got {policy.dense_costs!r}")
     cap = min(policy.max_size_on(device), max_tree_budget(target, device))
@@ -280,9 +282,11 @@ class AutoBudget:
     calibration). :meth:`report` says what it used.
 
     With ``look_ahead`` > 0 (``BudgetPolicy.look_ahead_on``, given a resizable proposer: eager steps), the tree is
-    built at :attr:`build` drafts instead of the largest size: ``look_ahead`` past the size chosen last (the largest
-    at first and after steps without drafting). A steady choice below the largest then does not pay each step for
-    drafting and building the largest, and a choice at the bound raises the next one."""
+    built at :attr:`build` drafts instead of the largest size: the size chosen last, and on look-ahead steps
+    ``look_ahead`` past it (the largest at first and after steps without drafting). A steady choice below the largest
+    then does not pay each step for drafting and building more. A look-ahead whose extra drafts are chosen looks
+    ahead again the next step; one whose are not waits twice as many steps as the last before the next, up to
+    ``look_ahead_gap`` (``BudgetPolicy.look_ahead_gap``); a choice below the last looks ahead the next step."""
 
     def __init__(self, policy: BudgetPolicy, costs: CostTable, sizes: tuple[int, ...], max_depth: int,
                  look_ahead: int = 0):
@@ -290,17 +294,23 @@ class AutoBudget:
         self.look_ahead, self.largest = look_ahead, max(sizes)
         # the drafts the next tree is built with (None: the proposer's own budget, the largest size)
         self.build = self.largest if look_ahead else None
-        # decayed sums of observed and predicted reach per depth and the prior's weight (fp64; fused steps move them
-        # to the device)
-        self.observed = torch.zeros(max_depth + 1, dtype=torch.float64)
-        self.predicted = torch.zeros(max_depth + 1, dtype=torch.float64)
-        self.prior = torch.ones(max_depth + 1, dtype=torch.float64)
+        self.last = self.gap = self.wait = 0  # the size chosen last; steps between look-aheads now, and to the next
+        # decayed sums of observed and predicted reach per depth and the prior's weight: host floats (a step's few
+        # depths cost less as a loop than as ~30 small tensor ops); fused steps replace them by their device buffers
+        self.observed = [0.0] * (max_depth + 1)
+        self.predicted = [0.0] * (max_depth + 1)
+        self.prior = [1.0] * (max_depth + 1)
         self.skip = self.backoff = self.streak = 0  # AR steps still to skip, their count's unit, AR verdicts in a row
         self.reach: list[float] | None = None  # the verified tree's predicted reach per depth (None: an AR step)
 
     def factors(self) -> list[float]:
-        """``c_d`` per depth (index 0: 1)."""
-        return depth_factors(self.observed, self.predicted, self.prior).tolist()
+        """``c_d`` per depth (index 0: 1): :func:`depth_factors`, on the host by its recurrence."""
+        if torch.is_tensor(self.observed):  # (fused steps' device buffers)
+            return depth_factors(self.observed, self.predicted, self.prior).tolist()
+        factors = [1.0]
+        for o, p, w in zip(self.observed[1:], self.predicted[1:], self.prior[1:]):
+            factors.append((o + w * factors[-1]) / (p + w))
+        return factors
 
     def drafts(self) -> bool:
         """Whether this step drafts (False: an AR step, after the policy chose AR)."""
@@ -319,8 +329,8 @@ class AutoBudget:
         best = max(rates)
         size = pick_drafted(self.sizes, lengths, self.costs, len(nodes), rate=best)
         self.steady(self.sizes[rates.index(best)] == 0, min(size, len(nodes)) == 0)
-        if self.look_ahead and (size or self.skip):  # (after steps without a draft: the largest tree again)
-            self.build = self.largest if self.skip else min(size + self.look_ahead, self.largest)
+        if self.look_ahead and (size or self.skip):
+            self.resize(size)
         if size == 0:
             self.reach = None
             return subtree(tree, [])
@@ -329,6 +339,20 @@ class AutoBudget:
         if len(kept) == len(tree) - 1:
             return tree
         return subtree(tree, [i for i, _, _ in kept])
+
+    def resize(self, size: int) -> None:
+        """The next tree's :attr:`build` once this step chose ``size`` drafts (see the class)."""
+        if self.skip:  # (after steps without a draft: the largest tree again, as at first)
+            self.build, self.last, self.gap, self.wait = self.largest, 0, 0, 0
+            return
+        if self.build > self.last:  # a look-ahead step
+            grew = size > self.last
+            self.gap = 0 if grew else min(max(1, 2 * self.gap), self.policy.look_ahead_gap)
+            self.wait = self.gap
+        else:  # (a choice below the last: look ahead at once, to where it was, as one step's dip is common)
+            self.wait = 0 if size < self.last else self.wait - 1
+        self.last = size
+        self.build = min(size + (self.look_ahead if self.wait <= 0 else 0), self.largest)
 
     def steady(self, ar: bool, cut: bool) -> None:
         """Whether the next steps draft, once a step's choice is known (``ar``: AR wins as a steady choice, draft time
@@ -349,10 +373,13 @@ class AutoBudget:
         """The committed length (root included) of the step whose tree :meth:`choose` gave."""
         if self.reach is None:
             return
-        sums = torch.zeros_like(self.observed)
-        held = self.reach[:len(sums)]
-        sums[:len(held)] = torch.tensor(held, dtype=sums.dtype)
-        calibrate(self.observed, self.predicted, self.prior, sums, accepted, self.policy.decay)
+        # calibrate()'s update on the host
+        for d, held in enumerate(self.reach[1:len(self.observed)], start=1):
+            if held > 0:
+                rate = self.policy.decay ** held
+                self.observed[d] = rate * self.observed[d] + (accepted - 1 >= d)
+                self.predicted[d] = rate * self.predicted[d] + held
+                self.prior[d] = max(rate * self.prior[d], PRIOR_FLOOR)
 
     def report(self) -> dict:
         return {"costs": self.costs.as_dict(), "sizes": list(self.sizes),
