@@ -7,8 +7,7 @@ spines with side branches (``weaver_kernels.testing``, as ``scripts/bench_kernel
 - KDA tree: ``kda_tree_verify_triton`` (``kda_tree.fused``, rollback-free, writes no state) and
   ``kda_tree_commit_triton`` (``kda_tree.commit``, accepted path = deepest leaf), the Triton kernels the
   ``weaver_kernels.kda_tree_verify`` / ``kda_tree_commit`` ops launch on CUDA; separately and as one step; beside
-  them the fused form with its pair scores and products in tf32x3 and in tf32 (tensor cores) instead of IEEE fp32
-  (its bar lines), and the verify's Neumann form ``kda_tree_verify_neumann`` (``kda_tree.neumann``, T ≤ 128) with the same commit,
+  them the verify's Neumann form ``kda_tree_verify_neumann`` (``kda_tree.neumann``, T ≤ 128) with the same commit,
   its solve's dots in tf32x3 (its default: tensor cores, three passes) and in IEEE fp32 (FMA dots), and with 32 key
   channels per chunk instead of 16 (half the chunks, so half the CTA barriers of the coefficient and solve loops);
 - GDN tree at the same heads and dims: ``gdn_tree_verify_triton`` in its default form (``impl=None``) and
@@ -274,10 +273,7 @@ def bench_tree(T, kind, layers, args, dev):
                                      use_qk_l2norm_in_kernel=True)
     Sr = kda_tree_commit_ref(d(x["S0"]), d(x["k"]), ru, rg, path, use_qk_l2norm_in_kernel=True)
 
-    forms = (("kda", kda_tree_verify_triton),
-             ("kda_tf32x3", functools.partial(kda_tree_verify_triton, precision="tf32x3")),
-             ("kda_tf32", functools.partial(kda_tree_verify_triton, precision="tf32")),
-             ("kda_neumann", kda_tree_verify_neumann),
+    forms = (("kda", kda_tree_verify_triton), ("kda_neumann", kda_tree_verify_neumann),
              ("kda_neumann_ieee", functools.partial(kda_tree_verify_neumann, precision="ieee")),
              ("kda_neumann_bkc32", functools.partial(kda_tree_verify_neumann, BKC=32)))
     forms += tuple((f"sweep_w{w}_bv{bv}_bkc{c}", functools.partial(kda_tree_verify_triton, num_warps=w, BV=bv, BKC=c))
@@ -474,8 +470,7 @@ def table(results, fla_res, meta):
         g, b = us(r, "gdn_step")[0], us(r, "baseline")[0]
         verdict = lambda ok, v: ("n/a" if v != v or INTERPRET  # noqa: E731  (interpreter times judge nothing)
                                  else "PASS" if ok else "FAIL")
-        for form, key in (("fused", "kda_step"), ("fused, tf32x3 dots", "kda_tf32x3_step"),
-                          ("fused, tf32 dots", "kda_tf32_step"), ("Neumann", "kda_neumann_step"),
+        for form, key in (("fused", "kda_step"), ("Neumann", "kda_neumann_step"),
                           ("Neumann, IEEE dots", "kda_neumann_ieee_step"),
                           ("Neumann, BKC 32", "kda_neumann_bkc32_step")):
             k = us(r, key)[0]

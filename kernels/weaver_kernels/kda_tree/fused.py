@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gdn_tree.common import block_inverse, check_precision, gate_beta, last_contig
+from ..gdn_tree.common import block_inverse, gate_beta, last_contig
 from ..triton_utils import (
     INTERPRET,
     head_inputs,
@@ -60,7 +60,7 @@ def kda_gate(f, a_log, dt_bias, i_hv, o_k, m_k, K: tl.constexpr):
 @triton.jit
 def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
                  HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr,
-                 SPREAD_MAX: tl.constexpr, PREC: tl.constexpr):
+                 SPREAD_MAX: tl.constexpr):
     """Raw ``Σ_c k_ic k_jc D_ijc`` and ``Σ_c q_ic k_jc D_ijc`` ([BT, BT]) of rows t_r against columns t_c, with
     ``D_ijc = exp(Γ_ic − Γ_jc)`` on ancestor-or-self pairs and 0 elsewhere, the columns' ‖k_j‖² and the rows'
     ‖k_i‖², ‖q_i‖² (for the l2 norms; unused results cost nothing), over the K channels BKC at a time. A channel whose spread ``S_c = R_c − min_{j ∈ cols} Γ_jc`` (``R_c =
@@ -97,8 +97,8 @@ def _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq
         q_r = tl.load(q_base + t_r[:, None] * sq_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
         k_c = tl.load(k_base + t_c[:, None] * sk_t + o_kc[None, :], mask=m_ck, other=0.0).to(tl.float32)
         kT = tl.trans(tl.where(x_c, k_c * e_c, 0.0))  # [BKC, BT]
-        kk += tl.dot(tl.where(x_r, k_r * e_r, 0.0), kT, input_precision=PREC)
-        qk += tl.dot(tl.where(x_r, q_r * e_r, 0.0), kT, input_precision=PREC)
+        kk += tl.dot(tl.where(x_r, k_r * e_r, 0.0), kT, input_precision="ieee")
+        qk += tl.dot(tl.where(x_r, q_r * e_r, 0.0), kT, input_precision="ieee")
         ss += k_c * k_c
         ss_k += k_r * k_r
         ss_q += q_r * q_r
@@ -151,7 +151,7 @@ def _kda_gamma_kernel(
 def _kda_pairs_kernel(
     q, k, tmask, gamma, kk_out, qk_out, T, sq_b, sq_t, sq_h, sk_b, sk_t, sk_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr,
-    NB: tl.constexpr, L2NORM: tl.constexpr, SPREAD_MAX: tl.constexpr, PREC: tl.constexpr,
+    NB: tl.constexpr, L2NORM: tl.constexpr, SPREAD_MAX: tl.constexpr,
 ):
     """The pair scores of row block i and column block c ≤ i of one value head (``program_id(0) = i · NB + c``), once
     per head for every value block of the verify: ``[BT, BT]`` tiles of ``kk_out`` / ``qk_out`` (``[B, HV, T, T]``),
@@ -164,7 +164,7 @@ def _kda_pairs_kernel(
         k_base, q_base = k + i_b64 * sk_b + i_h * sk_h, q + i_b64 * sq_b + i_h * sq_h
         gm_base = node_rows(gamma, i_b64, i_hv, T, HV, K)
         kk, qk, ss, _, _ = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
-                                        HV, K, BK, BKC, BT, SPREAD_MAX, PREC)
+                                  HV, K, BK, BKC, BT, SPREAD_MAX)
         if L2NORM:
             rk_c = tl.rsqrt(ss + 1e-6)
             kk = kk * rk_c[None, :]
@@ -186,7 +186,7 @@ def _kda_tree_verify_kernel(
     sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, BT: tl.constexpr,
-    LOG2_BT: tl.constexpr, RAW_GATES: tl.constexpr, PREC: tl.constexpr,
+    LOG2_BT: tl.constexpr, RAW_GATES: tl.constexpr,
 ):
     i_b64, i_hv, i_h = head_program(H, HV)
     o_k, m_k = lanes(0, BK, K)
@@ -224,8 +224,8 @@ def _kda_tree_verify_kernel(
             rk_i = tl.rsqrt(rsum(k_i * k_i, axis=1) + 1e-6)
             rq_i = tl.rsqrt(rsum(q_i * q_i, axis=1) + 1e-6)
         eG = tl.exp(G_i)
-        rhs = b_i[:, None] * (v_i - rk_i[:, None] * tl.dot(k_i * eG, S, input_precision=PREC))
-        o_acc = rq_i[:, None] * tl.dot(q_i * eG, S, input_precision=PREC)
+        rhs = b_i[:, None] * (v_i - rk_i[:, None] * tl.dot(k_i * eG, S, input_precision="ieee"))
+        o_acc = rq_i[:, None] * tl.dot(q_i * eG, S, input_precision="ieee")
 
         # ancestors in earlier blocks: rhs -= A[i, c] U[c]; o += P[i, c] U[c]
         for c in range(0, i):
@@ -235,8 +235,8 @@ def _kda_tree_verify_kernel(
             kk = tl.load(kk_in + pair, mask=m_r[:, None] & m_c[None, :], other=0.0)
             qk = tl.load(qk_in + pair, mask=m_r[:, None] & m_c[None, :], other=0.0)
             U_c = tl.load(u_base + t_c[:, None] * (HV * V) + o_v[None, :], mask=m_c[:, None] & m_vv, other=0.0)
-            rhs -= tl.dot(kk * (rk_i * b_i)[:, None], U_c, input_precision=PREC)
-            o_acc += tl.dot(qk * rq_i[:, None], U_c, input_precision=PREC)
+            rhs -= tl.dot(kk * (rk_i * b_i)[:, None], U_c, input_precision="ieee")
+            o_acc += tl.dot(qk * rq_i[:, None], U_c, input_precision="ieee")
 
         # diagonal block: ancestors inside the block (strict for A, inclusive for the output)
         pair = pair_base + t_r[:, None] * T + t_r[None, :]
@@ -248,7 +248,7 @@ def _kda_tree_verify_kernel(
         P = block_inverse(kk, 1.0, b_i, BT, LOG2_BT, "ieee")
         U_i = tl.dot(P, rhs, input_precision="ieee")
         tl.store(u_base + t_r[:, None] * (HV * V) + o_v[None, :], U_i, mask=m_rv)
-        o_acc += tl.dot(qk, U_i, input_precision=PREC)
+        o_acc += tl.dot(qk, U_i, input_precision="ieee")
         tl.store(o_base + t_r[:, None] * (HV * V) + o_v[None, :], (o_acc * scale).to(o.dtype.element_ty), mask=m_rv)
         tl.debug_barrier()  # this program's u rows are read back by later blocks: order the stores first
 
@@ -298,21 +298,17 @@ def kda_tree_verify_triton(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     pair_spread_max: float = PAIR_SPREAD_MAX,
-    precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`~weaver_kernels.kda_tree.naive.kda_tree_verify_ref` (same shapes and outputs) for
     gates already formed (``g [B, T, HV, K]``). ``BV``: value columns per program; ``BKC``: key channels per step of
     the pairwise scores (a [16, BKC] · [BKC, 16] dot; a channel past ``pair_spread_max`` adds a [16, 16] outer product
-    of its own). ``precision``: the pair scores' and the products' ``input_precision`` (``"ieee"``: FMA dots,
-    ``"tf32x3"``: tensor cores at about fp32's accuracy, ``"tf32"``); the diagonal blocks' inverse and their solve
-    stay IEEE fp32, as in the GDN fused form. With ``A_log`` (HV entries) and ``dt_bias`` (HV·K),
+    of its own). All dots are IEEE fp32. With ``A_log`` (HV entries) and ``dt_bias`` (HV·K),
     ``g`` and ``beta`` are the raw projections f and b and the kernel forms the gates
     (:func:`~weaver_kernels.kda_tree.naive.kda_gates`' formula). ``pair_spread_max``: the widest Γ spread (nats) of a
     channel of a pair tile in the dots, added on its own past it; the default is the fp32-safe one, ±inf sends every
     channel one way (the tests' check of each)."""
     q, k, v, g, s0, mask, scale, raw, BK = verify_inputs(q, k, v, g, initial_state, tree_mask, scale, A_log, dt_bias,
                                                          BKC, MAX_NODES, "kda_tree_verify_triton")
-    check_precision(precision)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     o = torch.empty((B, T, HV, V), dtype=v.dtype, device=v.device)
@@ -327,7 +323,7 @@ def kda_tree_verify_triton(
         _kda_pairs_kernel[(NB * NB, B * HV)](
             q, k, mask, gamma, kk, qk, T, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             H=H, HV=HV, K=K, BK=BK, BKC=BKC, BT=16, NB=NB, L2NORM=bool(use_qk_l2norm_in_kernel),
-            SPREAD_MAX=float(pair_spread_max), PREC=precision, num_warps=num_warps,
+            SPREAD_MAX=float(pair_spread_max), num_warps=num_warps,
         )
         _kda_tree_verify_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, g, beta, s0, o, u, gamma, kk, qk, T, scale,
@@ -337,6 +333,6 @@ def kda_tree_verify_triton(
             g.stride(0), g.stride(1), g.stride(2),
             beta.stride(0), beta.stride(1), beta.stride(2),
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, L2NORM=bool(use_qk_l2norm_in_kernel), BT=16, LOG2_BT=4,
-            RAW_GATES=raw, PREC=precision, num_warps=num_warps, num_stages=1,
+            RAW_GATES=raw, num_warps=num_warps, num_stages=1,
         )
     return o, u, gamma

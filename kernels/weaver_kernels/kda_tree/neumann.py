@@ -54,7 +54,7 @@ def _kda_coef_kernel(
         k_base, q_base = k + i_b64 * sk_b + i_h * sk_h, q + i_b64 * sq_b + i_h * sq_h
         gm_base = node_rows(gamma, i_b64, i_hv, T, HV, K)
         kk, qk, ss, ss_k, ss_q = _pair_scores(k_base, q_base, gm_base, tmask, t_r, m_r, t_c, m_c, T, sk_t, sq_t,
-                                              HV, K, BK, BKC, BT, SPREAD_MAX, "ieee")
+                                  HV, K, BK, BKC, BT, SPREAD_MAX)
         b_r = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
         if RAW_GATES:
             b_r = tl.where(m_r, gate_beta(b_r, beta.dtype.element_ty), 0.0)
