@@ -23,7 +23,8 @@ from modeling_weaver.decoding.verify import BucketedTarget
 from modeling_weaver.decoding.adaptive import FusedAutoSteps
 from modeling_weaver.decoding.budget import (CACHE_FILE, AutoBudget, CostTable, best_first, calibrate,
                                              candidate_sizes, choose_on_device, depth_factors, expected_length,
-                                             expected_lengths, pick_drafted, pick_size, reach_sums, step_costs)
+                                             expected_lengths, pick_drafted, pick_size, reach_sums, resolved_costs,
+                                             step_costs)
 from modeling_weaver.decoding.drafting import DFlashRunner, StaticDraft
 from modeling_weaver.generate import _decode, generate, speculative_generate
 from modeling_weaver.options import StepOptions, TreePolicy
@@ -763,6 +764,18 @@ print(table.source, table.verify_ms, table.propose_ms)
     assert done.returncode == 0, done.stderr[-2000:]
     cached = CostTable.from_dict(table.as_dict(), "cache")  # (as stored: rounded to 0.1 µs)
     assert done.stdout.strip() == f"cache {cached.verify_ms} {cached.propose_ms}"
+
+
+def test_costs_the_rounds_cannot_tell_apart_are_the_larger_sizes():
+    """resolved_costs: medians, lowered to the least at any larger size; a size within the rounds' noise of the next
+    costs the next one's (a smaller tree is not bought with a difference the rounds cannot resolve); a clear step
+    stays; without noise every distinct median stays (the negative control)."""
+    noisy = [[36.0, 35.5, 36.6, 35.7, 36.2], [36.3, 35.9, 36.8, 36.0, 36.5], [40.6, 40.2, 41.1, 40.4, 40.9]]
+    assert resolved_costs((4, 5, 6), noisy) == ((4, 36.3), (5, 36.3), (6, 40.6))
+    exact = [[36.0] * 5, [36.3] * 5, [40.6] * 5]
+    assert resolved_costs((4, 5, 6), exact) == ((4, 36.0), (5, 36.3), (6, 40.6))
+    cheaper_above = [[37.0] * 5, [36.3] * 5]  # (a larger size measured cheaper: noise on the smaller)
+    assert resolved_costs((4, 5), cheaper_above) == ((4, 36.3), (5, 36.3))
 
 
 def test_cost_table_interpolates():

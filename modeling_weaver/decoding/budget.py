@@ -48,7 +48,8 @@ from .drafting import DFlashRunner, EagerProposer
 from .step_cache import capture_flags, static_buckets, static_draft
 
 CACHE_FILE = "step_costs.json"
-CALIBRATION_VERSION = "3"  # (bump when what is timed changes: older entries are then measured again)
+CALIBRATION_VERSION = "4"  # (bump when what is timed, or how times become costs, changes: older entries are then
+# measured again)
 
 
 @dataclass(frozen=True)
@@ -463,8 +464,7 @@ def measure_costs(target, runner: DFlashRunner, weaver, mode: str, sizes: tuple[
     or reset before it starts). Returns ``(verify_ms pairs, propose_ms)``.
 
     Round-robin over the parts, one warm-up round, then the median of ``policy.calibration_reps`` rounds: a slow
-    spell of a shared machine slows every part alike. Noise only adds time, so a size's cost is the least measured
-    at it or any larger size (a larger tree never costs less)."""
+    spell of a shared machine slows every part alike. The verify costs then follow :func:`resolved_costs`."""
     device = next(target.parameters()).device
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     reps, context, depth = policy.calibration_reps, policy.calibration_context, runner.block_size - 1
@@ -497,9 +497,21 @@ def measure_costs(target, runner: DFlashRunner, weaver, mode: str, sizes: tuple[
             sync()
             if round_:  # (the first round warms up)
                 times[key].append(1e3 * (time.perf_counter() - start))
-    medians = {key: statistics.median(ms) for key, ms in times.items()}
-    verify = [(size, min(medians[s] for s in sizes if s >= size)) for size in sizes]
-    return tuple(verify), medians["propose"]
+    return resolved_costs(sizes, [times[size] for size in sizes]), statistics.median(times["propose"])
+
+
+def resolved_costs(sizes: tuple[int, ...], times: list[list[float]]) -> tuple[tuple[int, float], ...]:
+    """``(size, ms)`` verify costs from each ascending size's timed rounds: the median, lowered to the least at any
+    larger size (noise only adds time, and a larger tree never costs less); then a size that the rounds cannot tell
+    from the next one (their medians closer than the sum of their rounds' median absolute deviations) costs what the
+    next one does, so that a difference within the noise never buys a smaller tree (on a CPU, a verify's rows cost in
+    steps of their GEMMs' row blocks: the sizes of a block cost alike)."""
+    medians = [statistics.median(ms) for ms in times]
+    spread = [statistics.median(abs(t - m) for t in ms) for ms, m in zip(times, medians)]
+    least = [min(medians[i:]) for i in range(len(sizes))]
+    costs = [least[i + 1] if i + 1 < len(sizes) and least[i + 1] - least[i] <= spread[i] + spread[i + 1] else least[i]
+             for i in range(len(sizes))]
+    return tuple(zip(sizes, costs))
 
 
 def _read(path: Path) -> dict:
@@ -545,4 +557,5 @@ def step_costs(target, runner, weaver, mode: str, sizes: tuple[int, ...], tree_p
 
 __all__ = ["AutoBudget", "CostTable", "auto_sizes", "best_first", "calibrate", "candidate_sizes", "choose_on_device",
            "depth_factors", "expected_length",
-           "expected_lengths", "measure_costs", "pick_drafted", "pick_size", "reach_sums", "steady_rates", "step_costs"]
+           "expected_lengths", "measure_costs", "pick_drafted", "pick_size", "reach_sums", "resolved_costs", "steady_rates",
+           "step_costs"]
