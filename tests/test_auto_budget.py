@@ -189,7 +189,8 @@ def test_eager_trees_are_built_one_size_past_the_last_choice():
 
 def test_look_aheads_grow_sparse_while_their_extra_drafts_are_not_chosen():
     """Between look-aheads a tree is built at the size chosen last. A look-ahead not taken doubles the steps to the
-    next one, up to ``look_ahead_gap``; one taken looks ahead again the next step; skipped steps start over."""
+    next one, up to ``look_ahead_gap``; one taken, or a choice below the last, brings one the next step; skipped
+    steps start over."""
     linear = CostTable(((0, 10.0), (4, 14.0), (8, 18.0)), 2.0)
     sizer = AutoBudget(BudgetPolicy(look_ahead_gap=4), linear, tuple(range(9)), BLOCK - 1, look_ahead=1)
 
@@ -208,6 +209,10 @@ def test_look_aheads_grow_sparse_while_their_extra_drafts_are_not_chosen():
     chosen = [step(chain) for _ in range(5)]
     assert chosen == [5, 5, 6, 7, 8] and sizer.build == 8, chosen
     assert step(bushy(0.01, width=1)) == 0 and not sizer.drafts() and sizer.build == 8  # AR: skipped, then the largest
+    sizer = AutoBudget(BudgetPolicy(look_ahead_gap=4), linear, tuple(range(9)), BLOCK - 1, look_ahead=1)
+    assert [step(sure) for _ in range(4)] == [5] * 4 and sizer.build == 5  # (two steps to the next look-ahead)
+    assert step(bushy(0.97, depth=3, width=3)) == 3 and sizer.build == 4  # a dip: a look-ahead the next step
+    assert step(sure) == 4 and sizer.build == 5 and step(sure) == 5 and sizer.build == 6  # taken: again
     with pytest.raises(ValueError, match="look_ahead_gap"):
         candidate_sizes(BudgetPolicy(look_ahead_gap=-1), TINY_TARGETS["llama"](), "cpu")
 
