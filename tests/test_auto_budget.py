@@ -95,6 +95,9 @@ def test_a_drafted_tree_is_verified_when_it_beats_its_verify_time():
     assert pick_drafted(SIZES, [1.0, 1.1, 1.15, 1.2, 1.2], cpu) == 0  # too unsure even with the draft spent
     assert pick_drafted(SIZES, [1.0, 3.0, 4.0, 5.0, 6.0], STEEP) == 4  # where drafting pays, the steady choice
     assert pick_drafted(SIZES, [1.0, 3.0, 4.0, 5.0, 6.0], FLAT) == 32
+    plateau = CostTable(((0, 10.0), (4, 12.0), (5, 12.0), (6, 14.0)), 1.0)  # 4 and 5 drafts cost alike
+    assert pick_drafted((0, 4, 5, 6), [1.0, 2.0, 2.0, 2.0], plateau) == 5  # a node worth nothing, for nothing: kept
+    assert pick_drafted((0, 4, 5, 6), [1.0, 2.0, 2.0, 2.0], plateau, available=4) == 4  # (no more nodes drafted)
     sizer = AutoBudget(BudgetPolicy(), cpu, SIZES, BLOCK - 1)
     sizer.factors = lambda: [1.0] * BLOCK  # noqa: E731 (the tree's scores taken as they are)
     tree = bushy(0.45, width=1)  # one chain: 1.78 tokens expected from 4 nodes

@@ -190,10 +190,12 @@ def pick_drafted(sizes, lengths: list[float], costs: CostTable, available: int |
                  rate: float | None = None) -> int:
     """The size to verify once the tree is drafted (its draft time spent): the most expected tokens beyond what the
     verify's time would give at the best steady ``rate`` (default: :func:`steady_rates`' best), so that a tree worth
-    less than drafting it can still be worth verifying rather than thrown away for an AR step."""
+    less than drafting it can still be worth verifying rather than thrown away for an AR step. Among equals the larger
+    size, at most ``available``."""
     clamp = (lambda k: k) if available is None else (lambda k: min(k, available))  # noqa: E731
     rate = max(steady_rates(sizes, lengths, costs, available)) if rate is None else rate
-    return -max((length - rate * costs.verify(clamp(k)), -k) for k, length in zip(sizes, lengths))[1]
+    # (among equals the larger: nodes the model rates at nothing, at a cost the table cannot tell apart, are free)
+    return max((length - rate * costs.verify(clamp(k)), clamp(k)) for k, length in zip(sizes, lengths))[1]
 
 
 def choose_on_device(parents: torch.Tensor, logq: torch.Tensor, factors: torch.Tensor, sizes: torch.Tensor,
@@ -240,7 +242,8 @@ def choose_on_device(parents: torch.Tensor, logq: torch.Tensor, factors: torch.T
     rates = lengths / torch.where(drafted > 0, verify + propose_ms, verify)
     # (indices as one-element tensors: a 0-d index would be read on the host, which a capture refuses)
     steady = rates.argmax().view(1)  # (the first among equals: the smaller size)
-    pick = (lengths - rates[steady] * verify).argmax().view(1)
+    gain = lengths - rates[steady] * verify
+    pick = (gain.shape[0] - 1 - gain.flip(0).argmax()).view(1)  # (the last among equals: the larger size)
     size = drafted[pick]
     choice = torch.cat([(sizes < size).sum().view(1), (sizes[steady] == 0).long(), size])
     return choice, rank, sums[pick][0]
