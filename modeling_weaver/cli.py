@@ -290,6 +290,10 @@ def run_demo(args) -> int:
     speculative_generate(target, warm, drafter=drafter, weaver=weaver, mode=args.mode, tree_budget=args.tree_budget,
                          max_new_tokens=2, eos_token_id=eos,
                          budget_policy=BudgetPolicy(recalibrate=args.recalibrate) if auto else None)
+    if auto:  # (and every size auto may verify, as a fixed budget's one size is warmed above)
+        from .decoding.budget import warm_sizes
+
+        warm_sizes(target, drafter, weaver, args.mode)
     ar_time = spec_time = hf_time = 0.0
     ar_tokens = spec_tokens = hf_tokens = 0
     steps = committed = 0

@@ -691,6 +691,27 @@ def test_eager_steps_measure_every_small_size():
 QUICK = dict(calibration_reps=1, calibration_context=8, sizes=(0, 4, 8))
 
 
+def test_warm_sizes_verifies_every_eager_size_once_and_caches_nothing(tmp_path, monkeypatch):
+    """warm_sizes (the demo's warm-up for auto): one round of the calibration's steps at every size an eager auto
+    generation may verify, with the generation's own parts, and no cost table written."""
+    from modeling_weaver.decoding import budget as budget_module
+
+    monkeypatch.setenv("MODELING_WEAVER_CACHE", str(tmp_path))
+    target, drafter, weaver = _tiny_llama_setup()
+    seen = []
+    measure = budget_module.measure_costs
+
+    def recording(target_, runner, weaver_, mode, sizes, tree_policy, step_options, policy, step="eager"):
+        seen.append((mode, sizes, policy.calibration_reps, step))
+        return measure(target_, runner, weaver_, mode, sizes, tree_policy, step_options, policy, step)
+
+    monkeypatch.setattr(budget_module, "measure_costs", recording)
+    policy = BudgetPolicy(**{**QUICK, "calibration_reps": 3})
+    budget_module.warm_sizes(target, drafter, weaver, "weaver", policy)
+    assert seen == [("weaver", tuple(range(9)), 1, "eager")]  # (one timed round, whatever the policy's)
+    assert not list(tmp_path.iterdir())
+
+
 def test_calibration_cache_is_keyed_and_read_back(tmp_path, monkeypatch):
     target, drafter, weaver = _tiny_llama_setup()
     ids = prompts(2)[1]

@@ -25,6 +25,7 @@ Any tree a step verifies is a function of what was committed before it, so every
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -503,6 +504,21 @@ def measure_costs(target, runner: DFlashRunner, weaver, mode: str, sizes: tuple[
     return resolved_costs(sizes, [times[size] for size in sizes]), statistics.median(times["propose"])
 
 
+def warm_sizes(target, drafter, weaver=None, mode: str = "ddtree", policy: BudgetPolicy | None = None,
+               tree_policy: TreePolicy | None = None, step_options: StepOptions | None = None) -> None:
+    """Verify every size an eager ``tree_budget="auto"`` generation may choose once, on dummy inputs (one round of
+    :func:`measure_costs`, nothing cached): a size's first verify in a process pays one-time costs (on a CPU, oneDNN
+    builds each linear's primitive for a new row count), which a timed comparison keeps out of its timings as it does
+    for a fixed budget's single size."""
+    policy = policy or BudgetPolicy()
+    tree_policy, step_options = tree_policy or TreePolicy(), step_options or StepOptions()
+    device = next(target.parameters()).device
+    sizes = policy.measured(policy.choices(candidate_sizes(policy, target, device), "eager"), "eager")
+    runner = DFlashRunner(drafter, target, step_options)
+    measure_costs(target, runner, weaver, mode, sizes, tree_policy, step_options,
+                  dataclasses.replace(policy, calibration_reps=1))
+
+
 def resolved_costs(sizes: tuple[int, ...], times: list[list[float]]) -> tuple[tuple[int, float], ...]:
     """``(size, ms)`` verify costs from each ascending size's timed rounds: the median, lowered to the least at any
     larger size (noise only adds time, and a larger tree never costs less); then a size that the rounds cannot tell
@@ -560,5 +576,5 @@ def step_costs(target, runner, weaver, mode: str, sizes: tuple[int, ...], tree_p
 
 __all__ = ["AutoBudget", "CostTable", "auto_sizes", "best_first", "calibrate", "candidate_sizes", "choose_on_device",
            "depth_factors", "expected_length",
-           "expected_lengths", "measure_costs", "pick_drafted", "pick_size", "reach_sums", "resolved_costs", "steady_rates",
-           "step_costs"]
+           "expected_lengths", "measure_costs", "pick_drafted", "pick_size", "reach_sums", "resolved_costs",
+           "steady_rates", "step_costs", "warm_sizes"]
