@@ -29,7 +29,7 @@ from modeling_weaver.decoding.drafting import DFlashRunner, StaticDraft
 from modeling_weaver.generate import _decode, generate, speculative_generate
 from modeling_weaver.options import StepOptions, TreePolicy
 from modeling_weaver.target import TargetAdapter, text_config
-from modeling_weaver.tree import Tree, ddtree, subtree, weaver_tree
+from modeling_weaver.tree import Tree, ddtree, default_tree_mode, subtree, weaver_tree
 
 SIZES = (0, 4, 8, 16, 32)
 # verify grows with the tree as on a CPU (a 32-node tree costs 8 AR steps), drafting is cheap
@@ -709,6 +709,8 @@ def test_warm_sizes_verifies_every_eager_size_once_and_caches_nothing(tmp_path, 
     policy = BudgetPolicy(**{**QUICK, "calibration_reps": 3})
     budget_module.warm_sizes(target, drafter, weaver, "weaver", policy)
     assert seen == [("weaver", tuple(range(9)), 1, "eager")]  # (one timed round, whatever the policy's)
+    budget_module.warm_sizes(target, drafter, weaver, None, policy)  # (no mode: the generation's default)
+    assert seen[1][0] == default_tree_mode(next(target.parameters()).device, weaver)
     assert not list(tmp_path.iterdir())
 
 

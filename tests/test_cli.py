@@ -97,6 +97,20 @@ def test_demo_tiny_runs_end_to_end(capsys):
     assert "linears packed" in out  # on CPU the demo runs both paths on prepacked linears (pack_cpu_linears)
 
 
+def test_demo_tiny_with_auto_warms_every_size(tmp_path, monkeypatch, capsys):
+    """``--tree-budget auto`` without ``--mode`` (the default mode): the warm-up verifies every size auto may choose
+    (budget.warm_sizes) before the timed runs, and the demo reports its sizes."""
+    from modeling_weaver.decoding import budget
+
+    monkeypatch.setenv("MODELING_WEAVER_CACHE", str(tmp_path))
+    warmed = []
+    warm = budget.warm_sizes
+    monkeypatch.setattr(budget, "warm_sizes", lambda *a, **k: warmed.append(a[3]) or warm(*a, **k))
+    code, out, err = run(capsys, "demo", "--tiny", "--max-new-tokens", "12", "--tree-budget", "auto")
+    assert code == 0, err
+    assert warmed == [None] and "identical to AR: yes" in out and "tree sizes" in out
+
+
 def test_demo_without_shipped_drafters_fails_in_one_line(tmp_path, capsys):
     code, _, err = run(capsys, "demo", "--drafters", str(tmp_path / "nothing"))
     assert code == 1

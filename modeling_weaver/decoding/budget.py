@@ -43,7 +43,7 @@ from ..accept import accept_greedy
 from ..options import BudgetPolicy, StepOptions, TreePolicy
 from ..output_dir import cache_root
 from ..target import TargetAdapter
-from ..tree import Tree, ancestor_mask_of, max_tree_budget, subtree
+from ..tree import Tree, ancestor_mask_of, default_tree_mode, max_tree_budget, subtree
 from ..validation import is_int
 from .drafting import DFlashRunner, EagerProposer
 from .step_cache import capture_flags, static_buckets, static_draft
@@ -504,16 +504,17 @@ def measure_costs(target, runner: DFlashRunner, weaver, mode: str, sizes: tuple[
     return resolved_costs(sizes, [times[size] for size in sizes]), statistics.median(times["propose"])
 
 
-def warm_sizes(target, drafter, weaver=None, mode: str = "ddtree", policy: BudgetPolicy | None = None,
+def warm_sizes(target, drafter, weaver=None, mode: str | None = None, policy: BudgetPolicy | None = None,
                tree_policy: TreePolicy | None = None, step_options: StepOptions | None = None) -> None:
     """Verify every size an eager ``tree_budget="auto"`` generation may choose once, on dummy inputs (one round of
     :func:`measure_costs`, nothing cached): a size's first verify in a process pays one-time costs (on a CPU, oneDNN
     builds each linear's primitive for a new row count), which a timed comparison keeps out of its timings as it does
-    for a fixed budget's single size."""
+    for a fixed budget's single size. ``mode`` None: the generation's default (:func:`~..tree.default_tree_mode`)."""
     policy = policy or BudgetPolicy()
     tree_policy, step_options = tree_policy or TreePolicy(), step_options or StepOptions()
     device = next(target.parameters()).device
     sizes = policy.measured(policy.choices(candidate_sizes(policy, target, device), "eager"), "eager")
+    mode = mode or default_tree_mode(device, weaver)
     runner = DFlashRunner(drafter, target, step_options)
     measure_costs(target, runner, weaver, mode, sizes, tree_policy, step_options,
                   dataclasses.replace(policy, calibration_reps=1))
