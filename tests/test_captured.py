@@ -61,6 +61,41 @@ def test_static_draft_equals_the_dynamic_runner(layers, monkeypatch):
         static.draft(0, torch.randn(1, width), 130)
 
 
+@pytest.mark.parametrize("node_table", [True, False])
+def test_eager_proposer_keeps_the_node_table_of_its_weaver(node_table):
+    """Eager Weaver proposers gather node inputs from the Weaver's node-input table (``StepOptions.node_table``):
+    one table per Weaver and embedding, shared by every proposer and generation, made again when the Weaver's input
+    layers change in place; the tree is the one built with node inputs computed each round."""
+    from test_generate import make_drafters
+
+    from modeling_weaver.decoding.drafting import EagerProposer, node_table_of
+    from modeling_weaver.tree import tree_drafts
+
+    target = TINY_TARGETS["llama"]()
+    drafter, weaver = make_drafters(target)
+    options = StepOptions(node_table=node_table)
+    first, second = (EagerProposer(DFlashRunner(drafter, target, options), "weaver", 8, weaver, target)
+                     for _ in range(2))
+    assert (first.node_table is not None) == node_table
+    if not node_table:
+        return
+    embed = target.get_input_embeddings().weight
+    assert second.node_table is first.node_table and rel(first.node_table[5:50:9], weaver.node_inputs(embed[5:50:9])) < 1e-6
+    with torch.no_grad():
+        weaver.token_in.weight.mul_(0.5)
+    table = node_table_of(weaver, embed)
+    assert table is not first.node_table and rel(table[5:50:9], weaver.node_inputs(embed[5:50:9])) < 1e-6
+    gen = torch.Generator().manual_seed(3)
+    size = target.config.hidden_size
+    hidden, logits = torch.randn(15, size, generator=gen), 3 * torch.randn(15, embed.shape[0], generator=gen)
+    args = ("weaver", 7, hidden, logits, 8, weaver, torch.randn(size, generator=gen), target.get_input_embeddings(),
+            target.lm_head.weight)
+    with torch.no_grad():
+        gathered, computed = tree_drafts(*args, node_table=table), tree_drafts(*args)
+    assert torch.equal(gathered[0], computed[0]) and torch.equal(gathered[1], computed[1])
+    assert rel(gathered[2], computed[2]) < 1e-4
+
+
 @pytest.mark.parametrize("mode,node_table", [("chain", False), ("ddtree", False), ("weaver", False), ("weaver", True)])
 def test_static_proposer_gives_the_eager_draft_and_tree(mode, node_table, monkeypatch):
     """The fixed-shape proposer gives the eager draft and tree; Weaver trees with node inputs computed each round

@@ -50,6 +50,21 @@ def copy_of(weight: torch.Tensor, what: tuple, make):
     return cached[2]
 
 
+_NODE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Weaver → (weights' stamp, table)
+
+
+def node_table_of(weaver, embed_weight: torch.Tensor) -> torch.Tensor:
+    """``weaver.node_input_table(embed_weight)`` (a target's input embedding): a node's input as one row gather
+    instead of a norm and a matmul per round. Kept with the Weaver for every proposer and generation of it, and made
+    again when the embedding or the Weaver's input layers change (in place or replaced)."""
+    params = (embed_weight, *weaver.embed_norm.parameters(), *weaver.token_in.parameters())
+    stamp = tuple((p.data_ptr(), p._version) for p in params)
+    cached = _NODE_TABLES.get(weaver)
+    if cached is None or cached[0] != stamp:
+        _NODE_TABLES[weaver] = cached = (stamp, weaver.node_input_table(embed_weight))
+    return cached[1]
+
+
 class DraftHead:
     """The target's lm_head as a drafter projects with it: ``head(hidden [..., H]) → logits [..., V]`` in ``dtype``.
 
@@ -157,6 +172,7 @@ class DFlashRunner:
         param = next(drafter.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.head = draft_head(target, self.dtype, options.int8_head, local=local)
+        self.options = options
         self.cache = drafter.new_cache()
         self.embed = embedding_on(self.embed_tokens, self.device)
 
@@ -229,6 +245,9 @@ class EagerProposer(Proposer):
         self.runner, self.mode, self.budget, self.policy = runner, mode, budget, policy
         self.weaver = weaver if mode == "weaver" else None
         self.embed_tokens = (local_embedding if local else (lambda e: e))(target.get_input_embeddings())
+        # (a stand-in runner without options: the defaults)
+        on = getattr(runner, "options", StepOptions()).node_table and self.weaver is not None
+        self.node_table = node_table_of(self.weaver, full_weight(self.embed_tokens.weight)) if on else None
         # the Weaver gathers lm_head rows: of a DTensor, from a copy gathered here once, on every rank together
         self.lm_head_weight = full_weight(target.get_output_embeddings().weight) if mode == "weaver" else None
         self.block_size, self.feature_layer_ids = runner.block_size, runner.feature_layer_ids
@@ -244,7 +263,7 @@ class EagerProposer(Proposer):
             tree = with_root(bonus, tree_drafts(self.mode, bonus, hidden, logits, budget, self.weaver,
                                                 last_hidden.to(hidden.device),
                                                 embedding_on(self.embed_tokens, hidden.device),
-                                                self.lm_head_weight, policy=self.policy))
+                                                self.lm_head_weight, self.node_table, policy=self.policy))
         return Proposal(hidden, logits, tree.to(self.home))
 
 
@@ -427,11 +446,8 @@ class StaticDraft:
         return out
 
     def node_table(self, weaver) -> torch.Tensor:
-        """``weaver.node_input_table`` of this target's embedding, made once per Weaver (its proposers share it)."""
-        key = ("node_table", id(weaver))
-        if key not in self._steps:  # (the Weaver kept with it: its id stays its own)
-            self._steps[key] = (weaver, weaver.node_input_table(full_weight(self.embed_tokens.weight)))
-        return self._steps[key][1]
+        """:func:`node_table_of` this target's embedding (its proposers share it)."""
+        return node_table_of(weaver, full_weight(self.embed_tokens.weight))
 
     def proposer(self, mode: str, budget: int, weaver=None, shape_logits=None, compile: bool = False,
                  policy: TreePolicy = DEFAULT_POLICY) -> StaticProposer:
