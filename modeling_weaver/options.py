@@ -29,8 +29,7 @@ class TreePolicy:
         root_children: candidates the root offers in all on a spine tree, the extra ones as leaves never stepped
             (None: half the budget); depth 1 is where most steps stop.
         fused_node_attention: each Weaver layer's RoPE, slot writes and attention as one
-            ``weaver_kernels.node_attention`` op (on CUDA one launch instead of ~10; on a CPU its torch form, fewer
-            ops than the blocks' own).
+            ``weaver_kernels.node_attention`` op (None: on CUDA, where it is one launch instead of ~10).
         pool_size: DFlash's top candidates per depth that the Weaver scores, at most its ``candidate_pool_size``
             (None: all of those on CUDA, 32 elsewhere — on a CPU the pool's top-k and lm_head-row gathers are a
             third of the build, and the small trees a CPU verifies keep the same acceptance from 32).
@@ -41,7 +40,7 @@ class TreePolicy:
     spine_width: int | None = None
     children_per_node: int = 8
     root_children: int | None = None
-    fused_node_attention: bool = True
+    fused_node_attention: bool | None = None
     pool_size: int | None = None
 
     def pool_on(self, device, weaver_pool: int) -> int:
@@ -57,6 +56,11 @@ class TreePolicy:
         if self.spine_rounds is not None:
             return self.spine_rounds
         return 4 if torch.device(device).type == "cuda" else 1
+
+    def node_attention_on(self, device) -> bool:
+        """Whether Weaver node steps on ``device`` use the fused node attention op."""
+        on = self.fused_node_attention
+        return torch.device(device).type == "cuda" if on is None else on
 
 
 @dataclass(frozen=True)

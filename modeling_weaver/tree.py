@@ -11,7 +11,6 @@ import math
 import os
 from dataclasses import InitVar, dataclass
 
-import numpy as np
 import torch
 import weaver_kernels
 
@@ -166,22 +165,6 @@ def most_probable(scores: torch.Tensor, depths: torch.Tensor, k: int):
     return (scores.double() - 1e-12 * depths.double()).topk(k)
 
 
-def top_k_rows(x: torch.Tensor, k: int, groups: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x.topk(k, dim=-1)`` of ``x [D, V]``: the same values (among equal ones, maybe other indices, in another
-    order). On a CPU in two cheap passes where the shape allows: each column of ``x.view(D, groups, V / groups)`` is
-    a group of ``groups`` entries; the k groups with the largest maxima hold the k largest entries (an entry outside
-    them has k group maxima at least as large above it), so the top k of those ``groups · k`` entries are the answer.
-    A column maximum vectorises where a full top-k over V does not: ~3× less time on 49k-token rows."""
-    rows, vocab = x.shape
-    width = vocab // groups
-    if x.device.type != "cpu" or vocab % groups or width < k:
-        return x.topk(k, dim=-1)
-    grouped = x.view(rows, groups, width)
-    best = grouped.amax(1).topk(k, dim=-1).indices  # [D, k] columns
-    values, index = grouped.gather(2, best[:, None].expand(rows, groups, k)).view(rows, groups * k).topk(k, dim=-1)
-    return values, (index // k) * width + best.gather(1, index % k)
-
-
 def subtree(tree: Tree, keep: list[int]) -> Tree:
     """The root of ``tree`` and its nodes ``keep`` (indices, ancestors of each included), renumbered in the tree's
     order: still topological, ``logq`` unchanged (traversal verification renormalises over the children kept)."""
@@ -200,14 +183,13 @@ def with_root(root, drafts: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> 
 
 def tree_drafts(mode: str, root, draft_hidden: torch.Tensor, draft_logits: torch.Tensor, budget: int, weaver=None,
                 last_hidden: torch.Tensor | None = None, embed_tokens=None, lm_head_weight=None, node_table=None,
-                policy: TreePolicy = DEFAULT_POLICY, fixed_shapes: bool = False):
+                policy: TreePolicy = DEFAULT_POLICY):
     """The draft nodes of one step's tree in ``mode`` (``chain``, ``ddtree`` or ``weaver``), on the device.
 
     Weaver trees also need the Weaver, the target's final hidden state before the block (``last_hidden``, its prompt
     with the drafter's ``draft_hidden``), the target's embedding and lm_head weight, and follow ``policy`` (and may
-    take the Weaver's ``node_table``; ``fixed_shapes`` for captured and compiled steps, see
-    :func:`weaver_tree_tensors`). Returns what the ``*_tensors`` builders return; :func:`with_root` makes the
-    :class:`Tree`.
+    take the Weaver's ``node_table``, see :func:`weaver_tree_tensors`). Returns what the
+    ``*_tensors`` builders return; :func:`with_root` makes the :class:`Tree`.
     """
     if mode == "chain":
         return chain_tree_tensors(draft_logits, budget)
@@ -216,7 +198,7 @@ def tree_drafts(mode: str, root, draft_hidden: torch.Tensor, draft_logits: torch
     depth = min(draft_hidden.shape[0], weaver.config.K)
     prompt = weaver.encode_prompt(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
     return weaver_tree_tensors(root, weaver, prompt, draft_logits, embed_tokens, lm_head_weight, budget,
-                               node_table=node_table, policy=policy, fixed_shapes=fixed_shapes)
+                               node_table=node_table, policy=policy)
 
 
 def chain_tree(root: int, draft_logits: torch.Tensor, budget: int) -> Tree:
@@ -341,7 +323,6 @@ def weaver_tree_tensors(
     spine: bool | None = None,
     rounds: int | None = None,
     policy: TreePolicy = DEFAULT_POLICY,
-    fixed_shapes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Weaver tree from batched expansion rounds over the frontier (docs/DESIGN.md §4), on the device.
 
@@ -378,9 +359,6 @@ def weaver_tree_tensors(
             of computed each round.
         spine, rounds: see above.
         policy: the :class:`~modeling_weaver.options.TreePolicy` that the arguments left None default to.
-        fixed_shapes: keep every buffer on the device and never wait for the host (captured and compiled steps).
-            Otherwise a spine tree on a CPU keeps its rounds' bookkeeping on the host (:func:`_spine_tree_on_host`:
-            the same tree, a third of the ops).
     Returns:
         the draft nodes as :func:`ddtree_tensors` does.
     """
@@ -406,20 +384,24 @@ def weaver_tree_tensors(
         rounds = 0  # every candidate is a leaf: stepping one adds nothing
     pool = min(policy.pool_on(device, weaver.config.candidate_pool_size), draft_logits.shape[-1])
     # [D, pool]: children of depth d+1. topk in the logits' dtype, then fp32 (cheaper than topk over a widened copy)
-    pool_logits, pool_ids = top_k_rows(draft_logits[:max_depth], pool)
+    pool_logits, pool_ids = draft_logits[:max_depth].topk(pool, dim=-1)
     pool_logits = pool_logits.float()
     pool_rows, lm_head_rows = pool_ids, lm_head_weight
     if lm_head_weight.device != device:  # (a target split over devices: only the pool's rows of its lm_head come over)
         lm_head_rows = lm_head_weight[pool_ids.flatten().to(lm_head_weight.device)].to(device)
         pool_rows = torch.arange(pool_ids.numel(), device=device).view_as(pool_ids)
     fan = min(policy.children_per_node if children_per_node is None else children_per_node, pool)
-    if spine and device.type == "cpu" and not (fixed_shapes or torch.compiler.is_compiling()):
-        children = budget // 2 if policy.root_children is None else policy.root_children
-        return _spine_tree_on_host(root, weaver, prompt, pool_ids, pool_logits, pool_rows, lm_head_rows, embed_tokens,
-                                   budget, fan, width, rounds, children, node_table, policy.fused_node_attention)
     n = 1 + spine_nodes + rounds * width if spine else budget + 1
-    fused = policy.fused_node_attention and max(1 + spine_nodes, width) <= weaver_kernels.NODE_ATTENTION_MAX_ROWS
-    cache, attend = _node_steps(weaver, prompt, n, device, fused)
+    cache = weaver.new_node_cache(n, device=device)
+    attend = None
+    if policy.node_attention_on(device) and max(1 + spine_nodes, width) <= weaver_kernels.NODE_ATTENTION_MAX_ROWS:
+        # each layer's RoPE, slot writes and attention in one op (one launch per round on CUDA)
+        prompt_kv = [(k[0].contiguous(), v[0].contiguous()) for k, v in zip(prompt.keys, prompt.values)]
+        scale = weaver.config.head_dim ** -0.5
+
+        def attend(i, qkv, positions, lo, rows):
+            return weaver_kernels.node_attention(qkv, positions, *prompt_kv[i], cache.keys[i][0], cache.values[i][0],
+                                                 rows, lo, weaver.config.rope_base, scale)
     neg_inf = float("-inf")
 
     # No Python-number stores into device tensors below (`x[i] = 0.0` copies from the host, which a CUDA graph
@@ -473,105 +455,6 @@ def weaver_tree_tensors(
     if spine:
         return best_known(tokens, parents, logq, depth, score, f_score, f_token, f_logq, budget, root_leaves)
     return tokens[1:], parents[1:], logq[1:]
-
-
-def _node_steps(weaver, prompt, n: int, device: torch.device, fused: bool):
-    """A build's node cache of ``n`` slots and, with ``fused``, the ``attend`` of its node steps
-    (:meth:`WeaverModel.step`): each layer's RoPE, slot writes and attention as one ``weaver_kernels.node_attention``
-    op over ``prompt`` and the cache (one launch per round on CUDA). On a CPU both are fp32, so that no round converts
-    them (a conversion is a copy, and copies are what a CPU build spends its time on)."""
-    dtype = torch.float32 if device.type == "cpu" else weaver.dtype
-    cache = weaver.new_node_cache(n, device=device, dtype=dtype)
-    if not fused:
-        return cache, None
-    prompt_kv = [(k[0].to(dtype).contiguous(), v[0].to(dtype).contiguous())
-                 for k, v in zip(prompt.keys, prompt.values)]
-    scale = weaver.config.head_dim ** -0.5
-
-    def attend(i, qkv, positions, lo, rows):
-        return weaver_kernels.node_attention(qkv, positions, *prompt_kv[i], cache.keys[i][0], cache.values[i][0],
-                                             rows, lo, weaver.config.rope_base, scale)
-
-    return cache, attend
-
-
-@torch.no_grad()  # (a tree is a proposal: nothing of it is differentiated)
-def _spine_tree_on_host(root, weaver, prompt, pool_ids: torch.Tensor, pool_logits: torch.Tensor,
-                        pool_rows: torch.Tensor, lm_head_rows: torch.Tensor, embed_tokens, budget: int, fan: int,
-                        width: int, rounds: int, root_children: int, node_table: torch.Tensor | None,
-                        fused_attention: bool):
-    """:func:`weaver_tree_tensors`' spine tree with the host in charge (a CPU outside a trace): the same node steps and
-    pool scores, the same tree, bit for bit (a test), but the rounds' bookkeeping — which candidates each node
-    publishes, which become nodes — in numpy on the few values each round reads back, instead of ~60 fixed-shape
-    tensor ops a round over every buffer of the tree (each op costs microseconds on a CPU, most of a build)."""
-    max_depth, pool = pool_ids.shape
-    n = 1 + max_depth + rounds * width
-    device = pool_ids.device
-    cache, attend = _node_steps(weaver, prompt, n, device, fused_attention)
-    neg_inf = np.float32("-inf")
-    tokens = np.zeros(n, np.int64)
-    parents = np.full(n, -1, np.int64)
-    logq = np.full(n, neg_inf, np.float32)
-    depth = np.zeros(n, np.int64)
-    score = np.zeros(n, np.float32)  # log-probability of the root→node path
-    mask = np.eye(n, dtype=bool)  # ancestor-or-self
-    f_score = np.full((n, fan), neg_inf, np.float32)  # row: a node's published children, best first
-    f_token = np.zeros((n, fan), np.int64)
-    f_logq = np.zeros((n, fan), np.float32)
-    ids = pool_ids.numpy()
-
-    def step(lo: int, hi: int, node_tokens: torch.Tensor) -> np.ndarray:
-        """Nodes lo..hi-1 through the Weaver: their children's log-probabilities over the pool, [hi - lo, pool]."""
-        d = torch.from_numpy(depth[lo:hi])
-        x = node_table[node_tokens] if node_table is not None else weaver.node_inputs(embed_tokens(node_tokens))
-        query = weaver.step(prompt, cache, x[None], d[None], slice(lo, hi), torch.from_numpy(mask[lo:hi])[None],
-                            attend=attend)[0]
-        cand = weaver_kernels.pool_scores(query, d.clamp(max=max_depth - 1), pool_rows, pool_logits, lm_head_rows)
-        return cand, torch.log_softmax(cand, dim=-1).numpy()
-
-    def publish(nodes: np.ndarray, logp: np.ndarray, first: int):
-        """Each of ``nodes``' ``fan`` best children among pool columns ``first..`` (stable: the lower column first
-        among equals) to the frontier; none for padding nodes and nodes at the maximum depth."""
-        order = np.argsort(-logp[:, first:], axis=1, kind="stable")[:, :fan] + first
-        values = np.take_along_axis(logp, order, 1)
-        live = ((parents[nodes] >= 0) | (nodes == 0)) & (depth[nodes] < max_depth)
-        k = order.shape[1]  # (fewer than fan past the chain child in a pool of fan: the rest stay empty)
-        f_score[nodes, :k] = np.where(live[:, None], score[nodes, None] + values, neg_inf)
-        f_token[nodes, :k] = ids[np.minimum(depth[nodes], max_depth - 1)[:, None], order]
-        f_logq[nodes, :k] = values
-
-    # the spine: the root and DFlash's chain, stepped together but for the deepest node (it would publish nothing)
-    hi = 1 + max_depth
-    tokens[0] = int(root)
-    tokens[1:hi] = ids[:, 0]
-    parents[1:hi] = np.arange(max_depth)
-    depth[:hi] = np.arange(hi)
-    mask[:hi, :hi] = np.tri(hi, dtype=bool)
-    cand, logp = step(0, max_depth, torch.from_numpy(tokens[:max_depth]))
-    root_leaves = _root_leaves(cand[0], pool_ids[0], fan, root_children)
-    logq[1:hi] = logp[:, 0]
-    for k in range(max_depth):  # fp32 adds down the chain, in the fixed-shape build's order
-        score[k + 1] = score[k] + logp[k, 0]
-    publish(np.arange(max_depth), logp, 1)  # (column 0: the spine child, a node already)
-    lo = hi
-    for _ in range(rounds):
-        flat = f_score.reshape(-1)
-        best = np.argsort(-flat, kind="stable")[:width]  # the width best candidates, the earlier slot among equals
-        new = np.arange(lo, lo + width)
-        valid = flat[best] > neg_inf
-        parent = best // fan
-        tokens[new] = np.where(valid, f_token.reshape(-1)[best], 0)
-        parents[new] = np.where(valid, parent, -1)
-        logq[new] = np.where(valid, f_logq.reshape(-1)[best], neg_inf)
-        depth[new] = np.where(valid, depth[parent] + 1, 0)
-        score[new] = flat[best]
-        flat[best] = neg_inf  # taken
-        mask[new] = (mask[parent] & valid[:, None]) | np.eye(n, dtype=bool)[new]
-        cand, logp = step(lo, lo + width, torch.from_numpy(tokens[new]))
-        publish(new, logp, 0)
-        lo += width
-    return best_known(*(torch.from_numpy(a) for a in (tokens, parents, logq, depth, score)),
-                      *(torch.from_numpy(a.reshape(-1)) for a in (f_score, f_token, f_logq)), budget, root_leaves)
 
 
 def _root_leaves(cand: torch.Tensor, ids: torch.Tensor, fan: int, children: int):

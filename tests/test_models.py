@@ -661,30 +661,6 @@ def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width, root, 
             assert abs(float(tree.logq[i]) - (known[path] - score.get(path[:-1], 0.0))) < 1e-4, path
 
 
-@pytest.mark.parametrize("budget,rounds,width,root,fan,pool,depth,scale", [
-    (5, 1, None, None, 8, 32, 5, 3.0), (16, 2, None, 12, 8, None, 5, 0.3), (30, 3, 3, 32, 4, 16, 6, 1.0),
-    (12, 2, 3, None, 1, 8, 2, 3.0), (9, 1, 2, 2, 4, 4, 5, 1.0), (8, 2, 2, 8, 8, 32, 5, 0.0), (6, 3, 1, None, 8, 32, 1, 1.0)])
-@pytest.mark.parametrize("attention", [True, False])
-def test_weaver_spine_tree_on_the_host_is_the_fixed_shape_one(budget, rounds, width, root, fan, pool, depth, scale,
-                                                             attention):
-    """On a CPU (but in fixed-shape steps and traces) a spine tree's rounds are kept on the host (numpy); with
-    ``fixed_shapes`` the build captured steps run, every buffer on the device. Both make the same tree, bit for bit: wide and narrow rounds, a frontier
-    too small for a round (fan 1 at depth 2: padding nodes), pools hardly wider than the fan, depth 1, and ties
-    everywhere (scale 0: flat logits and no Weaver residual, so stable orders decide)."""
-    from modeling_weaver.options import TreePolicy
-    from modeling_weaver.tree import weaver_tree_tensors
-
-    weaver, embed, lm_head, prompt, draft_logits = _tree_inputs(budget + rounds, depth=depth, scale=scale)
-    policy = TreePolicy(root_children=root, children_per_node=fan, pool_size=pool, fused_node_attention=attention)
-    args = (3, weaver, prompt, draft_logits, embed, lm_head * scale, budget)
-    with torch.no_grad():
-        host = weaver_tree_tensors(*args, width=width, spine=True, rounds=rounds, policy=policy)
-        fixed = weaver_tree_tensors(*args, width=width, spine=True, rounds=rounds, policy=policy, fixed_shapes=True)
-    for a, b in zip(host, fixed):
-        assert a.dtype == b.dtype and torch.equal(a, b), (host, fixed)
-    assert (host[1] >= 0).sum() == min(budget, (host[2] > float("-inf")).sum())
-
-
 def test_weaver_spine_tree_arguments():
     """``rounds`` goes with spine trees only and is not negative; at maximum depth 1 every candidate is a leaf, so the
     spine's step is the only one, and it steps the root alone (its one spine node publishes nothing)."""

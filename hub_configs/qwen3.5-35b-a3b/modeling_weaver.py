@@ -90,15 +90,17 @@ class WeaverBlock(nn.Module):
         """``x [B, T, d_rank]``, ``positions [B, T]`` → q, k, v ``[B, heads, T, head_dim]`` (q, k rotated)."""
         bsz, t, _ = x.shape
         # Weight rows are [q | k | v], each head-major.
-        qkv = self.qkv_proj(self.norm_attn(x)).view(bsz, t, 3, self.num_heads, self.head_dim)
+        q, k, v = self.qkv_proj(self.norm_attn(x)).view(bsz, t, 3, self.num_heads, self.head_dim).unbind(2)
         inv_freq = self.rope_base ** (
             -torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=x.device) / self.head_dim
         )
         angles = positions.float()[..., None] * inv_freq  # [B, T, head_dim / 2]
-        angles = torch.cat([angles, angles], -1)[:, :, None, None]
-        qk = qkv[:, :, :2].float()  # q and k rotated together
-        qk = (qk * angles.cos() + _rotate_half(qk) * angles.sin()).to(x.dtype)
-        return qk[:, :, 0].transpose(1, 2), qk[:, :, 1].transpose(1, 2), qkv[:, :, 2].transpose(1, 2)
+        cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None]
+        sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None]
+        q, k, v = (t_.transpose(1, 2) for t_ in (q, k, v))
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        return q, k, v
 
     def finish(
         self, x: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
@@ -155,13 +157,13 @@ class WeaverModel(WeaverPreTrainedModel):
         x = self.proposal_in(self.output_norm(feats.to(self.proposal_in.weight.dtype)))  # [B, P, d_rank]
         bsz, p, _ = x.shape
         positions = torch.arange(p, device=x.device)[None].expand(bsz, p)
+        causal = torch.ones(p, p, dtype=torch.bool, device=x.device).tril()[None, None]
         keys, values = [], []
         for i, block in enumerate(self.blocks):
             q, k, v = block.qkv(x, positions)
             keys.append(k)
             values.append(v)
             if i + 1 < len(self.blocks):  # the last block's outputs are never read
-                causal = torch.ones(p, p, dtype=torch.bool, device=x.device).tril()[None, None]
                 x = block.finish(x, q, k, v, causal)
         return WeaverPrompt(keys, values)
 

@@ -507,7 +507,7 @@ class StaticProposer(Proposer):
             logits = self.shape_logits(logits)
         drafts = tree_drafts(self.mode, self.draft.bonus[0], hidden, logits, self.budget, self.weaver,
                              self.last_hidden, self.draft.embed_tokens, self.lm_head_weight, self.node_table,
-                             self.policy, fixed_shapes=True)
+                             self.policy)
         return hidden, logits, drafts
 
     @torch.no_grad()

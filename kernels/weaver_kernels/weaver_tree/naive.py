@@ -15,8 +15,6 @@ build; rounds are Python-unrolled (``lo``, ``hi``, ``take`` are ints).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -105,26 +103,22 @@ def weaver_expand_ref(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: T
 
 def rope_halves(t: Tensor, positions: Tensor, base: float) -> Tensor:
     """``t [..., M, heads, D]`` rotated as ``WeaverBlock.qkv`` does (fp32 cos/sin at ``positions [M]``, the halves of
-    the head swapped), in fp32 (or t's dtype if wider)."""
+    the head swapped, rounded back to ``t``'s dtype)."""
     D = t.shape[-1]
-    angles = positions[:, None] * _inv_freq(base, D, t.device)  # [M, D / 2] fp32
-    angles = torch.cat([angles, angles], -1)[:, None]
-    x = t.to(torch.promote_types(t.dtype, torch.float32))
+    inv_freq = base ** (-torch.arange(0, D, 2, dtype=torch.float32, device=t.device) / D)
+    angles = positions.float()[:, None] * inv_freq  # [M, D / 2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[:, None].to(torch.promote_types(t.dtype, torch.float32))
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[:, None].to(cos.dtype)
+    x = t.to(cos.dtype)
     swapped = torch.cat((-x[..., D // 2 :], x[..., : D // 2]), dim=-1)
-    return x * angles.cos() + swapped * angles.sin()
-
-
-@functools.lru_cache(maxsize=None)
-def _inv_freq(base: float, D: int, device: torch.device) -> Tensor:
-    with torch.inference_mode(False):  # (a first call under inference_mode must not make an inference tensor)
-        return base ** (-torch.arange(0, D, 2, dtype=torch.float32, device=device) / D)
+    return (x * cos + swapped * sin).to(t.dtype)
 
 
 def node_attention_ref(qkv: Tensor, positions: Tensor, prompt_k: Tensor, prompt_v: Tensor, node_k: Tensor,
                        node_v: Tensor, mask: Tensor, lo: int, rope_base: float, scale: float) -> Tensor:
     """One Weaver layer's attention for the ``M`` nodes of a round, from its q/k/v projection (``WeaverModel.step``'s
     unfused form: RoPE on q and k, the nodes' K/V written into their slots, then attention over the prompt and the
-    node slots their mask rows allow). In fp32 (or wider) but for the slots' K/V, stored in their dtype.
+    node slots their mask rows allow).
 
     Args:
         qkv: ``[M, 3 · H · D]`` the rows of ``WeaverBlock.qkv_proj`` (``[q | k | v]``, each head-major).
@@ -137,12 +131,13 @@ def node_attention_ref(qkv: Tensor, positions: Tensor, prompt_k: Tensor, prompt_
     """
     M = qkv.shape[0]
     H, _, D = node_k.shape
-    qk = rope_halves(qkv[:, : 2 * H * D].view(M, 2 * H, D), positions, rope_base).view(M, 2, H, D)  # q and k at once
-    node_k[:, lo : lo + M] = qk[:, 1].transpose(0, 1)
-    node_v[:, lo : lo + M] = qkv[:, 2 * H * D :].view(M, H, D).transpose(0, 1)
-    keys = torch.cat([prompt_k, node_k], dim=1).to(qk.dtype)  # [H, P + n, D] (no copy where all are fp32 already)
-    values = torch.cat([prompt_v, node_v], dim=1).to(qk.dtype)
-    scores = torch.matmul(qk[:, 0].transpose(0, 1), keys.transpose(1, 2))  # [H, M, P + n]
-    visible = torch.cat([mask.new_ones(M, prompt_k.shape[1]), mask], -1)
-    weights = torch.softmax(torch.where(visible, scores * scale, float("-inf")), dim=-1)
-    return torch.matmul(weights, values).transpose(0, 1).reshape(M, H * D).to(qkv.dtype)
+    q, k, v = qkv.view(M, 3, H, D).unbind(1)  # [M, H, D]
+    q, k = rope_halves(q, positions, rope_base), rope_halves(k, positions, rope_base)
+    node_k[:, lo : lo + M] = k.transpose(0, 1).to(node_k.dtype)
+    node_v[:, lo : lo + M] = v.transpose(0, 1).to(node_v.dtype)
+    keys = torch.cat([prompt_k.to(q.dtype), node_k.to(q.dtype)], dim=1)  # [H, P + n, D]
+    values = torch.cat([prompt_v.to(q.dtype), node_v.to(q.dtype)], dim=1)
+    visible = torch.cat([torch.ones(M, prompt_k.shape[1], dtype=torch.bool, device=mask.device), mask.bool()], -1)
+    attn = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=visible[None],
+                                                            scale=scale)  # [H, M, D]
+    return attn.transpose(0, 1).reshape(M, H * D)
