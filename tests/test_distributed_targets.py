@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def _tp_run(target, tmp_path: Path) -> list[dict]:
     """``tests/tp_worker.py`` on ``target`` (saved first) as two gloo ranks under torchrun; each rank's report."""
     target.save_pretrained(tmp_path / "target")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels")])}
+    # faulthandler: a rank killed by a signal prints where it was (rank 0 has rarely aborted right after loading)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "kernels")]),
+           "PYTHONFAULTHANDLER": "1", "TORCH_SHOW_CPP_STACKTRACES": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "tp_worker.py"), str(tmp_path / "target"), str(tmp_path)]
     # its own process group: a rank stuck in a collective is killed with the launcher, not left behind
