@@ -71,9 +71,8 @@ class StepOptions:
         int8_head: the drafter projects with an int8 copy of the target's lm_head (None: on CUDA, where the Triton
             kernel makes it faster, and on CPUs where torch has fbgemm's int8 GEMM, a quarter of the fp32 head's
             bytes; elsewhere the reference dequantises on every call).
-        node_table: Weaver proposers gather node inputs from ``weaver.node_input_table`` (one table per Weaver and
-            target embedding, kept across generations: vocabulary × Weaver width in its dtype) instead of a norm and
-            a matmul per round.
+        node_table: Weaver proposers gather node inputs from ``weaver.node_input_table`` (one table per Weaver, kept
+            across generations: vocabulary × Weaver width in its dtype) instead of a norm and a matmul per round.
         gates_in_kernel: the GDN ops get the raw gate projections and form g and β inside their kernels.
         peel_root: the GDN tree verify runs the root as a recurrent step (budget + root trees solve one row block
             fewer, or a Neumann solve at half the padded size).

@@ -64,7 +64,7 @@ def test_static_draft_equals_the_dynamic_runner(layers, monkeypatch):
 @pytest.mark.parametrize("node_table", [True, False])
 def test_eager_proposer_keeps_the_node_table_of_its_weaver(node_table):
     """Eager Weaver proposers gather node inputs from the Weaver's node-input table (``StepOptions.node_table``):
-    one table per Weaver and embedding, shared by every proposer and generation, made again when the Weaver's input
+    one table per Weaver, shared by every proposer and generation, made again when the Weaver's input
     layers change in place; the tree is the one built with node inputs computed each round."""
     from test_generate import make_drafters
 

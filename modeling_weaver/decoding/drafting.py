@@ -15,6 +15,7 @@ Both project with the target's lm_head as :func:`draft_head` gives it (in the dr
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import NamedTuple
 
@@ -55,8 +56,9 @@ _NODE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Weaver 
 
 def node_table_of(weaver, embed_weight: torch.Tensor) -> torch.Tensor:
     """``weaver.node_input_table(embed_weight)`` (a target's input embedding): a node's input as one row gather
-    instead of a norm and a matmul per round. Kept with the Weaver for every proposer and generation of it, and made
-    again when the embedding or the Weaver's input layers change (in place or replaced)."""
+    instead of a norm and a matmul per round. One table per Weaver, for the embedding it was last made for, shared by
+    its proposers and generations; made again when the embedding or the Weaver's input layers change (in place or
+    replaced)."""
     params = (embed_weight, *weaver.embed_norm.parameters(), *weaver.token_in.parameters())
     stamp = tuple((p.data_ptr(), p._version) for p in params)
     cached = _NODE_TABLES.get(weaver)
@@ -245,13 +247,19 @@ class EagerProposer(Proposer):
         self.runner, self.mode, self.budget, self.policy = runner, mode, budget, policy
         self.weaver = weaver if mode == "weaver" else None
         self.embed_tokens = (local_embedding if local else (lambda e: e))(target.get_input_embeddings())
-        # (a stand-in runner without options: the defaults)
-        on = getattr(runner, "options", StepOptions()).node_table and self.weaver is not None
-        self.node_table = node_table_of(self.weaver, full_weight(self.embed_tokens.weight)) if on else None
         # the Weaver gathers lm_head rows: of a DTensor, from a copy gathered here once, on every rank together
         self.lm_head_weight = full_weight(target.get_output_embeddings().weight) if mode == "weaver" else None
         self.block_size, self.feature_layer_ids = runner.block_size, runner.feature_layer_ids
         self.home = self.embed_tokens.weight.device  # (the target's tokens: where the tree is verified)
+
+    @functools.cached_property
+    def node_table(self) -> torch.Tensor | None:
+        """The Weaver's node-input table (:func:`node_table_of`), where the runner's options ask for it (a stand-in
+        runner without options: the defaults); made at the first proposal, so a rank that never proposes (tensor
+        parallelism, ``tp_drafter="rank0"``) holds none."""
+        if self.weaver is None or not getattr(self.runner, "options", StepOptions()).node_table:
+            return None
+        return node_table_of(self.weaver, full_weight(self.embed_tokens.weight))
 
     def propose(self, bonus: int, context: torch.Tensor, n: int, last_hidden: torch.Tensor,
                 timed=untimed, budget: int | None = None) -> Proposal:
