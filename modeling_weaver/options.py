@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from weaver_kernels.weaver_tree import cpu as native_cpu
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class TreePolicy:
         root_children: candidates the root offers in all on a spine tree, the extra ones as leaves never stepped
             (None: half the budget); depth 1 is where most steps stop.
         fused_node_attention: each Weaver layer's RoPE, slot writes and attention as one
-            ``weaver_kernels.node_attention`` op (None: on CUDA, where it is one launch instead of ~10).
+            ``weaver_kernels.node_attention`` op (None: on CUDA, where it is one launch instead of ~10, and on CPUs
+            where the native kernels build: there the whole node step runs through them, ``tree.CpuWeaver``).
         pool_size: DFlash's top candidates per depth that the Weaver scores, at most its ``candidate_pool_size``
             (None: all of those on CUDA, 32 elsewhere — on a CPU the pool's top-k and lm_head-row gathers are a
             third of the build, and the small trees a CPU verifies keep the same acceptance from 32).
@@ -59,8 +61,10 @@ class TreePolicy:
 
     def node_attention_on(self, device) -> bool:
         """Whether Weaver node steps on ``device`` use the fused node attention op."""
-        on = self.fused_node_attention
-        return torch.device(device).type == "cuda" if on is None else on
+        if self.fused_node_attention is not None:
+            return self.fused_node_attention
+        kind = torch.device(device).type
+        return kind == "cuda" or (kind == "cpu" and native_cpu.available())
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import InitVar, dataclass
 
 import torch
 import weaver_kernels
+from weaver_kernels.weaver_tree import cpu as native
 
 from .options import TreePolicy
 
@@ -196,7 +197,9 @@ def tree_drafts(mode: str, root, draft_hidden: torch.Tensor, draft_logits: torch
     if mode == "ddtree":
         return ddtree_tensors(draft_logits, budget)
     depth = min(draft_hidden.shape[0], weaver.config.K)
-    prompt = weaver.encode_prompt(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
+    on_cpu = cpu_weaver(weaver, draft_logits.device, policy)
+    encode = weaver.encode_prompt if on_cpu is None else on_cpu.encode_prompt
+    prompt = encode(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
     return weaver_tree_tensors(root, weaver, prompt, draft_logits, embed_tokens, lm_head_weight, budget,
                                node_table=node_table, policy=policy)
 
@@ -393,8 +396,9 @@ def weaver_tree_tensors(
     fan = min(policy.children_per_node if children_per_node is None else children_per_node, pool)
     n = 1 + spine_nodes + rounds * width if spine else budget + 1
     cache = weaver.new_node_cache(n, device=device)
+    on_cpu = cpu_weaver(weaver, device, policy)
     attend = None
-    if policy.node_attention_on(device) and max(1 + spine_nodes, width) <= weaver_kernels.NODE_ATTENTION_MAX_ROWS:
+    if on_cpu is None and policy.node_attention_on(device) and max(1 + spine_nodes, width) <= weaver_kernels.NODE_ATTENTION_MAX_ROWS:
         # each layer's RoPE, slot writes and attention in one op (one launch per round on CUDA)
         prompt_kv = [(k[0].contiguous(), v[0].contiguous()) for k, v in zip(prompt.keys, prompt.values)]
         scale = weaver.config.head_dim ** -0.5
@@ -438,14 +442,17 @@ def weaver_tree_tensors(
         d = depth[lo:stepped]
         x = (node_table[tokens[lo:stepped]] if node_table is not None
              else weaver.node_inputs(embed_tokens(tokens[lo:stepped])))
-        query = weaver.step(prompt, cache, x[None], d[None], slice(lo, stepped), mask[None, lo:stepped],
-                            attend=attend)[0]
+        if on_cpu is not None:
+            query = on_cpu.step(prompt, cache, x, d + 1, lo, mask[lo:stepped])
+        else:
+            query = weaver.step(prompt, cache, x[None], d[None], slice(lo, stepped), mask[None, lo:stepped],
+                                attend=attend)[0]
         cand = weaver_kernels.pool_scores(query, d.clamp(max=max_depth - 1), pool_rows, pool_logits, lm_head_rows)
         if stepped < hi:
             cand = torch.cat([cand, cand.new_zeros(hi - stepped, cand.shape[1])])
         if spine and lo == 0:  # (scores in hand: the root's leaves are picked from the same row)
-            root_leaves = _root_leaves(cand[0], pool_ids[0], fan,
-                                       budget // 2 if policy.root_children is None else policy.root_children)
+            root_leaves = (_root_leaves if on_cpu is None else native.root_leaves)(
+                cand[0], pool_ids[0], fan, budget // 2 if policy.root_children is None else policy.root_children)
         take = min(width, n - hi)
         weaver_kernels.weaver_expand(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token,
                                      f_logq, lo, hi, take, max_depth, spine_nodes if lo == 0 else 0)
@@ -453,8 +460,82 @@ def weaver_tree_tensors(
             break
         lo, hi = hi, hi + take
     if spine:
-        return best_known(tokens, parents, logq, depth, score, f_score, f_token, f_logq, budget, root_leaves)
+        return (best_known if on_cpu is None else native.best_known)(tokens, parents, logq, depth, score, f_score,
+                                                                      f_token, f_logq, budget, root_leaves)
     return tokens[1:], parents[1:], logq[1:]
+
+
+class CpuWeaver:
+    """A Weaver's prompt encoding and node steps on a CPU through the native kernels of
+    ``weaver_kernels.weaver_tree.cpu``: the GEMMs through the Weaver's own linears (packed inside a generation), each
+    stretch between two of them in one native call — the same functions as ``WeaverModel.encode_prompt`` and
+    ``WeaverModel.step`` (equal within rounding; a test keeps them so), at a tenth of the torch calls."""
+
+    def __init__(self, weaver):
+        self.weaver = weaver
+        self.scale = weaver.config.head_dim ** -0.5
+
+    @staticmethod
+    def _norm(norm, x, add=None):
+        return native.rms_norm_bias(x, norm.weight, norm.bias, norm.eps, add=add)
+
+    def _layers(self, x, h, attention):
+        """The blocks from ``h = norm_attn(x)`` of the first: ``attention(i, qkv)`` gives layer i's heads' outputs
+        (None: the last layer's are not wanted); returns the last norm's output (``out_norm``), or None."""
+        blocks = self.weaver.blocks
+        for i, block in enumerate(blocks):
+            attn = attention(i, block.qkv_proj(h))
+            if attn is None:
+                return None
+            x, h = self._norm(block.norm_mlp, x, add=block.o_proj(attn))
+            after = blocks[i + 1].norm_attn if i + 1 < len(blocks) else self.weaver.out_norm
+            x, h = self._norm(after, x, add=block.down_proj(native.silu_mul(block.gate_up_proj(h))))
+        return h
+
+    def encode_prompt(self, target_hidden: torch.Tensor, draft_hidden: torch.Tensor):
+        """``WeaverModel.encode_prompt`` (batch 1)."""
+        from .modeling_weaver import WeaverPrompt  # (the Hub modeling file imports nothing of ours)
+
+        weaver = self.weaver
+        feats = torch.cat([target_hidden[:, None], draft_hidden[:, : weaver.config.K]], dim=1)[0]
+        x = weaver.proposal_in(self._norm(weaver.output_norm, feats.to(weaver.proposal_in.weight.dtype)))
+        p, heads, dim = x.shape[0], weaver.config.num_heads, weaver.config.head_dim
+        positions = torch.arange(p)
+        causal = torch.ones(p, p, dtype=torch.bool).tril()
+        none = x.new_empty(heads, 0, dim)
+        keys = [x.new_empty(heads, p, dim) for _ in weaver.blocks]
+        values = [torch.empty_like(k) for k in keys]
+
+        def attention(i, qkv):  # causal, over the prompt's own slots
+            return native.node_attention(qkv, positions, none, none, keys[i], values[i], causal, 0,
+                                         weaver.config.rope_base, self.scale, want_output=i + 1 < len(keys))
+
+        self._layers(x, self._norm(weaver.blocks[0].norm_attn, x), attention)
+        return WeaverPrompt([k[None] for k in keys], [v[None] for v in values])
+
+    def step(self, prompt, cache, x: torch.Tensor, positions: torch.Tensor, lo: int, mask: torch.Tensor
+             ) -> torch.Tensor:
+        """``WeaverModel.step`` (batch 1, slots ``lo..lo + M - 1``) with ``x [M, d_rank]``, ``positions [M]``
+        (depth + 1) and ``mask [M, max_nodes]`` → ``[M, d_model]``."""
+        weaver = self.weaver
+
+        def attention(i, qkv):
+            return weaver_kernels.node_attention(qkv, positions, prompt.keys[i][0].contiguous(),
+                                                 prompt.values[i][0].contiguous(), cache.keys[i][0],
+                                                 cache.values[i][0], mask, lo, weaver.config.rope_base, self.scale)
+
+        return weaver.lm_head_query_in(self._layers(x, self._norm(weaver.blocks[0].norm_attn, x), attention))
+
+
+def cpu_weaver(weaver, device, policy: TreePolicy = DEFAULT_POLICY) -> CpuWeaver | None:
+    """The :class:`CpuWeaver` of ``weaver`` where its build runs on a CPU through the native kernels (on a CPU, the
+    Weaver there in fp32 or bf16, ``policy.node_attention_on``, and the kernels built), else None."""
+    weight = weaver.proposal_in.weight  # (not weaver.device / .dtype: they walk every parameter)
+    if (torch.device(device).type != "cpu" or weight.device.type != "cpu"
+            or weight.dtype not in (torch.float32, torch.bfloat16) or not policy.node_attention_on(device)
+            or not native.available()):
+        return None
+    return CpuWeaver(weaver)
 
 
 def _root_leaves(cand: torch.Tensor, ids: torch.Tensor, fan: int, children: int):

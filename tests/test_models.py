@@ -532,13 +532,18 @@ def _tree_inputs(seed: int, depth: int = 5, scale: float = 3.0):
 
 @contextlib.contextmanager
 def _counted_steps(weaver):
-    """The number of nodes of each ``weaver.step`` call inside the block."""
-    steps, step = [], weaver.step
+    """The number of nodes of each node step inside the block: ``weaver.step``'s, or on a CPU with the native kernels
+    ``CpuWeaver.step``'s (``depths [1, M]`` or ``positions [M]``: its fourth argument)."""
+    from modeling_weaver.tree import CpuWeaver
+
+    steps, step, cpu_step = [], weaver.step, CpuWeaver.step
     weaver.step = lambda *args, **kwargs: steps.append(args[3].shape[1]) or step(*args, **kwargs)
+    CpuWeaver.step = lambda self, *args, **kwargs: steps.append(args[3].shape[0]) or cpu_step(self, *args, **kwargs)
     try:
         yield steps
     finally:
         del weaver.step
+        CpuWeaver.step = cpu_step
 
 
 # the interpreted kernel at the two smaller budgets (rounds of 2 and 3 nodes): slow under the interpreter at 30

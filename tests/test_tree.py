@@ -100,10 +100,13 @@ def test_rounds_after_the_spine_follow_the_device(monkeypatch):
 
     assert TreePolicy().rounds_on("cpu") == 1 and TreePolicy().rounds_on(torch.device("cuda", 0)) == 4
     assert TreePolicy(spine_rounds=3).rounds_on("cpu") == 3 == TreePolicy(spine_rounds=3).rounds_on("cuda")
+    from modeling_weaver.tree import CpuWeaver
+
     weaver, build = _tiny_weaver_build()
     steps = []
-    real = weaver.step
+    real, cpu_step = weaver.step, CpuWeaver.step  # (the native CPU path steps through CpuWeaver)
     monkeypatch.setattr(weaver, "step", lambda *a, **k: steps.append(1) or real(*a, **k))
+    monkeypatch.setattr(CpuWeaver, "step", lambda *a, **k: steps.append(1) or cpu_step(*a, **k))
     for policy, rounds in ((TreePolicy(), 1), (TreePolicy(spine_rounds=4), 4)):
         steps.clear()
         build(policy, 16)

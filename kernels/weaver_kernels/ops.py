@@ -2,7 +2,8 @@
 with fake (meta) implementations.
 
 Dispatch: Triton kernels for CUDA tensors, the plain torch references otherwise (CPU; ``kda_decode``'s on every
-device: it has no Triton kernel). Being custom ops with fake implementations, they trace as single
+device: it has no Triton kernel); on a CPU, the Weaver build's three ops run native C kernels
+(:mod:`.weaver_tree.cpu`) where they build. Being custom ops with fake implementations, they trace as single
 opaque nodes: ``torch.compile(fullgraph=True)`` of a layer's tree forward has no graph breaks, and the commits are
 declared as in-place mutations (``mutates_args``), so functionalization handles them. Triton is imported only when a
 CUDA tensor arrives (CPU-only installs never need it).
@@ -22,6 +23,7 @@ from .int8_linear.naive import int8_linear_ref
 from .kda_tree.naive import kda_decode_ref, kda_tree_commit_ref, kda_tree_verify_ref
 from .rms_norm.naive import GATED_KINDS, rms_norm_ref
 from .tree_attention.naive import tree_attention_ref
+from .weaver_tree import cpu as weaver_cpu
 from .weaver_tree.naive import node_attention_ref, pool_scores_ref, weaver_expand_ref
 
 
@@ -267,6 +269,8 @@ def _pool_scores_op(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: 
         from .weaver_tree.expand import pool_scores_triton
 
         return pool_scores_triton(query, rows, pool_ids, pool_logits, weight)
+    if weaver_cpu.supports(query, rows, pool_ids, pool_logits, weight) and pool_logits.dtype == torch.float32:
+        return weaver_cpu.pool_scores(query, rows, pool_ids, pool_logits, weight)
     return _contig(pool_scores_ref(query, rows, pool_ids, pool_logits, weight))
 
 
@@ -283,12 +287,18 @@ def _node_attention_op(qkv: Tensor, positions: Tensor, prompt_k: Tensor, prompt_
         from .weaver_tree.attention import node_attention_triton
 
         return node_attention_triton(*args)
+    if weaver_cpu.supports(qkv, positions, prompt_k, prompt_v, node_k, node_v, mask) and mask.dtype == torch.bool:
+        return weaver_cpu.node_attention(*args)
     return _contig(node_attention_ref(*args))
 
 
 @_node_attention_op.register_fake
 def _(qkv, positions, prompt_k, prompt_v, node_k, node_v, mask, lo, rope_base, scale):
     return qkv.new_empty((qkv.shape[0], node_k.shape[0] * node_k.shape[2]))
+
+
+_EXPAND_DTYPES = (torch.float32, torch.long, torch.long, torch.long, torch.float32, torch.long, torch.float32, torch.bool,
+                  torch.float32, torch.long, torch.float32)  # (what the native CPU kernel takes)
 
 
 @_op("weaver::weaver_expand", mutates_args=("tokens", "parents", "logq", "depth", "score", "mask", "f_score", "f_token",
@@ -301,6 +311,10 @@ def _weaver_expand_op(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: T
 
         weaver_expand_triton(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq,
                              lo, hi, take, max_depth, spine)
+        return
+    buffers = (cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq)
+    if weaver_cpu.supports(*buffers) and all(t.dtype == dt for t, dt in zip(buffers, _EXPAND_DTYPES)):
+        weaver_cpu.weaver_expand(*buffers, lo, hi, take, max_depth, spine)
         return
     weaver_expand_ref(cand, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq, lo, hi,
                       take, max_depth, spine)
