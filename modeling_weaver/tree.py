@@ -357,7 +357,8 @@ def weaver_tree_tensors(
         weaver: a :class:`~modeling_weaver.modeling_weaver.WeaverModel`.
         prompt: the Weaver prompt for this step (``weaver.encode_prompt``).
         draft_logits: ``[D, V]`` DFlash marginal logits for depths ``1..D``; depth is capped at
-            ``min(D, weaver.config.K)``.
+            ``min(D, weaver.config.K, budget)`` (a tree of ``budget`` drafts reaches no deeper: on a CPU's budget of 5
+            the spine step runs 5 nodes, not 15).
         node_table: optional ``weaver.node_input_table(embed_tokens.weight)``: node inputs gathered from it instead
             of computed each round.
         spine, rounds: see above.
@@ -366,7 +367,8 @@ def weaver_tree_tensors(
         the draft nodes as :func:`ddtree_tensors` does.
     """
     device = draft_logits.device
-    max_depth = min(draft_logits.shape[0], weaver.config.K)
+    # (no node of a tree of `budget` drafts is deeper than `budget`: deeper spine nodes and their pools are waste)
+    max_depth = min(draft_logits.shape[0], weaver.config.K, budget)
     if max_depth == 0:
         empty = torch.zeros(0, dtype=torch.long, device=device)
         return empty, empty, torch.zeros(0, device=device)

@@ -603,7 +603,7 @@ def _teacher_forced_logp(weaver, prompt, embed, lm_head, tokens, pool_ids, pool_
 
 @pytest.mark.parametrize("budget,rounds,width,root,scale", [
     (7, 0, None, 8, 3.0), (16, 2, None, 8, 3.0), (30, 2, 3, 8, 3.0), (12, 1, 5, 8, 3.0),
-    (16, 2, None, 12, 0.1), (30, 1, 3, 32, 0.3)])
+    (16, 2, None, 12, 0.1), (30, 1, 3, 32, 0.3), (3, 1, None, 8, 0.3), (4, 2, 2, 8, 3.0)])
 def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width, root, scale, monkeypatch):
     """Spine trees (``spine=True``): one node step for the root and DFlash's chain together (but its deepest node,
     whose children could not join), then ``rounds`` steps of
@@ -612,7 +612,8 @@ def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width, root, 
     twice) as candidates, each round stepping the best unstepped candidates, the root's next best children up to
     ``root`` in all (``TreePolicy.root_children``; 32: more than its pool holds) as leaves never stepped, and the
     ``budget`` most probable paths of all of them kept. (Flat draft logits make the root's later children likely
-    enough to be kept.)"""
+    enough to be kept.) A budget below the depth caps the depth: no path of a ``budget``-node tree is deeper, so the
+    search neither steps nor offers deeper nodes."""
     from modeling_weaver.options import TreePolicy
 
     weaver, embed, lm_head, prompt, draft_logits = _tree_inputs(budget, scale=scale)
@@ -622,9 +623,9 @@ def test_weaver_spine_tree_is_the_best_known_paths(budget, rounds, width, root, 
             tree = weaver_tree(3, weaver, prompt, draft_logits, embed, lm_head, budget=budget, width=width,
                                spine=True, rounds=rounds, policy=TreePolicy(root_children=root))
         used = width or -(-budget // 8)
-        assert steps == [5] + [used] * rounds, steps  # (the spine's deepest node: never stepped)
+        fan, max_depth = 8, min(5, budget)
+        assert steps == [max_depth] + [used] * rounds, steps  # (the spine's deepest node: never stepped)
         pool_logits, pool_ids = draft_logits.float().topk(16, dim=-1)
-        fan, max_depth = 8, 5
 
         # the search written out: paths are token tuples from the root
         score = {(3,): 0.0}
