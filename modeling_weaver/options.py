@@ -22,8 +22,8 @@ class TreePolicy:
         spine: start from DFlash's top-1 chain, stepped with the root in one round, then ``spine_rounds`` rounds
             (False: the paper's best-first rounds, one per depth at least).
         spine_rounds: rounds after the spine; a path leaves the spine for at most ``spine_rounds + 1`` Weaver tokens
-            (None: 4 on CUDA, 1 elsewhere — on a CPU each round costs ~2–4 ms of small ops, more than its acceptance
-            brings at the CPU's small trees).
+            (None: 4 on CUDA, 0 elsewhere — on a CPU a round re-reads the Weaver's weights for one node, and at the
+            CPU's budget of 5 one round brought no acceptance in an in-loop comparison, BENCHMARKS.md).
         spine_width: frontier entries per round after the spine (None: ``ceil(budget / 8)``).
         children_per_node: pool candidates each stepped node publishes to the frontier (the expand kernel picks
             them one by one: more costs time per round).
@@ -57,7 +57,7 @@ class TreePolicy:
         """Rounds after the spine on ``device``."""
         if self.spine_rounds is not None:
             return self.spine_rounds
-        return 4 if torch.device(device).type == "cuda" else 1
+        return 4 if torch.device(device).type == "cuda" else 0
 
     def node_attention_on(self, device) -> bool:
         """Whether Weaver node steps on ``device`` use the fused node attention op."""

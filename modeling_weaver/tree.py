@@ -197,9 +197,7 @@ def tree_drafts(mode: str, root, draft_hidden: torch.Tensor, draft_logits: torch
     if mode == "ddtree":
         return ddtree_tensors(draft_logits, budget)
     depth = min(draft_hidden.shape[0], weaver.config.K)
-    on_cpu = cpu_weaver(weaver, draft_logits.device, policy)
-    encode = weaver.encode_prompt if on_cpu is None else on_cpu.encode_prompt
-    prompt = encode(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
+    prompt = PromptInputs(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
     return weaver_tree_tensors(root, weaver, prompt, draft_logits, embed_tokens, lm_head_weight, budget,
                                node_table=node_table, policy=policy)
 
@@ -355,7 +353,8 @@ def weaver_tree_tensors(
     Args:
         root: the bonus token (an int, or a 0-d or one-element tensor on the device).
         weaver: a :class:`~modeling_weaver.modeling_weaver.WeaverModel`.
-        prompt: the Weaver prompt for this step (``weaver.encode_prompt``).
+        prompt: the Weaver prompt for this step (``weaver.encode_prompt``), or the :class:`PromptInputs` it is
+            encoded from (on a CPU with the native kernels, inside the first node step).
         draft_logits: ``[D, V]`` DFlash marginal logits for depths ``1..D``; depth is capped at
             ``min(D, weaver.config.K, budget)`` (a tree of ``budget`` drafts reaches no deeper: on a CPU's budget of 5
             the spine step runs 5 nodes, not 15).
@@ -399,6 +398,8 @@ def weaver_tree_tensors(
     n = 1 + spine_nodes + rounds * width if spine else budget + 1
     cache = weaver.new_node_cache(n, device=device)
     on_cpu = cpu_weaver(weaver, device, policy)
+    if isinstance(prompt, PromptInputs) and on_cpu is None:
+        prompt = weaver.encode_prompt(prompt.target_hidden, prompt.draft_hidden)
     attend = None
     if on_cpu is None and policy.node_attention_on(device) and max(1 + spine_nodes, width) <= weaver_kernels.NODE_ATTENTION_MAX_ROWS:
         # each layer's RoPE, slot writes and attention in one op (one launch per round on CUDA)
@@ -444,7 +445,9 @@ def weaver_tree_tensors(
         d = depth[lo:stepped]
         x = (node_table[tokens[lo:stepped]] if node_table is not None
              else weaver.node_inputs(embed_tokens(tokens[lo:stepped])))
-        if on_cpu is not None:
+        if on_cpu is not None and isinstance(prompt, PromptInputs):
+            prompt, query = on_cpu.first_step(prompt, cache, x, d + 1, lo, mask[lo:stepped])
+        elif on_cpu is not None:
             query = on_cpu.step(prompt, cache, x, d + 1, lo, mask[lo:stepped])
         else:
             query = weaver.step(prompt, cache, x[None], d[None], slice(lo, stepped), mask[None, lo:stepped],
@@ -467,11 +470,20 @@ def weaver_tree_tensors(
     return tokens[1:], parents[1:], logq[1:]
 
 
+@dataclass
+class PromptInputs:
+    """What a Weaver prompt is encoded from (``WeaverModel.encode_prompt``'s arguments, batch 1): a Weaver build takes
+    these in place of the prompt, and on a CPU encodes it inside its first node step (:meth:`CpuWeaver.first_step`)."""
+
+    target_hidden: torch.Tensor
+    draft_hidden: torch.Tensor
+
+
 class CpuWeaver:
-    """A Weaver's prompt encoding and node steps on a CPU through the native kernels of
-    ``weaver_kernels.weaver_tree.cpu``: the GEMMs through the Weaver's own linears (packed inside a generation), each
-    stretch between two of them in one native call — the same functions as ``WeaverModel.encode_prompt`` and
-    ``WeaverModel.step`` (equal within rounding; a test keeps them so), at a tenth of the torch calls."""
+    """A Weaver's node steps on a CPU through the native kernels of ``weaver_kernels.weaver_tree.cpu``: the GEMMs
+    through the Weaver's own linears (packed inside a generation), each stretch between two of them in one native
+    call — the functions of ``WeaverModel.encode_prompt`` and ``WeaverModel.step`` (equal within rounding; tests keep
+    them so), at a tenth of the torch calls."""
 
     def __init__(self, weaver):
         self.weaver = weaver
@@ -481,39 +493,18 @@ class CpuWeaver:
     def _norm(norm, x, add=None):
         return native.rms_norm_bias(x, norm.weight, norm.bias, norm.eps, add=add)
 
-    def _layers(self, x, h, attention):
-        """The blocks from ``h = norm_attn(x)`` of the first: ``attention(i, qkv)`` gives layer i's heads' outputs
-        (None: the last layer's are not wanted); returns the last norm's output (``out_norm``), or None."""
+    def _layers(self, x, attention):
+        """The blocks over the rows ``x``: ``attention(i, qkv)`` gives layer i's heads' outputs for the last rows it
+        keeps (the rows before them end there); returns ``out_norm`` of the rows kept."""
         blocks = self.weaver.blocks
+        h = self._norm(blocks[0].norm_attn, x)
         for i, block in enumerate(blocks):
             attn = attention(i, block.qkv_proj(h))
-            if attn is None:
-                return None
+            x = x[x.shape[0] - attn.shape[0]:]
             x, h = self._norm(block.norm_mlp, x, add=block.o_proj(attn))
             after = blocks[i + 1].norm_attn if i + 1 < len(blocks) else self.weaver.out_norm
             x, h = self._norm(after, x, add=block.down_proj(native.silu_mul(block.gate_up_proj(h))))
         return h
-
-    def encode_prompt(self, target_hidden: torch.Tensor, draft_hidden: torch.Tensor):
-        """``WeaverModel.encode_prompt`` (batch 1)."""
-        from .modeling_weaver import WeaverPrompt  # (the Hub modeling file imports nothing of ours)
-
-        weaver = self.weaver
-        feats = torch.cat([target_hidden[:, None], draft_hidden[:, : weaver.config.K]], dim=1)[0]
-        x = weaver.proposal_in(self._norm(weaver.output_norm, feats.to(weaver.proposal_in.weight.dtype)))
-        p, heads, dim = x.shape[0], weaver.config.num_heads, weaver.config.head_dim
-        positions = torch.arange(p)
-        causal = torch.ones(p, p, dtype=torch.bool).tril()
-        none = x.new_empty(heads, 0, dim)
-        keys = [x.new_empty(heads, p, dim) for _ in weaver.blocks]
-        values = [torch.empty_like(k) for k in keys]
-
-        def attention(i, qkv):  # causal, over the prompt's own slots
-            return native.node_attention(qkv, positions, none, none, keys[i], values[i], causal, 0,
-                                         weaver.config.rope_base, self.scale, want_output=i + 1 < len(keys))
-
-        self._layers(x, self._norm(weaver.blocks[0].norm_attn, x), attention)
-        return WeaverPrompt([k[None] for k in keys], [v[None] for v in values])
 
     def step(self, prompt, cache, x: torch.Tensor, positions: torch.Tensor, lo: int, mask: torch.Tensor
              ) -> torch.Tensor:
@@ -526,7 +517,34 @@ class CpuWeaver:
                                                  prompt.values[i][0].contiguous(), cache.keys[i][0],
                                                  cache.values[i][0], mask, lo, weaver.config.rope_base, self.scale)
 
-        return weaver.lm_head_query_in(self._layers(x, self._norm(weaver.blocks[0].norm_attn, x), attention))
+        return weaver.lm_head_query_in(self._layers(x, attention))
+
+    def first_step(self, inputs: PromptInputs, cache, x: torch.Tensor, positions: torch.Tensor, lo: int,
+                   mask: torch.Tensor):
+        """``WeaverModel.encode_prompt`` of ``inputs``, then :meth:`step`: each layer's GEMMs over the prompt's rows
+        and the nodes' together (a weight read once, not twice). The prompt rows attend causally among themselves and
+        stop after the last layer's attention (their outputs are never read). Returns ``(prompt, queries)``."""
+        from .modeling_weaver import WeaverPrompt  # (the Hub modeling file imports nothing of ours)
+
+        weaver = self.weaver
+        feats = torch.cat([inputs.target_hidden[:, None], inputs.draft_hidden[:, : weaver.config.K]], dim=1)[0]
+        rows = weaver.proposal_in(self._norm(weaver.output_norm, feats.to(weaver.proposal_in.weight.dtype)))
+        p, heads, dim = rows.shape[0], weaver.config.num_heads, weaver.config.head_dim
+        prompt_positions, causal = torch.arange(p), torch.ones(p, p, dtype=torch.bool).tril()
+        none = rows.new_empty(heads, 0, dim)
+        keys = [rows.new_empty(heads, p, dim) for _ in weaver.blocks]
+        values = [torch.empty_like(k) for k in keys]
+
+        def attention(i, qkv):
+            last = i + 1 == len(keys)
+            own = native.node_attention(qkv[:p], prompt_positions, none, none, keys[i], values[i], causal, 0,
+                                        weaver.config.rope_base, self.scale, want_output=not last)
+            nodes = weaver_kernels.node_attention(qkv[p:], positions, keys[i], values[i], cache.keys[i][0],
+                                                  cache.values[i][0], mask, lo, weaver.config.rope_base, self.scale)
+            return nodes if last else torch.cat([own, nodes])
+
+        queries = weaver.lm_head_query_in(self._layers(torch.cat([rows, x]), attention))
+        return WeaverPrompt([k[None] for k in keys], [v[None] for v in values]), queries
 
 
 def cpu_weaver(weaver, device, policy: TreePolicy = DEFAULT_POLICY) -> CpuWeaver | None:

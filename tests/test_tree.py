@@ -94,11 +94,12 @@ def _tiny_weaver_build():
 
 
 def test_rounds_after_the_spine_follow_the_device(monkeypatch):
-    """TreePolicy.spine_rounds None: 4 rounds after the spine on CUDA, 1 elsewhere (each round is ~2-4 ms of small ops
-    on a CPU); a value given is used everywhere. A CPU build steps the spine round and then that many rounds."""
+    """TreePolicy.spine_rounds None: 4 rounds after the spine on CUDA, none elsewhere (a CPU round re-reads the
+    Weaver's weights for one node); a value given is used everywhere. A CPU build steps the spine round and then that
+    many rounds."""
     from modeling_weaver.options import TreePolicy
 
-    assert TreePolicy().rounds_on("cpu") == 1 and TreePolicy().rounds_on(torch.device("cuda", 0)) == 4
+    assert TreePolicy().rounds_on("cpu") == 0 and TreePolicy().rounds_on(torch.device("cuda", 0)) == 4
     assert TreePolicy(spine_rounds=3).rounds_on("cpu") == 3 == TreePolicy(spine_rounds=3).rounds_on("cuda")
     from modeling_weaver.tree import CpuWeaver
 
@@ -107,7 +108,7 @@ def test_rounds_after_the_spine_follow_the_device(monkeypatch):
     real, cpu_step = weaver.step, CpuWeaver.step  # (the native CPU path steps through CpuWeaver)
     monkeypatch.setattr(weaver, "step", lambda *a, **k: steps.append(1) or real(*a, **k))
     monkeypatch.setattr(CpuWeaver, "step", lambda *a, **k: steps.append(1) or cpu_step(*a, **k))
-    for policy, rounds in ((TreePolicy(), 1), (TreePolicy(spine_rounds=4), 4)):
+    for policy, rounds in ((TreePolicy(), 0), (TreePolicy(spine_rounds=4), 4)):
         steps.clear()
         build(policy, 16)
         assert len(steps) == 1 + rounds, (policy, steps)
