@@ -409,34 +409,17 @@ def weaver_tree_tensors(
         def attend(i, qkv, positions, lo, rows):
             return weaver_kernels.node_attention(qkv, positions, *prompt_kv[i], cache.keys[i][0], cache.values[i][0],
                                                  rows, lo, weaver.config.rope_base, scale)
-    neg_inf = float("-inf")
-
-    # No Python-number stores into device tensors below (`x[i] = 0.0` copies from the host, which a CUDA graph
-    # capture refuses): fill_, index_fill_ and torch.where take scalars without a copy.
-    tokens = torch.zeros(n, dtype=torch.long, device=device)
-    tokens[:1].copy_(torch.as_tensor(root, device=device).view(1))
-    parents = torch.full((n,), -1, dtype=torch.long, device=device)
-    logq = torch.full((n,), neg_inf, device=device)
-    logq[:1].fill_(0.0)
-    depth = torch.zeros(n, dtype=torch.long, device=device)
-    score = torch.zeros(n, device=device)  # log-probability of the root→node path
-    mask = torch.eye(n, dtype=torch.bool, device=device)
-    # Frontier: slot node·fan + j holds the j-th best child candidate of that node.
-    f_score = torch.full((n * fan,), neg_inf, device=device)
-    f_token = torch.zeros(n * fan, dtype=torch.long, device=device)
-    f_logq = torch.zeros(n * fan, device=device)
-
+    lo, hi = 0, 1 + spine_nodes if spine else 1
+    if on_cpu is not None and spine:  # (the same setup in one native call)
+        tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq = native.spine_buffers(
+            root, pool_ids, spine_nodes, n, fan)
+    else:
+        tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq = _build_buffers(
+            root, pool_ids, spine_nodes if spine else 0, n, fan, device)
     # Each round expands the nodes made by the previous one: always the contiguous range lo..hi-1 (the root first),
     # so reads and writes of per-node rows are slices (views and plain copies instead of gathers and scatters). Its
     # bookkeeping — candidate scores, children to the frontier, the next nodes — is two weaver_kernels ops (two
-    # Triton launches on CUDA instead of ~25 small kernels; the torch reference elsewhere).
-    lo, hi = 0, 1
-    if spine:  # nodes 1..max_depth: DFlash's chain, stepped with the root in the first round
-        hi = 1 + spine_nodes
-        tokens[1:hi].copy_(pool_ids[:, 0])
-        parents[1:hi].copy_(torch.arange(spine_nodes, device=device))
-        depth[:hi].copy_(torch.arange(hi, device=device))
-        mask[:hi, :hi].copy_(torch.ones(hi, hi, dtype=torch.bool, device=device).tril())
+    # Triton launches on CUDA, two native calls on a CPU; the torch reference elsewhere).
     # (with a spine every stepped node's children are candidates, the last round's too: the tree is picked after)
     while lo < hi:
         # The spine's deepest node is at the maximum depth: its step would publish nothing (its score comes from its
@@ -468,6 +451,32 @@ def weaver_tree_tensors(
         return (best_known if on_cpu is None else native.best_known)(tokens, parents, logq, depth, score, f_score,
                                                                       f_token, f_logq, budget, root_leaves)
     return tokens[1:], parents[1:], logq[1:]
+
+
+def _build_buffers(root, pool_ids: torch.Tensor, spine: int, n: int, fan: int, device):
+    """A Weaver build's buffers (see :func:`~weaver_kernels.weaver_expand_ref`): ``n`` nodes, the root first, then
+    ``spine`` nodes: the chain of the pool's first candidates (node i at depth i); the rest padding roots; a frontier
+    of ``n · fan`` empty entries (slot node·fan + j: the j-th best child candidate of that node)."""
+    # No Python-number stores into device tensors here (`x[i] = 0.0` copies from the host, which a CUDA graph capture
+    # refuses): fill_ and full take scalars without a copy.
+    neg_inf = float("-inf")
+    tokens = torch.zeros(n, dtype=torch.long, device=device)
+    tokens[:1].copy_(torch.as_tensor(root, device=device).view(1))
+    parents = torch.full((n,), -1, dtype=torch.long, device=device)
+    logq = torch.full((n,), neg_inf, device=device)
+    logq[:1].fill_(0.0)
+    depth = torch.zeros(n, dtype=torch.long, device=device)
+    score = torch.zeros(n, device=device)  # log-probability of the root→node path
+    mask = torch.eye(n, dtype=torch.bool, device=device)
+    if spine:
+        hi = 1 + spine
+        tokens[1:hi].copy_(pool_ids[:spine, 0])
+        parents[1:hi].copy_(torch.arange(spine, device=device))
+        depth[:hi].copy_(torch.arange(hi, device=device))
+        mask[:hi, :hi].copy_(torch.ones(hi, hi, dtype=torch.bool, device=device).tril())
+    frontier = (torch.full((n * fan,), neg_inf, device=device), torch.zeros(n * fan, dtype=torch.long, device=device),
+                torch.zeros(n * fan, device=device))
+    return (tokens, parents, logq, depth, score, mask, *frontier)
 
 
 @dataclass

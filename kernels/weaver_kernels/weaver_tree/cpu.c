@@ -342,6 +342,28 @@ int weaver_expand(const float *cand, int64_t C, const int64_t *pool_ids, int64_t
     return 0;
 }
 
+/* A spine build's buffers before its first round (weaver_tree_tensors' setup): the root, nodes 1..spine the chain of
+ * first pool candidates (node i at depth i, parent i - 1), ancestor masks, an empty frontier; nodes past the spine
+ * padding roots. */
+void weaver_spine_init(const int64_t *root, const int64_t *pool_ids, int64_t C, int64_t spine, int64_t *tokens,
+                       int64_t *parents, float *logq, int64_t *depth, float *score, uint8_t *mask, float *f_score,
+                       int64_t *f_token, float *f_logq, int64_t n, int64_t fan) {
+    for (int64_t i = 0; i < n; i++) {
+        const int on = i <= spine;
+        tokens[i] = i == 0 ? *root : on ? pool_ids[(i - 1) * C] : 0;
+        parents[i] = i > 0 && on ? i - 1 : -1;
+        logq[i] = i == 0 ? 0.0f : -INFINITY;
+        depth[i] = on ? i : 0;
+        score[i] = 0.0f;
+        for (int64_t j = 0; j < n; j++) mask[i * n + j] = on ? j <= i : j == i;
+    }
+    for (int64_t e = 0; e < n * fan; e++) {
+        f_score[e] = -INFINITY;
+        f_token[e] = 0;
+        f_logq[e] = 0.0f;
+    }
+}
+
 /* tree._root_leaves: the spine root's candidates fan..end-1 after its column 0, stable descending by
  * log-probability → (values, tokens); returns how many (end - fan, or 0). */
 int64_t weaver_root_leaves(const float *cand, const int64_t *ids, int64_t C, int64_t fan, int64_t end, float *values,

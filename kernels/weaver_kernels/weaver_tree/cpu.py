@@ -40,6 +40,7 @@ _SIGNATURES = types.MappingProxyType({
     "weaver_pool_scores": (_D, [_P, _D, _I, _I, _P, _P, _P, _I, _P, _D, _P]),
     "weaver_expand": (_D, [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I]),
     "weaver_root_leaves": (_I, [_P, _P, _I, _I, _I, _P, _P]),
+    "weaver_spine_init": (None, [_P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I]),
     "weaver_best_known": (_D, [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P]),
 })
 
@@ -194,6 +195,22 @@ def weaver_expand(cand: Tensor, pool_ids: Tensor, tokens: Tensor, parents: Tenso
         cand.data_ptr(), cand.shape[1], pool_ids.data_ptr(), tokens.data_ptr(), parents.data_ptr(), logq.data_ptr(),
         depth.data_ptr(), score.data_ptr(), mask.data_ptr(), f_score.data_ptr(), f_token.data_ptr(),
         f_logq.data_ptr(), n, f_score.shape[0] // n, lo, hi, take, max_depth, spine), "weaver_expand")
+
+
+def spine_buffers(root: int | Tensor, pool_ids: Tensor, spine: int, n: int, fan: int) -> tuple[Tensor, ...]:
+    """The buffers of a spine build (``tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq``, as
+    ``weaver_tree_tensors`` sets them up) in one call: the root, nodes ``1..spine`` the chain of ``pool_ids [D, P]``'s
+    first candidates, the rest padding roots, an empty frontier of ``n · fan`` entries."""
+    root = torch.as_tensor(root, dtype=torch.long).view(1)  # (read by the kernel: no host read of a tensor root)
+    _need("spine_buffers", (), (pool_ids, root))
+    longs, floats = (torch.empty(n, dtype=torch.long) for _ in range(3)), (torch.empty(n) for _ in range(2))
+    (tokens, parents, depth), (logq, score) = longs, floats
+    mask = torch.empty(n, n, dtype=torch.bool)
+    f_score, f_token, f_logq = torch.empty(n * fan), torch.empty(n * fan, dtype=torch.long), torch.empty(n * fan)
+    _library().weaver_spine_init(root.data_ptr(), pool_ids.data_ptr(), pool_ids.shape[1], spine, tokens.data_ptr(),
+                                 parents.data_ptr(), logq.data_ptr(), depth.data_ptr(), score.data_ptr(),
+                                 mask.data_ptr(), f_score.data_ptr(), f_token.data_ptr(), f_logq.data_ptr(), n, fan)
+    return tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq
 
 
 def root_leaves(cand: Tensor, ids: Tensor, fan: int, children: int) -> tuple[Tensor, Tensor, Tensor] | None:
