@@ -409,6 +409,10 @@ def weaver_tree_tensors(
         def attend(i, qkv, positions, lo, rows):
             return weaver_kernels.node_attention(qkv, positions, *prompt_kv[i], cache.keys[i][0], cache.values[i][0],
                                                  rows, lo, weaver.config.rope_base, scale)
+    if on_cpu is not None and spine and rounds == 0:  # one node step, its bookkeeping in one native call
+        return _cpu_spine_tree(on_cpu, root, prompt, cache, pool_ids, pool_logits, lm_head_rows, node_table,
+                               embed_tokens, fan, budget // 2 if policy.root_children is None else policy.root_children,
+                               budget)
     lo, hi = 0, 1 + spine_nodes if spine else 1
     if on_cpu is not None and spine:  # (the same setup in one native call)
         tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq = native.spine_buffers(
@@ -451,6 +455,30 @@ def weaver_tree_tensors(
         return (best_known if on_cpu is None else native.best_known)(tokens, parents, logq, depth, score, f_score,
                                                                       f_token, f_logq, budget, root_leaves)
     return tokens[1:], parents[1:], logq[1:]
+
+
+@functools.lru_cache(maxsize=64)
+def _spine_rows(spine: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE positions ``[spine]`` and ancestor masks ``[spine, spine + 1]`` of a spine step's nodes (the root and the
+    chain but its deepest node, node i at depth i): constants, only read."""
+    with torch.inference_mode(False):
+        return torch.arange(1, spine + 1), torch.ones(spine, spine + 1, dtype=torch.bool).tril()
+
+
+def _cpu_spine_tree(on_cpu, root, prompt, cache, pool_ids, pool_logits, lm_head_rows, node_table, embed_tokens,
+                    fan: int, children: int, budget: int):
+    """:func:`weaver_tree_tensors` of a spine tree with no rounds after the spine on a CPU with the native kernels:
+    the one node step (:class:`CpuWeaver`), then ``weaver_kernels.weaver_tree.cpu.spine_tree`` (the same
+    bookkeeping as the general loop's ops, in one call; a test keeps the two equal)."""
+    spine = pool_ids.shape[0]
+    tokens = torch.cat([torch.as_tensor(root, dtype=torch.long).view(1), pool_ids[: spine - 1, 0]])
+    x = node_table[tokens] if node_table is not None else on_cpu.weaver.node_inputs(embed_tokens(tokens))
+    positions, mask = _spine_rows(spine)
+    if isinstance(prompt, PromptInputs):
+        query = on_cpu.first_step(prompt, cache, x, positions, 0, mask)[1]
+    else:
+        query = on_cpu.step(prompt, cache, x, positions, 0, mask)
+    return native.spine_tree(query, root, pool_ids, pool_logits, lm_head_rows, fan, children, budget)
 
 
 def _build_buffers(root, pool_ids: torch.Tensor, spine: int, n: int, fan: int, device):

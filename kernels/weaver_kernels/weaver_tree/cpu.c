@@ -205,6 +205,7 @@ int weaver_node_attention(const void *qkv, int qdt, const int64_t *positions, co
                 for (; j0 + 64 <= D; j0 += 64) { /* 4 × 16 columns in registers over all keys: 4 chains */
                     v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
                     for (int64_t t = 0; t < L; t++) {
+                        if (p[t] == 0.0f) continue; /* (masked: its slot may hold anything) */
                         const float *vr = vals + t * D + j0;
                         a0 += p[t] * load16(vr);
                         a1 += p[t] * load16(vr + 16);
@@ -218,12 +219,14 @@ int weaver_node_attention(const void *qkv, int qdt, const int64_t *positions, co
                 }
                 for (; j0 + 16 <= D; j0 += 16) {
                     v16 acc = {0};
-                    for (int64_t t = 0; t < L; t++) acc += p[t] * load16(vals + t * D + j0);
+                    for (int64_t t = 0; t < L; t++)
+                        if (p[t] != 0.0f) acc += p[t] * load16(vals + t * D + j0);
                     store16(o + j0, acc * inv);
                 }
                 for (; j0 < D; j0++) {
                     float acc = 0.0f;
-                    for (int64_t t = 0; t < L; t++) acc += p[t] * vals[t * D + j0];
+                    for (int64_t t = 0; t < L; t++)
+                        if (p[t] != 0.0f) acc += p[t] * vals[t * D + j0];
                     o[j0] = acc * inv;
                 }
                 from_f32(o, out, qdt, m * H * D + h * D, D);
@@ -454,4 +457,38 @@ int weaver_best_known(const int64_t *tokens, const int64_t *parents, const float
     }
     free(keys), free(iwork), free(used);
     return 0;
+}
+
+/* A spine tree with no rounds after the spine (the CPU's default), from the spine step's `query [spine, d]` (nodes
+ * 0..spine-1: the root and the chain but its deepest node): tree.weaver_tree_tensors' bookkeeping for it — pool
+ * scores, the expand of nodes 0..spine, the root's leaves (up to `children` children), the best-known pick — in one
+ * call, through the functions above. Writes the `budget` draft nodes. */
+int weaver_spine_tree(const void *query, int qdt, int64_t d, const int64_t *root, const int64_t *pool_ids,
+                      const float *pool_logits, int64_t C, const void *weight, int wdt, int64_t spine, int64_t fan,
+                      int64_t children, int64_t budget, int64_t *out_tokens, int64_t *out_parents, float *out_logq) {
+    const int64_t n = 1 + spine, F = n * fan, end = children < C - 1 ? children : C - 1;
+    int64_t *ints = malloc(sizeof(int64_t) * (spine + 3 * n + F + C));
+    float *floats = calloc((size_t)(n * C + 2 * n + 2 * F + 2 * C), sizeof(float));
+    uint8_t *mask = malloc((size_t)(n * n));
+    int status = -1;
+    if (!ints || !floats || !mask) goto done;
+    int64_t *rows = ints, *tokens = rows + spine, *parents = tokens + n, *depth = parents + n, *f_token = depth + n,
+            *leaf_token = f_token + F;
+    float *cand = floats, *logq = cand + n * C, *score = logq + n, *f_score = score + n, *f_logq = f_score + F,
+          *leaf_score = f_logq + F;
+    for (int64_t m = 0; m < spine; m++) rows[m] = m; /* node m is at depth m: its children's pool row */
+    if (weaver_pool_scores(query, qdt, spine, d, rows, pool_ids, pool_logits, C, weight, wdt, cand)) goto done;
+    /* (the deepest spine node's row stays zero: a placeholder the expand never publishes) */
+    weaver_spine_init(root, pool_ids, C, spine, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq, n,
+                      fan);
+    if (weaver_expand(cand, C, pool_ids, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq, n, fan,
+                      0, n, 0, spine, spine))
+        goto done;
+    const int64_t L = weaver_root_leaves(cand, pool_ids, C, fan, end, leaf_score, leaf_token);
+    if (L < 0) goto done;
+    status = weaver_best_known(tokens, parents, logq, depth, score, f_score, f_token, f_logq, n, fan, leaf_score,
+                               leaf_token, leaf_score, L, budget, out_tokens, out_parents, out_logq);
+done:
+    free(ints), free(floats), free(mask);
+    return status;
 }

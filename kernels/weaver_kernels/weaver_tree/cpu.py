@@ -40,6 +40,7 @@ _SIGNATURES = types.MappingProxyType({
     "weaver_pool_scores": (_D, [_P, _D, _I, _I, _P, _P, _P, _I, _P, _D, _P]),
     "weaver_expand": (_D, [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I]),
     "weaver_root_leaves": (_I, [_P, _P, _I, _I, _I, _P, _P]),
+    "weaver_spine_tree": (_D, [_P, _D, _I, _P, _P, _P, _I, _P, _D, _I, _I, _I, _I, _P, _P, _P]),
     "weaver_spine_init": (None, [_P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I]),
     "weaver_best_known": (_D, [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P]),
 })
@@ -241,4 +242,25 @@ def best_known(tokens: Tensor, parents: Tensor, logq: Tensor, depth: Tensor, sco
         None if root_leaves is None else leaf_score.data_ptr(), None if root_leaves is None else leaf_token.data_ptr(),
         None if root_leaves is None else leaf_logq.data_ptr(), 0 if root_leaves is None else leaf_score.shape[0],
         budget, *(t.data_ptr() for t in out)), "best_known")
+    return out
+
+
+def spine_tree(query: Tensor, root: int | Tensor, pool_ids: Tensor, pool_logits: Tensor, weight: Tensor, fan: int,
+               children: int, budget: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The draft nodes of a spine tree with no rounds after the spine (``tree.weaver_tree_tensors`` with
+    ``rounds=0``) from its one step's ``query [spine, d]`` (the root and the chain but its deepest node, ``spine``
+    = ``pool_ids.shape[0]`` nodes): the pool scores, the expand, the root's leaves and the best-known pick in one
+    call."""
+    root = torch.as_tensor(root, dtype=torch.long).view(1)
+    _need("spine_tree", (query, pool_logits, weight), (pool_ids, root))
+    spine = pool_ids.shape[0]
+    if query.shape[0] != spine or pool_logits.dtype != torch.float32 or pool_logits.shape != pool_ids.shape:
+        raise ValueError(f"spine_tree: a query row per spine node ({spine}) and fp32 pool logits shaped as the ids "
+                         f"{tuple(pool_ids.shape)}; got {tuple(query.shape)}, {pool_logits.dtype} "
+                         f"{tuple(pool_logits.shape)}")
+    out = (torch.empty(budget, dtype=torch.long), torch.empty(budget, dtype=torch.long), torch.empty(budget))
+    _check(_library().weaver_spine_tree(
+        query.data_ptr(), _DTYPES[query.dtype], query.shape[1], root.data_ptr(), pool_ids.data_ptr(),
+        pool_logits.data_ptr(), pool_ids.shape[1], weight.data_ptr(), _DTYPES[weight.dtype], spine, fan, children,
+        budget, *(t.data_ptr() for t in out)), "spine_tree")
     return out
