@@ -127,11 +127,15 @@ def test_the_pool_follows_the_device(monkeypatch):
     assert TreePolicy(pool_size=1024).pool_on("cpu", 512) == 512
     with pytest.raises(ValueError, match="pool_size"):
         TreePolicy(pool_size=0).pool_on("cpu", 512)
+    from weaver_kernels.weaver_tree import cpu as native
+
     weaver, build = _tiny_weaver_build()
     widths = []
-    real = weaver_kernels.pool_scores
+    real, real_spine = weaver_kernels.pool_scores, native.spine_tree  # (the native CPU build scores in spine_tree)
     monkeypatch.setattr(weaver_kernels, "pool_scores", lambda q, r, ids, *a: widths.append(ids.shape[1]) or
                         real(q, r, ids, *a))
+    monkeypatch.setattr(native, "spine_tree", lambda q, root, ids, *a: widths.append(ids.shape[1]) or
+                        real_spine(q, root, ids, *a))
     for policy, width in ((TreePolicy(), min(32, weaver.config.candidate_pool_size)), (TreePolicy(pool_size=5), 5)):
         widths.clear()
         _, parents, _ = build(policy, 8)
