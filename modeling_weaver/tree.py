@@ -674,8 +674,8 @@ def default_tree_budget(device) -> int:
 
 def default_tree_mode(device, weaver=None) -> str:
     """The tree mode a generation on ``device`` uses when none is given: Weaver trees on accelerators when a Weaver is
-    given, DDTree otherwise. On a CPU a Weaver build is some hundred small ops (~10 ms on two cores against ~1 ms for
-    DDTree's), more than its extra acceptance brings at the budgets a CPU verifies (BENCHMARKS.md)."""
+    given, DDTree otherwise. On a CPU a Weaver build costs about twice DDTree's (through the native kernels) and at
+    the budgets a CPU verifies its acceptance is level with DDTree's (BENCHMARKS.md)."""
     return "weaver" if weaver is not None and torch.device(device).type != "cpu" else "ddtree"
 
 

@@ -17,7 +17,8 @@ static KV cache, split over the cache rows: a captured step's cost follows the u
 :func:`rms_norm` (transformers' RMSNorm forms in one launch: the decode step runs ~200 of them). For the Weaver
 tree build, :func:`node_attention` (a layer's RoPE, node K/V writes and attention for a round's nodes in one launch),
 :func:`pool_scores` and :func:`weaver_expand`: one expansion round's candidate scoring and frontier bookkeeping in
-two launches. For drafters, :func:`int8_linear` (a few rows through int8 weights: the draft's lm_head), and on a
+two launches (on a CPU, native C kernels, :mod:`.weaver_tree.cpu`, which also hold the rest of a CPU build's
+stages between its GEMMs). For drafters, :func:`int8_linear` (a few rows through int8 weights: the draft's lm_head), and on a
 CPU :func:`cpu_int8_linear` (fbgemm's int8 GEMM on a prepacked copy; activations rounded too: drafts only).
 
 Kernels: :mod:`.gdn_tree.chunk` (verify: the forms in :mod:`.gdn_tree.fused`, :mod:`.gdn_tree.resident` and
