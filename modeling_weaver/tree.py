@@ -197,7 +197,7 @@ def tree_drafts(mode: str, root, draft_hidden: torch.Tensor, draft_logits: torch
     if mode == "ddtree":
         return ddtree_tensors(draft_logits, budget)
     depth = min(draft_hidden.shape[0], weaver.config.K)
-    prompt = PromptInputs(last_hidden[None], draft_hidden[None, :depth].to(last_hidden.dtype))
+    prompt = PromptInputs(last_hidden[None], draft_hidden[None, :depth])
     return weaver_tree_tensors(root, weaver, prompt, draft_logits, embed_tokens, lm_head_weight, budget,
                                node_table=node_table, policy=policy)
 
@@ -399,7 +399,7 @@ def weaver_tree_tensors(
     cache = weaver.new_node_cache(n, device=device)
     on_cpu = cpu_weaver(weaver, device, policy)
     if isinstance(prompt, PromptInputs) and on_cpu is None:
-        prompt = weaver.encode_prompt(prompt.target_hidden, prompt.draft_hidden)
+        prompt = weaver.encode_prompt(prompt.target_hidden, prompt.draft_hidden.to(prompt.target_hidden.dtype))
     attend = None
     if on_cpu is None and policy.node_attention_on(device) and max(1 + spine_nodes, width) <= weaver_kernels.NODE_ATTENTION_MAX_ROWS:
         # each layer's RoPE, slot writes and attention in one op (one launch per round on CUDA)
@@ -458,6 +458,13 @@ def weaver_tree_tensors(
 
 
 @functools.lru_cache(maxsize=64)
+def _prompt_rows(p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE positions ``[p]`` and causal masks ``[p, p]`` of a Weaver prompt's rows: constants, only read."""
+    with torch.inference_mode(False):
+        return torch.arange(p), torch.ones(p, p, dtype=torch.bool).tril()
+
+
+@functools.lru_cache(maxsize=64)
 def _spine_rows(spine: int) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE positions ``[spine]`` and ancestor masks ``[spine, spine + 1]`` of a spine step's nodes (the root and the
     chain but its deepest node, node i at depth i): constants, only read."""
@@ -509,8 +516,9 @@ def _build_buffers(root, pool_ids: torch.Tensor, spine: int, n: int, fan: int, d
 
 @dataclass
 class PromptInputs:
-    """What a Weaver prompt is encoded from (``WeaverModel.encode_prompt``'s arguments, batch 1): a Weaver build takes
-    these in place of the prompt, and on a CPU encodes it inside its first node step (:meth:`CpuWeaver.first_step`)."""
+    """What a Weaver prompt is encoded from (``WeaverModel.encode_prompt``'s arguments, batch 1; the drafter's hidden
+    states in the drafter's dtype, cast to the target's as encoding them does): a Weaver build takes these in place of
+    the prompt, and on a CPU encodes it inside its first node step (:meth:`CpuWeaver.first_step`)."""
 
     target_hidden: torch.Tensor
     draft_hidden: torch.Tensor
@@ -563,11 +571,15 @@ class CpuWeaver:
         stop after the last layer's attention (their outputs are never read). Returns ``(prompt, queries)``."""
         from .modeling_weaver import WeaverPrompt  # (the Hub modeling file imports nothing of ours)
 
-        weaver = self.weaver
-        feats = torch.cat([inputs.target_hidden[:, None], inputs.draft_hidden[:, : weaver.config.K]], dim=1)[0]
-        rows = weaver.proposal_in(self._norm(weaver.output_norm, feats.to(weaver.proposal_in.weight.dtype)))
+        weaver, norm = self.weaver, self.weaver.output_norm
+        # (the features cast to the target's dtype, then to the Weaver's: as the Weaver's encoding casts them)
+        draft = inputs.draft_hidden[0, : weaver.config.K]
+        if draft.dtype != inputs.target_hidden.dtype:
+            draft = draft.to(inputs.target_hidden.dtype)
+        rows = weaver.proposal_in(native.prompt_norm(inputs.target_hidden[0].contiguous(), draft.contiguous(),
+                                                     norm.weight, norm.bias, norm.eps, weaver.proposal_in.weight.dtype))
         p, heads, dim = rows.shape[0], weaver.config.num_heads, weaver.config.head_dim
-        prompt_positions, causal = torch.arange(p), torch.ones(p, p, dtype=torch.bool).tril()
+        prompt_positions, causal = _prompt_rows(p)
         none = rows.new_empty(heads, 0, dim)
         keys = [rows.new_empty(heads, p, dim) for _ in weaver.blocks]
         values = [torch.empty_like(k) for k in keys]

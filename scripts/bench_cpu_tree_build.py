@@ -2,8 +2,10 @@
 """Per-step tree-build time on CPU, Weaver against DDTree, side by side in one process: the inputs of real steps (the
 shipped SmolLM2 pair, greedy, the default CPU budget and packed linears) are recorded from a few generations, then
 each step's tree is built by each variant in turn, interleaved, and the medians reported (contention hits all alike).
-Variants: DDTree, the Weaver in fp32 and, where bf16 matmuls are native, in bf16 (the drafters' dtype there);
-``--parts`` adds where a bf16 (else fp32) Weaver build spends its time.
+Variants: DDTree, the Weaver in fp32 and, where bf16 matmuls are native, in bf16 (the drafters' dtype there), each
+through the native CPU kernels where they build; ``--parts`` adds where a bf16 (else fp32) Weaver build through the
+torch references spends its time (the native build has no such parts). Warm replays flatter a build: inside the loop
+it costs more (``scripts/bench_cpu_tree_loop.py``).
 
     PYTHONPATH=$PWD:$PWD/kernels python scripts/bench_cpu_tree_build.py --prompts 2 --repeats 5 --parts
 """
@@ -27,6 +29,7 @@ from modeling_weaver.lab import smollm2
 from modeling_weaver.lab.data import chat_prompt_ids, load_eval_prompts
 from modeling_weaver.packed import packed_cpu_linears
 from modeling_weaver.tree import tree_drafts, with_root
+from weaver_kernels.weaver_tree import cpu as native
 
 
 def timed_parts(weaver, stack: contextlib.ExitStack) -> dict:
@@ -92,6 +95,7 @@ def main() -> None:
         if args.parts:
             weaver = weavers[drafter_dtype]
             with contextlib.ExitStack() as stack:
+                stack.enter_context(mock.patch.object(native, "available", lambda: False))  # (the references)
                 spent = timed_parts(weaver, stack)
                 for root, hidden, logits, budget, last_hidden in steps * args.repeats:
                     with_root(root, tree_drafts("weaver", root, hidden, logits, budget, weaver, last_hidden, embed,

@@ -26,6 +26,9 @@ def main() -> None:
     ap.add_argument("--mode", action="append", default=None, choices=("weaver", "ddtree", "chain"),
                     help="tree mode (repeat to compare; default: weaver)")
     ap.add_argument("--dtype", default="float32", help="of the target, drafter and Weaver")
+    ap.add_argument("--drafter-dtype", default=None,
+                    help="of the drafter and Weaver (default: --dtype; auto: bf16 where the CPU has bf16 matmuls, as "
+                         "the demo and weaver bench load them)")
     ap.add_argument("--pair", action="append", default=None, metavar="DIR",
                     help="a folder with dflash/ and weaver/ (repeat to compare; default: the shipped pair)")
     ap.add_argument("--tree-budget", action="append", default=None, metavar="N|auto",
@@ -42,7 +45,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     target, tokenizer = smollm2.load_target("smollm2", dtype=dtype, device=torch.device("cpu"))
     budgets = [None if b is None else b if b == "auto" else int(b) for b in args.tree_budget or [None]]
-    models = {folder: tuple(AutoModel.from_pretrained(f"{folder}/{part}", trust_remote_code=True, dtype=dtype)
+    drafter_dtype = dtype if args.drafter_dtype is None else smollm2.resolve_drafter_dtype(
+        args.drafter_dtype, torch.device("cpu"), dtype)
+    models = {folder: tuple(AutoModel.from_pretrained(f"{folder}/{part}", trust_remote_code=True, dtype=drafter_dtype)
                             for part in ("dflash", "weaver"))
               for folder in args.pair or [str(DEFAULT_SHIPPED_DRAFTERS)]}
     modes = args.mode or ["weaver"]
@@ -61,7 +66,7 @@ def main() -> None:
                                        f"budget {run[1]}" if len(budgets) > 1 else "",
                                        f"rounds {run[2][0]} pool {run[2][1]}" if len(rounds) > 1 else "",
                                        run[3] if len(modes) > 1 else "") if x) for run in runs}
-    ratios = {run: [] for run in runs}
+    ratios, mals = {run: [] for run in runs}, {run: [] for run in runs}
     hf_total, ours_total = 0.0, dict.fromkeys(runs, 0.0)
     for dataset, items in load_eval_prompts().items():
         for p in items[:args.per_dataset]:
@@ -81,6 +86,7 @@ def main() -> None:
                                                   return_stats=True)
                 ours = time.perf_counter() - start
                 ratios[run].append(hf / ours)
+                mals[run].append(stats.mean_accepted_length)
                 ours_total[run] += ours
                 name = f" [{names[run]}]" if names[run] else ""
                 line += (f"; ours{name} {n / ours:.2f} tok/s = {hf / ours:.2f}x, MAL {stats.mean_accepted_length:.2f},"
@@ -89,7 +95,8 @@ def main() -> None:
     for run in runs:
         name = f"{names[run]}: " if names[run] else ""
         print(f"{name}overall {hf_total / ours_total[run]:.2f}x (time-weighted), per prompt "
-              f"{min(ratios[run]):.2f}-{max(ratios[run]):.2f}x")
+              f"{min(ratios[run]):.2f}-{max(ratios[run]):.2f}x, MAL {sum(mals[run]) / len(mals[run]):.3f} "
+              f"(mean over prompts)")
 
 if __name__ == "__main__":
     main()

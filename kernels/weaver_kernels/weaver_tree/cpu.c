@@ -125,6 +125,25 @@ int weaver_rms_norm(const void *x, const void *add, void *x_out, void *out, int 
     return 0;
 }
 
+/* A Weaver prompt's input rows: the target's hidden state `first [d]` then the drafter's `rest [count, d]` (each in
+ * its dtype), rounded to the Weaver's dtype `dt` (the reference casts them so), through WeaverRMSNorm (w, b in `wdt`)
+ * into `out [1 + count, d]`. */
+int weaver_prompt_norm(const void *first, int fdt, const void *rest, int rdt, int64_t count, int64_t d,
+                       const void *weight, const void *bias, int wdt, float eps, void *out, int dt) {
+    float *x = malloc(sizeof(float) * 3 * d), *w = x + d, *b = x + 2 * d;
+    if (!x) return -1;
+    to_f32(weight, wdt, 0, w, d, F32);
+    to_f32(bias, wdt, 0, b, d, F32);
+    for (int64_t r = 0; r <= count; r++) {
+        if (r == 0) to_f32(first, fdt, 0, x, d, dt);
+        else to_f32(rest, rdt, (r - 1) * d, x, d, dt);
+        const float inv = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
+        for (int64_t j = 0; j < d; j++) st(out, dt, r * d + j, x[j] * inv * w[j] + b[j]);
+    }
+    free(x);
+    return 0;
+}
+
 /* silu(gate) * up of the rows [gate | up] of a gate_up projection, each op rounded to the dtype as torch's two. */
 int weaver_silu_mul(const void *gate_up, void *out, int dt, int64_t rows, int64_t width) {
     float *buf = malloc(sizeof(float) * 2 * width), *g = buf, *u = buf + width;

@@ -35,6 +35,7 @@ _P, _I, _F, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES = types.MappingProxyType({
     "weaver_rms_norm": (_D, [_P, _P, _P, _P, _D, _P, _P, _D, _I, _I, _F]),
     "weaver_silu_mul": (_D, [_P, _P, _D, _I, _I]),
+    "weaver_prompt_norm": (_D, [_P, _D, _P, _D, _I, _I, _P, _P, _D, _F, _P, _D]),
     "weaver_node_attention": (_D, [_P, _D, _P, _P, _P, _D, _I, _P, _P, _D, _I, _P, _I, _I, _I, _I, _F, _F, _P, _P, _I,
                                     _P]),
     "weaver_pool_scores": (_D, [_P, _D, _I, _I, _P, _P, _P, _I, _P, _D, _P]),
@@ -134,6 +135,19 @@ def rms_norm_bias(x: Tensor, weight: Tensor, bias: Tensor, eps: float, add: Tens
                                       weight.data_ptr(), bias.data_ptr(), _DTYPES[weight.dtype], x.numel() // d, d,
                                       eps), "rms_norm_bias")
     return out if add is None else (x_out, out)
+
+
+def prompt_norm(first: Tensor, rest: Tensor, weight: Tensor, bias: Tensor, eps: float, dtype: torch.dtype
+                ) -> Tensor:
+    """``WeaverRMSNorm`` of the rows ``[first; rest]`` (``first [d]``, ``rest [count, d]``, each fp32 or bf16) cast to
+    ``dtype`` first, as ``WeaverModel.encode_prompt`` casts its features: ``[1 + count, d]`` in ``dtype``."""
+    _need("prompt_norm", (first, rest, weight, bias))
+    d = first.shape[-1]
+    out = torch.empty(1 + rest.shape[0], d, dtype=dtype)
+    _check(_library().weaver_prompt_norm(first.data_ptr(), _DTYPES[first.dtype], rest.data_ptr(), _DTYPES[rest.dtype],
+                                         rest.shape[0], d, weight.data_ptr(), bias.data_ptr(), _DTYPES[weight.dtype],
+                                         eps, out.data_ptr(), _DTYPES[dtype]), "prompt_norm")
+    return out
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
