@@ -401,7 +401,8 @@ def weaver_tree_tensors(
     if isinstance(prompt, PromptInputs) and on_cpu is None:
         prompt = weaver.encode_prompt(prompt.target_hidden, prompt.draft_hidden.to(prompt.target_hidden.dtype))
     attend = None
-    if on_cpu is None and policy.node_attention_on(device) and max(1 + spine_nodes, width) <= weaver_kernels.NODE_ATTENTION_MAX_ROWS:
+    fused = policy.node_attention_on(device) and max(1 + spine_nodes, width) <= weaver_kernels.NODE_ATTENTION_MAX_ROWS
+    if on_cpu is None and fused:
         # each layer's RoPE, slot writes and attention in one op (one launch per round on CUDA)
         prompt_kv = [(k[0].contiguous(), v[0].contiguous()) for k, v in zip(prompt.keys, prompt.values)]
         scale = weaver.config.head_dim ** -0.5
@@ -410,9 +411,9 @@ def weaver_tree_tensors(
             return weaver_kernels.node_attention(qkv, positions, *prompt_kv[i], cache.keys[i][0], cache.values[i][0],
                                                  rows, lo, weaver.config.rope_base, scale)
     if on_cpu is not None and spine and rounds == 0:  # one node step, its bookkeeping in one native call
-        return _cpu_spine_tree(on_cpu, root, prompt, cache, pool_ids, pool_logits, lm_head_rows, node_table,
-                               embed_tokens, fan, budget // 2 if policy.root_children is None else policy.root_children,
-                               budget)
+        return _cpu_spine_tree(on_cpu, root, prompt, cache, pool_ids, pool_rows, pool_logits, lm_head_rows,
+                               node_table, embed_tokens, fan,
+                               budget // 2 if policy.root_children is None else policy.root_children, budget)
     lo, hi = 0, 1 + spine_nodes if spine else 1
     if on_cpu is not None and spine:  # (the same setup in one native call)
         tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq = native.spine_buffers(
@@ -472,8 +473,8 @@ def _spine_rows(spine: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.arange(1, spine + 1), torch.ones(spine, spine + 1, dtype=torch.bool).tril()
 
 
-def _cpu_spine_tree(on_cpu, root, prompt, cache, pool_ids, pool_logits, lm_head_rows, node_table, embed_tokens,
-                    fan: int, children: int, budget: int):
+def _cpu_spine_tree(on_cpu, root, prompt, cache, pool_ids, pool_rows, pool_logits, lm_head_rows, node_table,
+                    embed_tokens, fan: int, children: int, budget: int):
     """:func:`weaver_tree_tensors` of a spine tree with no rounds after the spine on a CPU with the native kernels:
     the one node step (:class:`CpuWeaver`), then ``weaver_kernels.weaver_tree.cpu.spine_tree`` (the same
     bookkeeping as the general loop's ops, in one call; a test keeps the two equal)."""
@@ -485,7 +486,7 @@ def _cpu_spine_tree(on_cpu, root, prompt, cache, pool_ids, pool_logits, lm_head_
         query = on_cpu.first_step(prompt, cache, x, positions, 0, mask)[1]
     else:
         query = on_cpu.step(prompt, cache, x, positions, 0, mask)
-    return native.spine_tree(query, root, pool_ids, pool_logits, lm_head_rows, fan, children, budget)
+    return native.spine_tree(query, root, pool_ids, pool_rows, pool_logits, lm_head_rows, fan, children, budget)
 
 
 def _build_buffers(root, pool_ids: torch.Tensor, spine: int, n: int, fan: int, device):

@@ -82,8 +82,11 @@ def test_pool_scores_match_the_reference(weight_dtype):
     query = torch.randn(4, 24, generator=gen).bfloat16()
     rows = torch.tensor([0, 2, 2, 1])
     ids, logits = torch.randint(0, 300, (3, 11), generator=gen), torch.randn(3, 11, generator=gen)
-    _close(native.pool_scores(query, rows, ids, logits, weight), naive.pool_scores_ref(query, rows, ids, logits, weight),
-           torch.float32)
+    want = naive.pool_scores_ref(query, rows, ids, logits, weight)
+    _close(native.pool_scores(query, rows, ids, logits, weight), want, torch.float32)
+    ids[2, 4] = 300  # (past the weight's rows: refused, not read)
+    with pytest.raises(IndexError, match="pool id"):
+        native.pool_scores(query, rows, ids, logits, weight)
 
 
 def _expand_case(seed, spine, ties):
@@ -112,8 +115,9 @@ def test_expand_and_the_pick_match_the_references(spine, ties):
     want_leaves = tree_module._root_leaves(cand[0], pool_ids[0], 3, 6)
     got_leaves = native.root_leaves(cand[0], pool_ids[0], 3, 6)
     assert torch.equal(got_leaves[1], want_leaves[1]) and torch.allclose(got_leaves[0], want_leaves[0], atol=1e-6)
-    assert native.root_leaves(cand[0], pool_ids[0], 3, 3) is None is tree_module._root_leaves(cand[0], pool_ids[0], 3, 3)
-    unmasked = [b for i, b in enumerate(ref) if i != 5], [b for i, b in enumerate(nat) if i != 5]  # (the pick reads no mask)
+    assert native.root_leaves(cand[0], pool_ids[0], 3, 3) is None
+    assert tree_module._root_leaves(cand[0], pool_ids[0], 3, 3) is None
+    unmasked = [b for i, b in enumerate(ref) if i != 5], [b for i, b in enumerate(nat) if i != 5]  # (no mask read)
     for budget in (4, 7, 40):  # (40: more than every node and entry: padding)
         want = tree_module.best_known(*unmasked[0], budget, want_leaves)
         got = native.best_known(*unmasked[1], budget, got_leaves)
@@ -170,6 +174,20 @@ def test_the_native_build_equals_the_general_loop_on_the_references(monkeypatch)
             want = build(policy, budget)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (policy, budget, got, want)
         assert torch.allclose(got[2], want[2], atol=1e-5)
+
+
+def test_spine_tree_reads_a_gathered_copy_of_the_pool_rows():
+    """A target split over devices hands the build only its pool's lm_head rows (``pool_rows`` index that copy): the
+    same tree as from the whole weight with ``pool_ids`` as rows."""
+    gen = torch.Generator().manual_seed(6)
+    weight, query = torch.randn(500, 16, generator=gen), torch.randn(4, 16, generator=gen)
+    pool_ids, logits = torch.randint(0, 500, (4, 9), generator=gen), torch.randn(4, 9, generator=gen)
+    whole = native.spine_tree(query, 7, pool_ids, pool_ids, logits, weight, 3, 6, 5)
+    rows = torch.arange(pool_ids.numel()).view_as(pool_ids)
+    copied = native.spine_tree(query, 7, pool_ids, rows, logits, weight[pool_ids.flatten()].contiguous(), 3, 6, 5)
+    for a, b in zip(whole, copied):
+        assert torch.equal(a, b)
+    assert (whole[1][:3] >= 0).all()
 
 
 def test_the_first_step_encodes_the_prompt_as_the_weaver_does():

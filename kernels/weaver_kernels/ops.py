@@ -297,8 +297,8 @@ def _(qkv, positions, prompt_k, prompt_v, node_k, node_v, mask, lo, rope_base, s
     return qkv.new_empty((qkv.shape[0], node_k.shape[0] * node_k.shape[2]))
 
 
-_EXPAND_DTYPES = (torch.float32, torch.long, torch.long, torch.long, torch.float32, torch.long, torch.float32, torch.bool,
-                  torch.float32, torch.long, torch.float32)  # (what the native CPU kernel takes)
+_EXPAND_DTYPES = (torch.float32, torch.long, torch.long, torch.long, torch.float32, torch.long, torch.float32,
+                  torch.bool, torch.float32, torch.long, torch.float32)  # (what the native CPU kernel takes)
 
 
 @_op("weaver::weaver_expand", mutates_args=("tokens", "parents", "logq", "depth", "score", "mask", "f_score", "f_token",

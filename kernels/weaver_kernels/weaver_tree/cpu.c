@@ -189,7 +189,8 @@ int weaver_node_attention(const void *qkv, int qdt, const int64_t *positions, co
                 to_f32(qkv, qdt, m * width + part * H * D + h * D, x, D, qdt);
                 float *r = part == 0 ? q + (m * H + h) * D : o;
                 for (int64_t j = 0; j < half; j++) r[j] = round_to(qdt, x[j] * cs[j] + (-x[j + half]) * sn[j]);
-                for (int64_t j = half; j < D; j++) r[j] = round_to(qdt, x[j] * cs[j - half] + x[j - half] * sn[j - half]);
+                for (int64_t j = half; j < D; j++)
+                    r[j] = round_to(qdt, x[j] * cs[j - half] + x[j - half] * sn[j - half]);
                 if (part == 1) {
                     from_f32(o, node_k, ndt, (h * n + lo + m) * D, D);
                     to_f32(qkv, qdt, m * width + 2 * H * D + h * D, x, D, qdt);
@@ -260,7 +261,10 @@ int weaver_node_attention(const void *qkv, int qdt, const int64_t *positions, co
  * taken in the weight's dtype, the dot in fp32, rounded to the weight's dtype (torch's mv). */
 int weaver_pool_scores(const void *query, int qdt, int64_t M, int64_t d, const int64_t *rows,
                        const int64_t *pool_ids, const float *pool_logits, int64_t C, const void *weight, int wdt,
-                       float *out) {
+                       int64_t V, float *out) {
+    for (int64_t m = 0; m < M; m++) /* (ids past the weight's V rows: refused, not read) */
+        for (int64_t c = 0; c < C; c++)
+            if (pool_ids[rows[m] * C + c] < 0 || pool_ids[rows[m] * C + c] >= V) return -2;
     float *qf = malloc(sizeof(float) * 2 * d), *wf = qf + d;
     if (!qf) return -1;
     for (int64_t m = 0; m < M; m++) {
@@ -481,10 +485,12 @@ int weaver_best_known(const int64_t *tokens, const int64_t *parents, const float
 /* A spine tree with no rounds after the spine (the CPU's default), from the spine step's `query [spine, d]` (nodes
  * 0..spine-1: the root and the chain but its deepest node): tree.weaver_tree_tensors' bookkeeping for it — pool
  * scores, the expand of nodes 0..spine, the root's leaves (up to `children` children), the best-known pick — in one
- * call, through the functions above. Writes the `budget` draft nodes. */
+ * call, through the functions above. `pool_rows`: the weight's row of each pool entry (`pool_ids` itself, or indices
+ * into a gathered copy). Writes the `budget` draft nodes. */
 int weaver_spine_tree(const void *query, int qdt, int64_t d, const int64_t *root, const int64_t *pool_ids,
-                      const float *pool_logits, int64_t C, const void *weight, int wdt, int64_t spine, int64_t fan,
-                      int64_t children, int64_t budget, int64_t *out_tokens, int64_t *out_parents, float *out_logq) {
+                      const int64_t *pool_rows, const float *pool_logits, int64_t C, const void *weight, int wdt,
+                      int64_t V, int64_t spine, int64_t fan, int64_t children, int64_t budget, int64_t *out_tokens,
+                      int64_t *out_parents, float *out_logq) {
     const int64_t n = 1 + spine, F = n * fan, end = children < C - 1 ? children : C - 1;
     int64_t *ints = malloc(sizeof(int64_t) * (spine + 3 * n + F + C));
     float *floats = calloc((size_t)(n * C + 2 * n + 2 * F + 2 * C), sizeof(float));
@@ -496,7 +502,9 @@ int weaver_spine_tree(const void *query, int qdt, int64_t d, const int64_t *root
     float *cand = floats, *logq = cand + n * C, *score = logq + n, *f_score = score + n, *f_logq = f_score + F,
           *leaf_score = f_logq + F;
     for (int64_t m = 0; m < spine; m++) rows[m] = m; /* node m is at depth m: its children's pool row */
-    if (weaver_pool_scores(query, qdt, spine, d, rows, pool_ids, pool_logits, C, weight, wdt, cand)) goto done;
+    if ((status = weaver_pool_scores(query, qdt, spine, d, rows, pool_rows, pool_logits, C, weight, wdt, V, cand)))
+        goto done;
+    status = -1;
     /* (the deepest spine node's row stays zero: a placeholder the expand never publishes) */
     weaver_spine_init(root, pool_ids, C, spine, tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq, n,
                       fan);

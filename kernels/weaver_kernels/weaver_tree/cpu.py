@@ -38,10 +38,10 @@ _SIGNATURES = types.MappingProxyType({
     "weaver_prompt_norm": (_D, [_P, _D, _P, _D, _I, _I, _P, _P, _D, _F, _P, _D]),
     "weaver_node_attention": (_D, [_P, _D, _P, _P, _P, _D, _I, _P, _P, _D, _I, _P, _I, _I, _I, _I, _F, _F, _P, _P, _I,
                                     _P]),
-    "weaver_pool_scores": (_D, [_P, _D, _I, _I, _P, _P, _P, _I, _P, _D, _P]),
+    "weaver_pool_scores": (_D, [_P, _D, _I, _I, _P, _P, _P, _I, _P, _D, _I, _P]),
     "weaver_expand": (_D, [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I]),
     "weaver_root_leaves": (_I, [_P, _P, _I, _I, _I, _P, _P]),
-    "weaver_spine_tree": (_D, [_P, _D, _I, _P, _P, _P, _I, _P, _D, _I, _I, _I, _I, _P, _P, _P]),
+    "weaver_spine_tree": (_D, [_P, _D, _I, _P, _P, _P, _P, _I, _P, _D, _I, _I, _I, _I, _I, _P, _P, _P]),
     "weaver_spine_init": (None, [_P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I]),
     "weaver_best_known": (_D, [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P]),
 })
@@ -118,6 +118,8 @@ def _need(name: str, floats: tuple[Tensor, ...], longs: tuple[Tensor, ...] = (),
 
 
 def _check(status: int, name: str) -> None:
+    if status == -2:
+        raise IndexError(f"weaver_kernels.weaver_tree.cpu.{name}: a pool id is not a row of the weight")
     if status != 0:
         raise MemoryError(f"weaver_kernels: {name} could not allocate its scratch memory")
 
@@ -196,7 +198,7 @@ def pool_scores(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: Tens
     out = torch.empty(M, C, dtype=torch.float32)
     _check(_library().weaver_pool_scores(query.data_ptr(), _DTYPES[query.dtype], M, d, rows.data_ptr(),
                                          pool_ids.data_ptr(), pool_logits.data_ptr(), C, weight.data_ptr(),
-                                         _DTYPES[weight.dtype], out.data_ptr()), "pool_scores")
+                                         _DTYPES[weight.dtype], weight.shape[0], out.data_ptr()), "pool_scores")
     return out
 
 
@@ -259,22 +261,23 @@ def best_known(tokens: Tensor, parents: Tensor, logq: Tensor, depth: Tensor, sco
     return out
 
 
-def spine_tree(query: Tensor, root: int | Tensor, pool_ids: Tensor, pool_logits: Tensor, weight: Tensor, fan: int,
-               children: int, budget: int) -> tuple[Tensor, Tensor, Tensor]:
+def spine_tree(query: Tensor, root: int | Tensor, pool_ids: Tensor, pool_rows: Tensor, pool_logits: Tensor,
+               weight: Tensor, fan: int, children: int, budget: int) -> tuple[Tensor, Tensor, Tensor]:
     """The draft nodes of a spine tree with no rounds after the spine (``tree.weaver_tree_tensors`` with
     ``rounds=0``) from its one step's ``query [spine, d]`` (the root and the chain but its deepest node, ``spine``
     = ``pool_ids.shape[0]`` nodes): the pool scores, the expand, the root's leaves and the best-known pick in one
-    call."""
+    call. ``pool_rows``: the ``weight`` row of each pool entry (``pool_ids``, or indices into a gathered copy)."""
     root = torch.as_tensor(root, dtype=torch.long).view(1)
-    _need("spine_tree", (query, pool_logits, weight), (pool_ids, root))
+    _need("spine_tree", (query, pool_logits, weight), (pool_ids, pool_rows, root))
     spine = pool_ids.shape[0]
-    if query.shape[0] != spine or pool_logits.dtype != torch.float32 or pool_logits.shape != pool_ids.shape:
+    if (query.shape[0] != spine or pool_logits.dtype != torch.float32 or pool_logits.shape != pool_ids.shape
+            or pool_rows.shape != pool_ids.shape):
         raise ValueError(f"spine_tree: a query row per spine node ({spine}) and fp32 pool logits shaped as the ids "
                          f"{tuple(pool_ids.shape)}; got {tuple(query.shape)}, {pool_logits.dtype} "
                          f"{tuple(pool_logits.shape)}")
     out = (torch.empty(budget, dtype=torch.long), torch.empty(budget, dtype=torch.long), torch.empty(budget))
     _check(_library().weaver_spine_tree(
         query.data_ptr(), _DTYPES[query.dtype], query.shape[1], root.data_ptr(), pool_ids.data_ptr(),
-        pool_logits.data_ptr(), pool_ids.shape[1], weight.data_ptr(), _DTYPES[weight.dtype], spine, fan, children,
-        budget, *(t.data_ptr() for t in out)), "spine_tree")
+        pool_rows.data_ptr(), pool_logits.data_ptr(), pool_ids.shape[1], weight.data_ptr(), _DTYPES[weight.dtype],
+        weight.shape[0], spine, fan, children, budget, *(t.data_ptr() for t in out)), "spine_tree")
     return out
