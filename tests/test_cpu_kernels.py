@@ -220,6 +220,13 @@ def test_inputs_the_kernels_cannot_read_are_refused():
         native.node_attention(qkv, args[0], prompt.transpose(1, 2).contiguous().transpose(1, 2), *args[2:])
     with pytest.raises(ValueError, match="node_attention.*int64"):
         native.node_attention(qkv, args[0].int(), *args[1:])
+    with pytest.raises(ValueError, match="node_attention: qkv"):
+        native.node_attention(qkv[:, :-1].contiguous(), *args)
+    with pytest.raises(ValueError, match="node_attention: qkv"):
+        native.node_attention(qkv, *args[:5], torch.ones(2, 3, dtype=torch.bool), *args[6:])
+    with pytest.raises(IndexError, match="pool row"):  # (a pool row past the pool)
+        native.pool_scores(torch.ones(1, 4), torch.tensor([3]), torch.zeros(3, 2, dtype=torch.long), torch.zeros(3, 2),
+                           torch.ones(5, 4))
     with pytest.raises(ValueError, match="rms_norm_bias.*fp32 or bf16"):
         native.rms_norm_bias(torch.ones(2, 3, dtype=torch.float16), torch.ones(3), torch.zeros(3), 1e-6)
 

@@ -260,11 +260,13 @@ int weaver_node_attention(const void *qkv, int qdt, const int64_t *positions, co
 /* pool_scores_ref: out[m, c] = pool_logits[rows[m], c] + lm_head[pool_ids[rows[m], c]] · query[m]; the query is
  * taken in the weight's dtype, the dot in fp32, rounded to the weight's dtype (torch's mv). */
 int weaver_pool_scores(const void *query, int qdt, int64_t M, int64_t d, const int64_t *rows,
-                       const int64_t *pool_ids, const float *pool_logits, int64_t C, const void *weight, int wdt,
-                       int64_t V, float *out) {
-    for (int64_t m = 0; m < M; m++) /* (ids past the weight's V rows: refused, not read) */
+                       const int64_t *pool_ids, int64_t D, const float *pool_logits, int64_t C, const void *weight,
+                       int wdt, int64_t V, float *out) {
+    for (int64_t m = 0; m < M; m++) { /* (rows past the pool's D, ids past the weight's V: refused, not read) */
+        if (rows[m] < 0 || rows[m] >= D) return -2;
         for (int64_t c = 0; c < C; c++)
             if (pool_ids[rows[m] * C + c] < 0 || pool_ids[rows[m] * C + c] >= V) return -2;
+    }
     float *qf = malloc(sizeof(float) * 2 * d), *wf = qf + d;
     if (!qf) return -1;
     for (int64_t m = 0; m < M; m++) {
@@ -502,7 +504,8 @@ int weaver_spine_tree(const void *query, int qdt, int64_t d, const int64_t *root
     float *cand = floats, *logq = cand + n * C, *score = logq + n, *f_score = score + n, *f_logq = f_score + F,
           *leaf_score = f_logq + F;
     for (int64_t m = 0; m < spine; m++) rows[m] = m; /* node m is at depth m: its children's pool row */
-    if ((status = weaver_pool_scores(query, qdt, spine, d, rows, pool_rows, pool_logits, C, weight, wdt, V, cand)))
+    if ((status = weaver_pool_scores(query, qdt, spine, d, rows, pool_rows, spine, pool_logits, C, weight, wdt, V,
+                                     cand)))
         goto done;
     status = -1;
     /* (the deepest spine node's row stays zero: a placeholder the expand never publishes) */

@@ -38,7 +38,7 @@ _SIGNATURES = types.MappingProxyType({
     "weaver_prompt_norm": (_D, [_P, _D, _P, _D, _I, _I, _P, _P, _D, _F, _P, _D]),
     "weaver_node_attention": (_D, [_P, _D, _P, _P, _P, _D, _I, _P, _P, _D, _I, _P, _I, _I, _I, _I, _F, _F, _P, _P, _I,
                                     _P]),
-    "weaver_pool_scores": (_D, [_P, _D, _I, _I, _P, _P, _P, _I, _P, _D, _I, _P]),
+    "weaver_pool_scores": (_D, [_P, _D, _I, _I, _P, _P, _I, _P, _I, _P, _D, _I, _P]),
     "weaver_expand": (_D, [_P, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I]),
     "weaver_root_leaves": (_I, [_P, _P, _I, _I, _I, _P, _P]),
     "weaver_spine_tree": (_D, [_P, _D, _I, _P, _P, _P, _P, _I, _P, _D, _I, _I, _I, _I, _I, _P, _P, _P]),
@@ -119,7 +119,8 @@ def _need(name: str, floats: tuple[Tensor, ...], longs: tuple[Tensor, ...] = (),
 
 def _check(status: int, name: str) -> None:
     if status == -2:
-        raise IndexError(f"weaver_kernels.weaver_tree.cpu.{name}: a pool id is not a row of the weight")
+        raise IndexError(f"weaver_kernels.weaver_tree.cpu.{name}: a pool id is not a row of the weight, or a node's "
+                         "pool row is not a row of the pool")
     if status != 0:
         raise MemoryError(f"weaver_kernels: {name} could not allocate its scratch memory")
 
@@ -130,6 +131,9 @@ def rms_norm_bias(x: Tensor, weight: Tensor, bias: Tensor, eps: float, add: Tens
     ``add``, of ``x + add`` (the residual add, rounded to x's dtype), returned too: ``(x + add, norm(x + add))``."""
     _need("rms_norm_bias", (x, weight, bias) if add is None else (x, weight, bias, add))
     d = x.shape[-1]
+    if weight.shape != (d,) or bias.shape != (d,) or (add is not None and add.shape != x.shape):
+        raise ValueError(f"rms_norm_bias: weight and bias [{d}] and add shaped as x {tuple(x.shape)}; got "
+                         f"{tuple(weight.shape)}, {tuple(bias.shape)}, {None if add is None else tuple(add.shape)}")
     out = torch.empty_like(x)
     x_out = None if add is None else torch.empty_like(x)
     _check(_library().weaver_rms_norm(x.data_ptr(), None if add is None else add.data_ptr(),
@@ -145,6 +149,9 @@ def prompt_norm(first: Tensor, rest: Tensor, weight: Tensor, bias: Tensor, eps: 
     ``dtype`` first, as ``WeaverModel.encode_prompt`` casts its features: ``[1 + count, d]`` in ``dtype``."""
     _need("prompt_norm", (first, rest, weight, bias))
     d = first.shape[-1]
+    if first.shape != (d,) or rest.dim() != 2 or rest.shape[1] != d or weight.shape != (d,) or bias.shape != (d,):
+        raise ValueError(f"prompt_norm: first [d], rest [count, d], weight and bias [d]; got {tuple(first.shape)}, "
+                         f"{tuple(rest.shape)}, {tuple(weight.shape)}, {tuple(bias.shape)}")
     out = torch.empty(1 + rest.shape[0], d, dtype=dtype)
     _check(_library().weaver_prompt_norm(first.data_ptr(), _DTYPES[first.dtype], rest.data_ptr(), _DTYPES[rest.dtype],
                                          rest.shape[0], d, weight.data_ptr(), bias.data_ptr(), _DTYPES[weight.dtype],
@@ -180,6 +187,13 @@ def node_attention(qkv: Tensor, positions: Tensor, prompt_k: Tensor, prompt_v: T
     _need("node_attention", (qkv, prompt_k, prompt_v, node_k, node_v), (positions,), (mask,))
     M = qkv.shape[0]
     H, n, D = node_k.shape
+    if (qkv.shape != (M, 3 * H * D) or positions.shape != (M,) or node_v.shape != node_k.shape
+            or prompt_k.dim() != 3 or prompt_k.shape[::2] != (H, D) or prompt_v.shape != prompt_k.shape
+            or mask.shape != (M, n) or not 0 <= lo <= n - M):
+        raise ValueError(f"node_attention: qkv [M, 3·H·D], positions [M], prompt K/V [H, P, D], node K/V [H, n, D], "
+                         f"mask [M, n] and slots lo..lo+M-1 inside n; got {tuple(qkv.shape)}, "
+                         f"{tuple(positions.shape)}, {tuple(prompt_k.shape)}, {tuple(node_k.shape)}, "
+                         f"{tuple(mask.shape)}, lo {lo}")
     out = qkv.new_empty((M, H * D)) if want_output else None
     cos, sin = _rope_table(rope_base, D)
     _check(_library().weaver_node_attention(
@@ -195,10 +209,16 @@ def pool_scores(query: Tensor, rows: Tensor, pool_ids: Tensor, pool_logits: Tens
     _need("pool_scores", (query, pool_logits, weight), (rows, pool_ids))
     M, d = query.shape
     C = pool_ids.shape[1]
+    if (rows.shape != (M,) or pool_logits.shape != pool_ids.shape or pool_logits.dtype != torch.float32
+            or weight.dim() != 2 or weight.shape[1] != d):
+        raise ValueError(f"pool_scores: query [M, d], rows [M] of pool rows, pool ids and fp32 logits [D, P], weight "
+                         f"[V, d]; got {tuple(query.shape)}, {tuple(rows.shape)}, {tuple(pool_ids.shape)}, "
+                         f"{pool_logits.dtype} {tuple(pool_logits.shape)}, {tuple(weight.shape)}")
     out = torch.empty(M, C, dtype=torch.float32)
     _check(_library().weaver_pool_scores(query.data_ptr(), _DTYPES[query.dtype], M, d, rows.data_ptr(),
-                                         pool_ids.data_ptr(), pool_logits.data_ptr(), C, weight.data_ptr(),
-                                         _DTYPES[weight.dtype], weight.shape[0], out.data_ptr()), "pool_scores")
+                                         pool_ids.data_ptr(), pool_ids.shape[0], pool_logits.data_ptr(), C,
+                                         weight.data_ptr(), _DTYPES[weight.dtype], weight.shape[0], out.data_ptr()),
+           "pool_scores")
     return out
 
 
