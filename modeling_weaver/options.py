@@ -22,8 +22,9 @@ class TreePolicy:
         spine: start from DFlash's top-1 chain, stepped with the root in one round, then ``spine_rounds`` rounds
             (False: the paper's best-first rounds, one per depth at least).
         spine_rounds: rounds after the spine; a path leaves the spine for at most ``spine_rounds + 1`` Weaver tokens
-            (None: 4 on CUDA, 0 elsewhere — on a CPU a round re-reads the Weaver's weights for one node, and at the
-            CPU's budget of 5 one round brought no acceptance in an in-loop comparison, BENCHMARKS.md).
+            (None: 4 on CUDA; elsewhere none for trees of up to 5 drafts — there a round re-reads the Weaver's
+            weights for one node and brought no acceptance at the CPU's budget of 5 — and one for larger trees, where
+            it does: at budget 16 none gave MAL 2.66 on the CI check's prompts, under its floor; BENCHMARKS.md).
         spine_width: frontier entries per round after the spine (None: ``ceil(budget / 8)``).
         children_per_node: pool candidates each stepped node publishes to the frontier (the expand kernel picks
             them one by one: more costs time per round).
@@ -53,11 +54,13 @@ class TreePolicy:
             raise ValueError(f"TreePolicy.pool_size must be >= 1, got {size}")
         return min(size, weaver_pool)
 
-    def rounds_on(self, device) -> int:
-        """Rounds after the spine on ``device``."""
+    def rounds_on(self, device, budget: int | None = None) -> int:
+        """Rounds after the spine on ``device`` for a tree of ``budget`` drafts (None: any size)."""
         if self.spine_rounds is not None:
             return self.spine_rounds
-        return 4 if torch.device(device).type == "cuda" else 0
+        if torch.device(device).type == "cuda":
+            return 4
+        return 0 if budget is not None and budget <= 5 else 1
 
     def node_attention_on(self, device) -> bool:
         """Whether Weaver node steps on ``device`` use the fused node attention op."""

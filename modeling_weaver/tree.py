@@ -340,9 +340,8 @@ def weaver_tree_tensors(
     With ``spine`` (default ``policy.spine``) the depth comes first and the rounds are few: the first round runs the
     root together with the chain of DFlash's top-1 tokens (the pool's first candidate at every depth, as a plain DFlash
     chain; its deepest node is not stepped, as its step would publish nothing), all in one batched node step, since a
-    node's step needs only its ancestors' tokens. Then ``rounds`` rounds
-    (default ``policy.rounds_on(device)``) of ``width`` (default ``policy.spine_width``) frontier entries each; the
-    tree is the ``budget`` most probable paths among every node stepped and every frontier candidate
+    node's step needs only its ancestors' tokens. Then ``rounds`` rounds (default ``policy.rounds_on(device,
+    budget)``) of ``width`` (default ``policy.spine_width``) frontier entries each; the tree is the ``budget`` most probable paths among every node stepped and every frontier candidate
     (:func:`best_known`), so spine nodes the Weaver finds unlikely are left out; the root also offers its next best
     candidates as leaves, up to ``policy.root_children`` children in all. Depth no longer costs rounds: a budget-64
     tree takes 1 + 4 node steps instead of 16. The price: off the spine, a path can follow the Weaver's own choices for
@@ -383,7 +382,7 @@ def weaver_tree_tensors(
             width = policy.spine_width or -(-budget // 8)
         else:
             width = budget if max_depth == 1 else max(1, (budget - 1) // (max_depth - 1))
-    rounds = (policy.rounds_on(device) if rounds is None else rounds) if spine else None
+    rounds = (policy.rounds_on(device, budget) if rounds is None else rounds) if spine else None
     if spine and max_depth == 1:
         rounds = 0  # every candidate is a leaf: stepping one adds nothing
     pool = min(policy.pool_on(device, weaver.config.candidate_pool_size), draft_logits.shape[-1])

@@ -91,7 +91,7 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.", "G
 def test_shipped_drafters_on_real_smollm2(smollm2):
     """The shipped pair on the real target: greedy output identical to ``model.generate`` and mean accepted lengths
     above floors ~12 % below the values measured for the shipped pair on these 3 prompts (48 tokens, budget 16, fp32
-    target on CPU, the CPU's default two Weaver rounds after the spine; the card's CI-check line in
+    target on CPU, the CPU's default one Weaver round after the spine at this budget; the card's CI-check line in
     checkpoints/smollm2-135m-instruct/README.md: Weaver 3.085 (3.386 with four rounds), DDTree 2.636)."""
     model, tokenizer = smollm2
     drafter = AutoModel.from_pretrained(SHIPPED / "dflash", trust_remote_code=True)

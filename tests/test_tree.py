@@ -94,12 +94,13 @@ def _tiny_weaver_build():
 
 
 def test_rounds_after_the_spine_follow_the_device(monkeypatch):
-    """TreePolicy.spine_rounds None: 4 rounds after the spine on CUDA, none elsewhere (a CPU round re-reads the
-    Weaver's weights for one node); a value given is used everywhere. A CPU build steps the spine round and then that
-    many rounds."""
+    """TreePolicy.spine_rounds None: 4 rounds after the spine on CUDA; elsewhere none for trees of up to 5 drafts (a
+    CPU round re-reads the Weaver's weights for one node) and one for larger ones; a value given is used everywhere.
+    A CPU build steps the spine round and then that many rounds."""
     from modeling_weaver.options import TreePolicy
 
-    assert TreePolicy().rounds_on("cpu") == 0 and TreePolicy().rounds_on(torch.device("cuda", 0)) == 4
+    assert TreePolicy().rounds_on("cpu", 5) == 0 and TreePolicy().rounds_on("cpu", 16) == 1 == TreePolicy().rounds_on(
+        "cpu") and TreePolicy().rounds_on(torch.device("cuda", 0), 5) == 4
     assert TreePolicy(spine_rounds=3).rounds_on("cpu") == 3 == TreePolicy(spine_rounds=3).rounds_on("cuda")
     from modeling_weaver.tree import CpuWeaver
 
@@ -108,10 +109,10 @@ def test_rounds_after_the_spine_follow_the_device(monkeypatch):
     real, cpu_step = weaver.step, CpuWeaver.step  # (the native CPU path steps through CpuWeaver)
     monkeypatch.setattr(weaver, "step", lambda *a, **k: steps.append(1) or real(*a, **k))
     monkeypatch.setattr(CpuWeaver, "step", lambda *a, **k: steps.append(1) or cpu_step(*a, **k))
-    for policy, rounds in ((TreePolicy(), 0), (TreePolicy(spine_rounds=4), 4)):
+    for policy, budget, rounds in ((TreePolicy(), 16, 1), (TreePolicy(), 5, 0), (TreePolicy(spine_rounds=4), 16, 4)):
         steps.clear()
-        build(policy, 16)
-        assert len(steps) == 1 + rounds, (policy, steps)
+        build(policy, budget)
+        assert len(steps) == 1 + rounds, (policy, budget, steps)
 
 
 def test_the_pool_follows_the_device(monkeypatch):
