@@ -340,14 +340,15 @@ def weaver_tree_tensors(
     With ``spine`` (default ``policy.spine``) the depth comes first and the rounds are few: the first round runs the
     root together with the chain of DFlash's top-1 tokens (the pool's first candidate at every depth, as a plain DFlash
     chain; its deepest node is not stepped, as its step would publish nothing), all in one batched node step, since a
-    node's step needs only its ancestors' tokens. Then ``rounds`` rounds (default ``policy.rounds_on(device,
-    budget)``) of ``width`` (default ``policy.spine_width``) frontier entries each; the tree is the ``budget`` most probable paths among every node stepped and every frontier candidate
-    (:func:`best_known`), so spine nodes the Weaver finds unlikely are left out; the root also offers its next best
-    candidates as leaves, up to ``policy.root_children`` children in all. Depth no longer costs rounds: a budget-64
-    tree takes 1 + 4 node steps instead of 16. The price: off the spine, a path can follow the Weaver's own choices for
-    at most ``rounds + 1`` tokens (best-first rounds: to the maximum depth), which costs some acceptance on text
-    accepted deeply (docs/DESIGN.md §4). A round may also take a frontier entry at the maximum depth, whose step adds
-    nothing (it publishes no candidates); at maximum depth 1 the spine's step, of the root alone, is the only one.
+    node's step needs only its ancestors' tokens. Then ``rounds`` rounds (default ``policy.rounds_on(device, budget)``)
+    of ``width`` (default ``policy.spine_width``) frontier entries each; the tree is the ``budget`` most probable paths
+    among every node stepped and every frontier candidate (:func:`best_known`), so spine nodes the Weaver finds unlikely
+    are left out; the root also offers its next best candidates as leaves, up to ``policy.root_children`` children in
+    all. Depth no longer costs rounds: a budget-64 tree takes 1 + 4 node steps instead of 16. The price: off the spine,
+    a path can follow the Weaver's own choices for at most ``rounds + 1`` tokens (best-first rounds: to the maximum
+    depth), which costs some acceptance on text accepted deeply (docs/DESIGN.md §4). A round may also take a frontier
+    entry at the maximum depth, whose step adds nothing (it publishes no candidates); at maximum depth 1 the spine's
+    step, of the root alone, is the only one.
 
     Args:
         root: the bonus token (an int, or a 0-d or one-element tensor on the device).
