@@ -15,6 +15,7 @@ import torch
 import weaver_kernels
 from weaver_kernels.weaver_tree import cpu as native
 
+from .modeling_weaver import WeaverPrompt
 from .options import TreePolicy
 
 DEFAULT_POLICY = TreePolicy()  # (frozen: a value, not a switch)
@@ -387,17 +388,22 @@ def weaver_tree_tensors(
     if spine and max_depth == 1:
         rounds = 0  # every candidate is a leaf: stepping one adds nothing
     pool = min(policy.pool_on(device, weaver.config.candidate_pool_size), draft_logits.shape[-1])
-    # [D, pool]: children of depth d+1. topk in the logits' dtype, then fp32 (cheaper than topk over a widened copy)
-    pool_logits, pool_ids = draft_logits[:max_depth].topk(pool, dim=-1)
-    pool_logits = pool_logits.float()
+    on_cpu = cpu_weaver(weaver, device, policy)
+    # [D, pool]: children of depth d+1. On a CPU one native pass a row (torch's topk was a sixth of a build); else
+    # topk in the logits' dtype, then fp32 (cheaper than topk over a widened copy)
+    if on_cpu is not None and draft_logits.stride(-1) == 1:
+        pool_logits, pool_ids = native.pool_topk(draft_logits[:max_depth], pool)
+    else:
+        pool_logits, pool_ids = draft_logits[:max_depth].topk(pool, dim=-1)
+        pool_logits = pool_logits.float()
     pool_rows, lm_head_rows = pool_ids, lm_head_weight
     if lm_head_weight.device != device:  # (a target split over devices: only the pool's rows of its lm_head come over)
         lm_head_rows = lm_head_weight[pool_ids.flatten().to(lm_head_weight.device)].to(device)
         pool_rows = torch.arange(pool_ids.numel(), device=device).view_as(pool_ids)
     fan = min(policy.children_per_node if children_per_node is None else children_per_node, pool)
     n = 1 + spine_nodes + rounds * width if spine else budget + 1
-    cache = weaver.new_node_cache(n, device=device)
-    on_cpu = cpu_weaver(weaver, device, policy)
+    # (the dtype given: the Weaver's own property walks every parameter)
+    cache = weaver.new_node_cache(n, device=device, dtype=weaver.proposal_in.weight.dtype)
     if isinstance(prompt, PromptInputs) and on_cpu is None:
         prompt = weaver.encode_prompt(prompt.target_hidden, prompt.draft_hidden.to(prompt.target_hidden.dtype))
     attend = None
@@ -559,9 +565,9 @@ class CpuWeaver:
         weaver = self.weaver
 
         def attention(i, qkv):
-            return weaver_kernels.node_attention(qkv, positions, prompt.keys[i][0].contiguous(),
-                                                 prompt.values[i][0].contiguous(), cache.keys[i][0],
-                                                 cache.values[i][0], mask, lo, weaver.config.rope_base, self.scale)
+            return native.node_attention(qkv, positions, prompt.keys[i][0].contiguous(),
+                                         prompt.values[i][0].contiguous(), cache.keys[i][0], cache.values[i][0], mask,
+                                         lo, weaver.config.rope_base, self.scale)
 
         return weaver.lm_head_query_in(self._layers(x, attention))
 
@@ -570,8 +576,6 @@ class CpuWeaver:
         """``WeaverModel.encode_prompt`` of ``inputs``, then :meth:`step`: each layer's GEMMs over the prompt's rows
         and the nodes' together (a weight read once, not twice). The prompt rows attend causally among themselves and
         stop after the last layer's attention (their outputs are never read). Returns ``(prompt, queries)``."""
-        from .modeling_weaver import WeaverPrompt  # (the Hub modeling file imports nothing of ours)
-
         weaver, norm = self.weaver, self.weaver.output_norm
         # (the features cast to the target's dtype, then to the Weaver's: as the Weaver's encoding casts them)
         draft = inputs.draft_hidden[0, : weaver.config.K]
@@ -589,8 +593,8 @@ class CpuWeaver:
             last = i + 1 == len(keys)
             own = native.node_attention(qkv[:p], prompt_positions, none, none, keys[i], values[i], causal, 0,
                                         weaver.config.rope_base, self.scale, want_output=not last)
-            nodes = weaver_kernels.node_attention(qkv[p:], positions, keys[i], values[i], cache.keys[i][0],
-                                                  cache.values[i][0], mask, lo, weaver.config.rope_base, self.scale)
+            nodes = native.node_attention(qkv[p:], positions, keys[i], values[i], cache.keys[i][0],
+                                          cache.values[i][0], mask, lo, weaver.config.rope_base, self.scale)
             return nodes if last else torch.cat([own, nodes])
 
         queries = weaver.lm_head_query_in(self._layers(torch.cat([rows, x]), attention))

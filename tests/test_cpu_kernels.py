@@ -146,6 +146,27 @@ def _paths(tokens, parents, logq):
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_topk_is_a_stable_sorts_first_k(dtype):
+    """The pool's top-k: a stable descending sort's first k (ties — common in bf16 — to the lowest index, NaN first),
+    on strided rows, k from 1 to the whole row."""
+    gen = torch.Generator().manual_seed(3)
+    wide = (torch.randn(4, 300, generator=gen) * 3).to(dtype)
+    wide[1, ::7] = wide[1, 5]  # many equal values, some at the boundary
+    wide[2, 40], wide[2, 200] = float("nan"), float("nan")
+    wide[3] = 0.0
+    logits = wide[:, :257]  # rows of stride 300
+    order = logits.float().sort(dim=-1, descending=True, stable=True)
+    for k in (1, 32, 64, 257):
+        values, ids = native.pool_topk(logits, k)
+        assert values.dtype == torch.float32 and torch.equal(ids, order.indices[:, :k]), k
+        assert torch.equal(values.nan_to_num(), order.values[:, :k].nan_to_num())
+    if dtype == torch.float32:  # (no ties in row 0: torch.topk's own answer)
+        assert torch.equal(native.pool_topk(logits[:1], 32)[1][0], logits[0].topk(32).indices)
+    with pytest.raises(ValueError):
+        native.pool_topk(logits, 258)
+
+
 def test_spine_buffers_match_the_torch_setup():
     pool_ids = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(4))
     for spine in (1, 4):

@@ -287,6 +287,51 @@ int weaver_pool_scores(const void *query, int qdt, int64_t M, int64_t d, const i
     return 0;
 }
 
+/* The k largest of each row of logits [rows, V] (row r at r·stride), stable descending (NaN above everything, the
+ * lowest index first among equal values: a stable sort's first k) → values [rows, k] in fp32 and ids [rows, k].
+ * One pass a row: a block of 64 is skipped unless one of its values beats the k-th kept (a vectorised count);
+ * the kept k stay sorted, a newcomer inserted behind the values it does not beat. */
+int weaver_pool_topk(const void *logits, int dt, int64_t rows, int64_t V, int64_t stride, int64_t k, float *values,
+                     int64_t *ids) {
+    if (k < 1 || k > V) return -1;
+    float *block = malloc(64 * sizeof(float));
+    if (!block) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        float *val = values + r * k;
+        int64_t *id = ids + r * k, kept = 0;
+        for (int64_t b = 0; b < V; b += 64) {
+            int64_t len = V - b < 64 ? V - b : 64;
+            if (dt == BF16) {
+                const uint16_t *src = (const uint16_t *)logits + r * stride + b;
+                for (int64_t i = 0; i < len; i++) block[i] = bf16_to_f32(src[i]);
+            } else {
+                memcpy(block, (const float *)logits + r * stride + b, (size_t)len * sizeof(float));
+            }
+            if (kept == k) {
+                float last = val[k - 1];
+                int beats = 0;
+                if (isnan(last)) continue; /* k NaNs kept: nothing later beats them */
+                for (int64_t i = 0; i < len; i++) beats += !(block[i] <= last); /* (NaN beats too) */
+                if (!beats) continue;
+            }
+            for (int64_t i = 0; i < len; i++) {
+                float x = block[i];
+                if (kept == k && !above(x, val[k - 1])) continue;
+                int64_t at = kept < k ? kept++ : k - 1; /* the slot freed: the end, or the k-th's */
+                while (at > 0 && above(x, val[at - 1])) {
+                    val[at] = val[at - 1];
+                    id[at] = id[at - 1];
+                    at--;
+                }
+                val[at] = x;
+                id[at] = b + i;
+            }
+        }
+    }
+    free(block);
+    return 0;
+}
+
 /* The `count` largest of v[0..len) in a stable descending order (ties: lowest index first) → idx. */
 static void top_stable(const float *v, int64_t len, int64_t count, int64_t *idx, uint8_t *used) {
     memset(used, 0, (size_t)len);

@@ -43,6 +43,7 @@ _SIGNATURES = types.MappingProxyType({
     "weaver_root_leaves": (_I, [_P, _P, _I, _I, _I, _P, _P]),
     "weaver_spine_tree": (_D, [_P, _D, _I, _P, _P, _P, _P, _I, _P, _D, _I, _I, _I, _I, _I, _P, _P, _P]),
     "weaver_spine_init": (None, [_P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I]),
+    "weaver_pool_topk": (_D, [_P, _D, _I, _I, _I, _I, _P, _P]),
     "weaver_best_known": (_D, [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _I, _P, _P, _P]),
 })
 
@@ -248,6 +249,22 @@ def spine_buffers(root: int | Tensor, pool_ids: Tensor, spine: int, n: int, fan:
                                  parents.data_ptr(), logq.data_ptr(), depth.data_ptr(), score.data_ptr(),
                                  mask.data_ptr(), f_score.data_ptr(), f_token.data_ptr(), f_logq.data_ptr(), n, fan)
     return tokens, parents, logq, depth, score, mask, f_score, f_token, f_logq
+
+
+def pool_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``logits [D, V]``'s top ``k`` of each row as ``(fp32 values [D, k], ids [D, k])``, in a stable descending order
+    (NaN first, the lowest index first among equal values): ``torch.topk`` (as ``sorted=True``) but for the order of
+    ties, with the values widened to fp32. Rows may be strided (a slice of a wider tensor)."""
+    if logits.dim() != 2 or logits.stride(1) != 1 or not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"pool_topk: logits [D, V] with unit column stride and 1 <= k <= V; got "
+                         f"{tuple(logits.shape)} strides {logits.stride()}, k {k}")
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"pool_topk takes fp32 or bf16 CPU logits, got {logits.dtype} on {logits.device}")
+    rows, V = logits.shape
+    values, ids = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.long)
+    _check(_library().weaver_pool_topk(logits.data_ptr(), _DTYPES[logits.dtype], rows, V, logits.stride(0), k,
+                                       values.data_ptr(), ids.data_ptr()), "pool_topk")
+    return values, ids
 
 
 def root_leaves(cand: Tensor, ids: Tensor, fan: int, children: int) -> tuple[Tensor, Tensor, Tensor] | None:
