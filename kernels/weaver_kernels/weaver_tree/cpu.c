@@ -99,8 +99,15 @@ static void from_f32(const float *src, void *dst, int dt, int64_t offset, int64_
     }
 }
 
-/* WeaverRMSNorm of rows: out = x / rms(x) * w + b in fp32 (w, b in dtype `wdt`), rounded to x's dtype. With `add`,
- * x = x + add first (rounded to the dtype, torch's residual add), and that sum is written to `x_out`. */
+/* WeaverRMSNorm of one fp32 row x [d]: x / rms(x) * w + b in fp32, rounded into row r of `out` (dtype dt). */
+static void norm_row(const float *x, const float *w, const float *b, int64_t d, float eps, void *out, int dt,
+                     int64_t r) {
+    const float inv = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
+    for (int64_t j = 0; j < d; j++) st(out, dt, r * d + j, x[j] * inv * w[j] + b[j]);
+}
+
+/* WeaverRMSNorm of rows (w, b in dtype `wdt`), rounded to x's dtype. With `add`, x = x + add first (rounded to the
+ * dtype, torch's residual add), and that sum is written to `x_out`. */
 int weaver_rms_norm(const void *x, const void *add, void *x_out, void *out, int dt, const void *weight,
                     const void *bias, int wdt, int64_t rows, int64_t d, float eps) {
     float *tmp = malloc(sizeof(float) * 3 * d), *w = tmp + d, *b = tmp + 2 * d;
@@ -108,7 +115,6 @@ int weaver_rms_norm(const void *x, const void *add, void *x_out, void *out, int 
     to_f32(weight, wdt, 0, w, d, F32);
     to_f32(bias, wdt, 0, b, d, F32);
     for (int64_t r = 0; r < rows; r++) {
-        float ss = 0.0f;
         for (int64_t j = 0; j < d; j++) {
             float v = ld(x, dt, r * d + j);
             if (add) {
@@ -117,9 +123,7 @@ int weaver_rms_norm(const void *x, const void *add, void *x_out, void *out, int 
             }
             tmp[j] = v;
         }
-        ss = dot(tmp, tmp, d);
-        float inv = 1.0f / sqrtf(ss / (float)d + eps);
-        for (int64_t j = 0; j < d; j++) st(out, dt, r * d + j, tmp[j] * inv * w[j] + b[j]);
+        norm_row(tmp, w, b, d, eps, out, dt, r);
     }
     free(tmp);
     return 0;
@@ -137,8 +141,7 @@ int weaver_prompt_norm(const void *first, int fdt, const void *rest, int rdt, in
     for (int64_t r = 0; r <= count; r++) {
         if (r == 0) to_f32(first, fdt, 0, x, d, dt);
         else to_f32(rest, rdt, (r - 1) * d, x, d, dt);
-        const float inv = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
-        for (int64_t j = 0; j < d; j++) st(out, dt, r * d + j, x[j] * inv * w[j] + b[j]);
+        norm_row(x, w, b, d, eps, out, dt, r);
     }
     free(x);
     return 0;
