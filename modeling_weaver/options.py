@@ -34,8 +34,8 @@ class TreePolicy:
             ``weaver_kernels.node_attention`` op (None: on CUDA, where it is one launch instead of ~10, and on CPUs
             where the native kernels build: there the whole node step runs through them, ``tree.CpuWeaver``).
         pool_size: DFlash's top candidates per depth that the Weaver scores, at most its ``candidate_pool_size``
-            (None: all of those on CUDA, 32 elsewhere — on a CPU the pool's top-k and lm_head-row gathers are a
-            third of the build, and the small trees a CPU verifies keep the same acceptance from 32).
+            (None: all of those on CUDA, 32 elsewhere — on a CPU each candidate's score reads its lm_head row, cold
+            inside the loop, and the small trees a CPU verifies keep the same acceptance from 32).
     """
 
     spine: bool = True

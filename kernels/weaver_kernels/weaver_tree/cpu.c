@@ -296,9 +296,8 @@ int weaver_pool_scores(const void *query, int qdt, int64_t M, int64_t d, const i
  * the kept k stay sorted, a newcomer inserted behind the values it does not beat. */
 int weaver_pool_topk(const void *logits, int dt, int64_t rows, int64_t V, int64_t stride, int64_t k, float *values,
                      int64_t *ids) {
+    float block[64];
     if (k < 1 || k > V) return -1;
-    float *block = malloc(64 * sizeof(float));
-    if (!block) return -1;
     for (int64_t r = 0; r < rows; r++) {
         float *val = values + r * k;
         int64_t *id = ids + r * k, kept = 0;
@@ -331,7 +330,6 @@ int weaver_pool_topk(const void *logits, int dt, int64_t rows, int64_t V, int64_
             }
         }
     }
-    free(block);
     return 0;
 }
 
