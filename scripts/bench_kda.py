@@ -261,12 +261,12 @@ def sweep_configs(sweep: bool, K: int, V: int):
 
 def exact_config(name: str) -> dict:
     """The exact form's launch config from a name such as ``bv32_bkc64_pw4_w4_fg1`` (value block, key channels per
-    pair step, pair warps, Γ/solve warps, Γ in the pair programs, pc1: one channel at a time); ``default``: the form's defaults."""
-    keys = dict(bv="BV", bkc="BKC", pw="pair_warps", w="num_warps", fg="fuse_gamma", pc="per_channel")
+    pair step, pair warps, Γ/solve warps, Γ in the pair programs); ``default``: the form's defaults."""
+    keys = dict(bv="BV", bkc="BKC", pw="pair_warps", w="num_warps", fg="fuse_gamma")
     out = {}
     for part in ([] if name == "default" else name.split("_")):
         key = part.rstrip("0123456789")
-        out[keys[key]] = bool(int(part[len(key):])) if key in ("fg", "pc") else int(part[len(key):])
+        out[keys[key]] = bool(int(part[len(key):])) if key == "fg" else int(part[len(key):])
     return out
 
 

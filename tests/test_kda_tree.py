@@ -261,14 +261,14 @@ FORMS = ("fused", "neumann")
 
 
 def _verify(kernels, form):
-    if form.startswith("exact"):  # "exact_pc": a channel at a time (the default); "exact_fg": [16, 16, BKC] blocks, Γ
-        # formed in the pair programs
-        return functools.partial(kernels.exact.kda_tree_verify_exact, per_channel=form == "exact_pc")
+    if form.startswith("exact"):  # "exact": the exact-pairs form's default (Γ's own launch); "exact_fg": Γ formed in
+        # the pair programs (two launches)
+        return functools.partial(kernels.exact.kda_tree_verify_exact, fuse_gamma=form == "exact_fg")
     return kernels.fused.kda_tree_verify_triton if form == "fused" else kernels.neumann.kda_tree_verify_neumann
 
 
 #: the exact-pairs form's variants: every GPU case, a few small ones on the interpreter (its [16, 16, BKC] exps)
-EXACT_FORMS = ("exact_pc", "exact_fg")
+EXACT_FORMS = ("exact", "exact_fg")
 
 
 def _rel(x, ref):
@@ -330,13 +330,13 @@ def test_triton_verify_and_commit_interpreter(ik, case, form):
 @pytest.mark.parametrize("form", EXACT_FORMS)
 @pytest.mark.parametrize("case", [KERNEL_CASES[1], KERNEL_CASES[3]], ids=_case_id)
 def test_exact_form_verify_and_commit_interpreter(ik, case, form):
-    """The exact-pairs form (both pair-tile forms) on a deep tree past a row block and on a forest with K = 40 (channel
+    """The exact-pairs form (both Γ placements) on a deep tree past a row block and on a forest with K = 40 (channel
     chunks of 32, padding): verify and commit against the fp64 references."""
     _check_verify_and_commit(ik, case, form=form)
 
 
 def test_exact_form_raw_gates_fast_decays_interpreter(ik):
-    """The exact form (default: one channel at a time), decays fast enough that fp32 products of separate
+    """The exact form (its default), decays fast enough that fp32 products of separate
     row and column factors would overflow (``A_log`` + 5): no fallback needed, the masked exponents stay ≤ 0."""
     c = _raw_gate_case("random", 21, 2, 16, 16, torch.float32, seed=21)
     c.A_log = c.A_log + 5.0
@@ -474,7 +474,7 @@ def test_exact_form_raw_gates_fast_decays_on_gpu(form, A_shift):
     refs = _raw_gate_refs(c)
     x = SimpleNamespace(**{name: t.cuda() for name, t in vars(c).items()})
     o, u, gamma = exact.kda_tree_verify_exact(x.q, x.k, x.v, x.f, x.b, x.S0, x.M, use_qk_l2norm_in_kernel=True,
-                                              A_log=x.A_log, dt_bias=x.dt_bias, per_channel=form == "exact_pc")
+                                              A_log=x.A_log, dt_bias=x.dt_bias, fuse_gamma=form == "exact_fg")
     S = commit.kda_tree_commit_triton(x.S0.clone(), x.k, u, gamma, x.path, use_qk_l2norm_in_kernel=True)
     _assert_near_refs(o, u, gamma, S, refs, torch.float32)
 

@@ -40,7 +40,7 @@ def _kda_exact_pairs_kernel(
     sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BT: tl.constexpr,
     NB: tl.constexpr, LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
-    FUSE_GAMMA: tl.constexpr, PER_CHANNEL: tl.constexpr,
+    FUSE_GAMMA: tl.constexpr,
 ):
     """Tile (i, c), c ≤ i, of one value head (``program_id(0) = i · NB + c``): exact pair scores over the K channels,
     the norms and β folded in; on the diagonal the block's inverse ``(I + A_ii)^{-1}`` in place of A_ii. With
@@ -57,70 +57,53 @@ def _kda_exact_pairs_kernel(
         M = tl.load(tmask + t_r[:, None] * T + t_c[None, :], mask=m_r[:, None] & m_c[None, :], other=0) != 0
         kk = tl.full([BT, BT], 0.0, tl.float32)
         qk = tl.full([BT, BT], 0.0, tl.float32)
-        if PER_CHANNEL:  # one [BT, BT] outer product per channel, the loads unrolled ahead (Γ from memory)
-            sc_c = tl.full([BT], 0.0, tl.float32)
-            sc_k = tl.full([BT], 0.0, tl.float32)
-            sc_q = tl.full([BT], 0.0, tl.float32)
-            for ch in tl.static_range(0, K):
-                G_r1 = tl.load(gm_base + t_r * (HV * K) + ch, mask=m_r, other=0.0)
-                G_c1 = tl.load(gm_base + t_c * (HV * K) + ch, mask=m_c, other=0.0)
-                k_r1 = tl.load(k_base + t_r * sk_t + ch, mask=m_r, other=0.0).to(tl.float32)
-                q_r1 = tl.load(q_base + t_r * sq_t + ch, mask=m_r, other=0.0).to(tl.float32)
-                k_c1 = tl.load(k_base + t_c * sk_t + ch, mask=m_c, other=0.0).to(tl.float32)
-                kD = k_c1[None, :] * tl.exp(tl.where(M, tl.minimum(G_r1[:, None] - G_c1[None, :], 0.0),
-                                                     float("-inf")))
-                kk += k_r1[:, None] * kD
-                qk += q_r1[:, None] * kD
-                sc_c += k_c1 * k_c1
-                sc_k += k_r1 * k_r1
-                sc_q += q_r1 * q_r1
-        else:  # [BT, BT, BKC] blocks of exps, BKC channels a step
-            M3 = M[:, :, None]
-            ss_c = tl.full([BT, BKC], 0.0, tl.float32)
-            ss_k = tl.full([BT, BKC], 0.0, tl.float32)
-            ss_q = tl.full([BT, BKC], 0.0, tl.float32)
-            for kc in tl.static_range(0, BK, BKC):
-                o_kc = kc + tl.arange(0, BKC)
-                m_kc = o_kc < K
-                m_rk = m_r[:, None] & m_kc[None, :]
-                m_ck = m_c[:, None] & m_kc[None, :]
-                if FUSE_GAMMA:
-                    g_base = g + i_b64 * sg_b + i_hv * sg_h
-                    G_r = tl.full([BT, BKC], 0.0, tl.float32)
-                    G_c = tl.full([BT, BKC], 0.0, tl.float32)
-                    for b in range(0, i + 1):  # ancestors come first: blocks past i hold none of these rows'
-                        t_b, m_b = lanes(b, BT, T)
-                        m_bk = m_b[:, None] & m_kc[None, :]
-                        g_b = tl.load(g_base + t_b[:, None] * sg_t + o_kc[None, :], mask=m_bk,
-                                      other=0.0).to(tl.float32)
-                        if RAW_GATES:
-                            g_b = tl.where(m_bk, kda_gate(g_b, a_log, dt_bias, i_hv, o_kc, m_kc, K), 0.0)
-                        M_rb = tl.load(tmask + t_r[:, None] * T + t_b[None, :], mask=m_r[:, None] & m_b[None, :],
-                                       other=0).to(tl.float32)
-                        G_r += tl.dot(M_rb, g_b, input_precision="ieee")
-                        if b <= c:
-                            M_cb = tl.load(tmask + t_c[:, None] * T + t_b[None, :],
-                                           mask=m_c[:, None] & m_b[None, :], other=0).to(tl.float32)
-                            G_c += tl.dot(M_cb, g_b, input_precision="ieee")
-                    if c == i:
-                        tl.store(gm_base + t_r[:, None] * (HV * K) + o_kc[None, :], G_r, mask=m_rk)
-                else:
-                    G_r = tl.load(gm_base + t_r[:, None] * (HV * K) + o_kc[None, :], mask=m_rk, other=0.0)
-                    G_c = tl.load(gm_base + t_c[:, None] * (HV * K) + o_kc[None, :], mask=m_ck, other=0.0)
-                k_r = tl.load(k_base + t_r[:, None] * sk_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
-                q_r = tl.load(q_base + t_r[:, None] * sq_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
-                k_c = tl.load(k_base + t_c[:, None] * sk_t + o_kc[None, :], mask=m_ck, other=0.0).to(tl.float32)
-                # every kept exponent ≤ 0: the mask inside the exp, the min clips Γ's rounding on a path
-                D = tl.exp(tl.where(M3, tl.minimum(G_r[:, None, :] - G_c[None, :, :], 0.0), float("-inf")))
-                kD = k_c[None, :, :] * D  # [BT, BT, BKC]
-                kk += rsum(k_r[:, None, :] * kD, axis=2)
-                qk += rsum(q_r[:, None, :] * kD, axis=2)
-                ss_c += k_c * k_c
-                ss_k += k_r * k_r
-                ss_q += q_r * q_r
-            sc_c = rsum(ss_c, axis=1)
-            sc_k = rsum(ss_k, axis=1)
-            sc_q = rsum(ss_q, axis=1)
+        # [BT, BT, BKC] blocks of exps, BKC channels a step
+        M3 = M[:, :, None]
+        ss_c = tl.full([BT, BKC], 0.0, tl.float32)
+        ss_k = tl.full([BT, BKC], 0.0, tl.float32)
+        ss_q = tl.full([BT, BKC], 0.0, tl.float32)
+        for kc in tl.static_range(0, BK, BKC):
+            o_kc = kc + tl.arange(0, BKC)
+            m_kc = o_kc < K
+            m_rk = m_r[:, None] & m_kc[None, :]
+            m_ck = m_c[:, None] & m_kc[None, :]
+            if FUSE_GAMMA:
+                g_base = g + i_b64 * sg_b + i_hv * sg_h
+                G_r = tl.full([BT, BKC], 0.0, tl.float32)
+                G_c = tl.full([BT, BKC], 0.0, tl.float32)
+                for b in range(0, i + 1):  # ancestors come first: blocks past i hold none of these rows'
+                    t_b, m_b = lanes(b, BT, T)
+                    m_bk = m_b[:, None] & m_kc[None, :]
+                    g_b = tl.load(g_base + t_b[:, None] * sg_t + o_kc[None, :], mask=m_bk,
+                                  other=0.0).to(tl.float32)
+                    if RAW_GATES:
+                        g_b = tl.where(m_bk, kda_gate(g_b, a_log, dt_bias, i_hv, o_kc, m_kc, K), 0.0)
+                    M_rb = tl.load(tmask + t_r[:, None] * T + t_b[None, :], mask=m_r[:, None] & m_b[None, :],
+                                   other=0).to(tl.float32)
+                    G_r += tl.dot(M_rb, g_b, input_precision="ieee")
+                    if b <= c:
+                        M_cb = tl.load(tmask + t_c[:, None] * T + t_b[None, :],
+                                       mask=m_c[:, None] & m_b[None, :], other=0).to(tl.float32)
+                        G_c += tl.dot(M_cb, g_b, input_precision="ieee")
+                if c == i:
+                    tl.store(gm_base + t_r[:, None] * (HV * K) + o_kc[None, :], G_r, mask=m_rk)
+            else:
+                G_r = tl.load(gm_base + t_r[:, None] * (HV * K) + o_kc[None, :], mask=m_rk, other=0.0)
+                G_c = tl.load(gm_base + t_c[:, None] * (HV * K) + o_kc[None, :], mask=m_ck, other=0.0)
+            k_r = tl.load(k_base + t_r[:, None] * sk_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
+            q_r = tl.load(q_base + t_r[:, None] * sq_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
+            k_c = tl.load(k_base + t_c[:, None] * sk_t + o_kc[None, :], mask=m_ck, other=0.0).to(tl.float32)
+            # every kept exponent ≤ 0: the mask inside the exp, the min clips Γ's rounding on a path
+            D = tl.exp(tl.where(M3, tl.minimum(G_r[:, None, :] - G_c[None, :, :], 0.0), float("-inf")))
+            kD = k_c[None, :, :] * D  # [BT, BT, BKC]
+            kk += rsum(k_r[:, None, :] * kD, axis=2)
+            qk += rsum(q_r[:, None, :] * kD, axis=2)
+            ss_c += k_c * k_c
+            ss_k += k_r * k_r
+            ss_q += q_r * q_r
+        sc_c = rsum(ss_c, axis=1)
+        sc_k = rsum(ss_k, axis=1)
+        sc_q = rsum(ss_q, axis=1)
         b_r = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
         if RAW_GATES:  # β = sigmoid(b) in b's dtype, as the module computes it
             b_r = tl.where(m_r, gate_beta(b_r, beta.dtype.element_ty), 0.0)
@@ -219,20 +202,18 @@ def kda_tree_verify_exact(
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     *,
-    BV: int = 32,
-    BKC: int = 64,
-    pair_warps: int = 4,
+    BV: int = 16,
+    BKC: int = 16,
+    pair_warps: int = 8,
     num_warps: int = 4,
-    fuse_gamma: bool = True,
-    per_channel: bool = True,
+    fuse_gamma: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton version of :func:`~weaver_kernels.kda_tree.naive.kda_tree_verify_ref` (same shapes and outputs), the
     exact-pairs form. ``BV``: value columns per solve program; ``BKC``: key channels per step of a pair tile (a
     [16, 16, BKC] block of exps); ``pair_warps``: the pair launch's warps, ``num_warps`` the Γ and solve launches'.
-    ``per_channel``: the pair tiles one channel at a time ([16, 16] outer products, Γ from its own launch), not
-    [16, 16, BKC] blocks. ``fuse_gamma``: Γ formed in the pair programs (two launches) rather than a launch of its own (three).
+    ``fuse_gamma``: Γ formed in the pair programs (two launches) rather than a launch of its own (three).
     ``A_log`` / ``dt_bias``: raw gates as in :func:`.fused.kda_tree_verify_triton`."""
     BKC = min(BKC, max(16, triton.next_power_of_2(q.shape[-1])))  # (a chunk no wider than the padded channels)
     q, k, v, g, s0, mask, scale, raw, BK = verify_inputs(q, k, v, g, initial_state, tree_mask, scale, A_log, dt_bias,
@@ -247,7 +228,6 @@ def kda_tree_verify_exact(
     a_log, dt = (A_log.contiguous(), dt_bias.contiguous()) if raw else (s0, s0)
     l2 = bool(use_qk_l2norm_in_kernel)
     with launch_ctx(INTERPRET):
-        fuse_gamma = fuse_gamma and not per_channel
         if not fuse_gamma:
             _kda_gamma_kernel[(NB, B * HV)](g, mask, gamma, a_log, dt, T, g.stride(0), g.stride(1), g.stride(2),
                                             H=H, HV=HV, K=K, BK=BK, BT=16, RAW_GATES=raw, num_warps=num_warps)
@@ -256,7 +236,7 @@ def kda_tree_verify_exact(
             k.stride(1), k.stride(2), g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1),
             beta.stride(2),
             H=H, HV=HV, K=K, BK=BK, BKC=BKC, BT=16, NB=NB, LOG2_BT=4, L2NORM=l2, RAW_GATES=raw,
-            FUSE_GAMMA=bool(fuse_gamma), PER_CHANNEL=bool(per_channel), num_warps=pair_warps,
+            FUSE_GAMMA=bool(fuse_gamma), num_warps=pair_warps,
         )
         _kda_exact_solve_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, beta, s0, o, u, gamma, kk, qk, T, scale,
