@@ -537,11 +537,7 @@ def test_ops_take_the_triton_kernels_for_cuda_tensors(ik, monkeypatch):
             return kernel(*map(plain, args), **{key: plain(x) for key, x in kwargs.items()})
         return run
 
-    from weaver_kernels.kda_tree import exact
-
-    # (21 nodes: the exact form, the ops' default up to exact.DEFAULT_MAX_NODES; the fused form past it)
-    monkeypatch.setattr(exact, "kda_tree_verify_exact", stand_in("verify", ik.exact.kda_tree_verify_exact))
-    monkeypatch.setattr(fused, "kda_tree_verify_triton", stand_in("verify_fused", ik.fused.kda_tree_verify_triton))
+    monkeypatch.setattr(fused, "kda_tree_verify_triton", stand_in("verify", ik.fused.kda_tree_verify_triton))
     monkeypatch.setattr(commit, "kda_tree_commit_triton", stand_in("commit", ik.commit.kda_tree_commit_triton))
     c = _raw_gate_case("random", 21, 4, 8, 8, torch.float32, seed=6)
     refs = _raw_gate_refs(c)
@@ -573,7 +569,7 @@ def test_ops_run_triton_on_gpu(case):
     references' tolerances; no host sync (sync debug mode, then verify + commit + decode captured in a CUDA graph and
     replayed from a fresh state); fake implementations against the kernels (``opcheck``, small case)."""
     import weaver_kernels as wk
-    from weaver_kernels.kda_tree import commit, exact, fused
+    from weaver_kernels.kda_tree import commit, fused
 
     kind, T, H, K, V, dtype = case
     c = _raw_gate_case(kind, T, H, K, V, dtype, seed=T)
@@ -581,8 +577,7 @@ def test_ops_run_triton_on_gpu(case):
     x = SimpleNamespace(**{name: t.cuda() for name, t in vars(c).items()})
     raw = dict(A_log=x.A_log, dt_bias=x.dt_bias)
     args = (x.q, x.k, x.v, x.f, x.b, x.S0, x.M)
-    form = exact.kda_tree_verify_exact if T <= exact.DEFAULT_MAX_NODES else fused.kda_tree_verify_triton
-    want = form(*args, use_qk_l2norm_in_kernel=True, **raw)  # (compiles the kernels first)
+    want = fused.kda_tree_verify_triton(*args, use_qk_l2norm_in_kernel=True, **raw)  # (compiles the kernels first)
     S_want = commit.kda_tree_commit_triton(x.S0.clone(), x.k, want[1], want[2], x.path, True)
     one = [t[:, :1] for t in (x.q, x.k, x.v, x.f, x.b)]  # the AR step's token (kda_decode: the reference on CUDA)
     S, S_dec = x.S0.clone(), x.S0.clone()

@@ -150,11 +150,8 @@ def _kda_tree_verify_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     args = (q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel)
     if q.is_cuda:
-        from .kda_tree.exact import DEFAULT_MAX_NODES, kda_tree_verify_exact
         from .kda_tree.fused import kda_tree_verify_triton
 
-        if q.shape[1] <= DEFAULT_MAX_NODES:  # (a shape, not a value: no sync, one form per captured graph)
-            return kda_tree_verify_exact(*args, A_log=A_log, dt_bias=dt_bias)
         return kda_tree_verify_triton(*args, A_log=A_log, dt_bias=dt_bias)
     o, u, gamma = kda_tree_verify_ref(*args, A_log=A_log, dt_bias=dt_bias)
     return _contig(o), _contig(u), _contig(gamma)
@@ -454,8 +451,7 @@ def kda_tree_verify(
     See ``kda_tree.naive.kda_tree_verify_ref``. Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32,
     ``gamma [B, T, HV, K]`` fp32. With ``A_log`` (HV entries) and ``dt_bias`` (HV·K), ``g`` and ``beta`` are the raw
     projections f and b (KimiLinear's gates, :func:`~weaver_kernels.kda_gates`), formed in the verify launch on CUDA.
-    CUDA: Triton (``kda_tree.exact``, the exact-pairs form, up to 64 nodes; ``kda_tree.fused`` for larger
-    trees, T ≤ 256); elsewhere the reference."""
+    CUDA: Triton (``kda_tree.fused``, three launches, T ≤ 256 nodes); elsewhere the reference."""
     if (A_log is None) != (dt_bias is None):
         raise ValueError("kda_tree_verify: A_log and dt_bias go together")
     if scale is None:

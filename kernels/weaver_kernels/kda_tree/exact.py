@@ -1,6 +1,7 @@
 """Tree KDA verify in Triton, the exact-pairs form: three launches (Γ, exact pair tiles with the diagonal inverses,
-the solve), for trees of up to ``MAX_NODES`` nodes (the ops' default at ≤ 64 nodes; larger trees keep
-:mod:`.fused`).
+the solve), or two with Γ formed in the pair programs. Not the ops' default: slower than :mod:`.fused` at T = 64 on an
+H100 (73.4 / 73.1 µs verify + commit best-first / deep15 against 55.2 / 67.3; BENCHMARKS.md, issue #31), kept as a
+measured alternative.
 
 Same system as :mod:`.fused` (docs/DESIGN.md §13), ``(I + A) U = β ⊙ (V − (K ⊙ e^Γ) S0)`` and
 ``O = scale · ((Q ⊙ e^Γ) S0 + P U)``. The difference is how the pair scores ``Σ_c k_ic k_jc exp(Γ_ic − Γ_jc)`` are
@@ -30,8 +31,7 @@ from ..triton_utils import INTERPRET, head_inputs, head_program, lanes, node_row
 from ..utils import launch_ctx
 from .fused import _kda_gamma_kernel, kda_gate, verify_inputs
 
-MAX_NODES = 256  # (the kernels' limit, as the fused form's; the ops use this form up to DEFAULT_MAX_NODES)
-DEFAULT_MAX_NODES = 64  # the ops' default form up to here (timed at 64; larger trees keep the fused form)
+MAX_NODES = 256  # (the kernels' limit, as the fused form's)
 
 
 @triton.jit
