@@ -68,7 +68,6 @@ from weaver_kernels.gdn_tree.chunk import gdn_tree_commit_triton, gdn_tree_verif
 from weaver_kernels.gdn_tree.dispatch import verify_form  # noqa: E402
 from weaver_kernels.gdn_tree.naive import gdn_gates, gdn_tree_commit_ref, gdn_tree_verify_ref  # noqa: E402
 from weaver_kernels.kda_tree.commit import kda_tree_commit_triton  # noqa: E402
-from weaver_kernels.kda_tree.exact import kda_tree_verify_exact  # noqa: E402
 from weaver_kernels.kda_tree.fused import kda_tree_verify_triton  # noqa: E402
 from weaver_kernels.kda_tree.neumann import MAX_NODES as NEUMANN_MAX_NODES  # noqa: E402
 from weaver_kernels.kda_tree.neumann import kda_tree_verify_neumann  # noqa: E402
@@ -259,17 +258,6 @@ def sweep_configs(sweep: bool, K: int, V: int):
     return [(w, bv, c) for w in (1, 2, 4, 8) for bv in (16, 32) for c in (16, 32) if bv <= V and c <= K]
 
 
-def exact_config(name: str) -> dict:
-    """The exact form's launch config from a name such as ``bv32_bkc64_pw4_w4_fg1`` (value block, key channels per
-    pair step, pair warps, Γ/solve warps, Γ in the pair programs); ``default``: the form's defaults."""
-    keys = dict(bv="BV", bkc="BKC", pw="pair_warps", w="num_warps", fg="fuse_gamma")
-    out = {}
-    for part in ([] if name == "default" else name.split("_")):
-        key = part.rstrip("0123456789")
-        out[keys[key]] = bool(int(part[len(key):])) if key == "fg" else int(part[len(key):])
-    return out
-
-
 # ------------------------------------------------------------------------------------------------------ one tree
 def bench_tree(T, kind, layers, args, dev):
     parents, dep, leaf = make_tree(T, kind, seed=T + {"chain": 7, "deep15": 3}.get(kind, 0))
@@ -290,8 +278,6 @@ def bench_tree(T, kind, layers, args, dev):
              ("kda_neumann_bkc32", functools.partial(kda_tree_verify_neumann, BKC=32)))
     if args.no_neumann:
         forms = forms[:1]
-    forms += tuple((f"exact_{cfg}", functools.partial(kda_tree_verify_exact, **exact_config(cfg)))
-                   for cfg in args.exact)
     forms += tuple((f"sweep_w{w}_bv{bv}_bkc{c}", functools.partial(kda_tree_verify_triton, num_warps=w, BV=bv, BKC=c))
                    for w, bv, c in sweep_configs(args.sweep, x["k"].shape[-1], x["v"].shape[-1]))
     for name, verify in forms:
@@ -495,14 +481,6 @@ def table(results, fla_res, meta):
                          f"(≤ 1.5×: {verdict(rk <= 1.5, rk)}); "
                          f"baseline/KDA = {rb:.1f}× (≥ 5×: {verdict(rb >= 5, rb)})")
     for r in results:
-        g, b, fz = us(r, "gdn_step")[0], us(r, "baseline")[0], us(r, "kda_step")[0]
-        for key in [key for key in r if key.startswith("exact_") and key.endswith("_step")]:
-            k = us(r, key)[0]
-            lines.append(f"exact form {key[len('exact_'):-len('_step')]} ({r['kind']}, T = {r['T']}): verify "
-                         f"{us(r, key[:-len('_step')] + '_verify')[0]:.1f}, verify+commit {k:.1f} µs; "
-                         f"KDA/GDN {ratio(k, g):.2f}× (≤ 1.5×); baseline/KDA {ratio(b, k):.1f}× (≥ 5×); "
-                         f"fused v+c {fz:.1f} ({ratio(fz, k):.2f}× the exact form's time)")
-    for r in results:
         swept = sorted((us(r, key)[0], key[len("sweep_"):-len("_step")]) for key in r
                        if key.startswith("sweep_") and key.endswith("_step"))
         if swept:
@@ -548,8 +526,6 @@ def main():
                          "key chunk (16 32), each checked first")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-neumann", action="store_true", help="skip the Neumann form's rows")
-    ap.add_argument("--exact", nargs="*", default=["default"],
-                    help="exact-pairs form configs to time (e.g. default bv32_bkc64_pw4_fg1 bv16_fg0; see exact_config)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke run: tiny shape, every kernel through Triton's interpreter, checked")

@@ -104,17 +104,17 @@ def kda_kernels(tmp_path_factory):
     reason = _offline_cuda_reason()
     if reason:
         pytest.skip(reason)
-    from weaver_kernels.kda_tree import commit, exact, fused, neumann
+    from weaver_kernels.kda_tree import commit, fused, neumann
 
-    if fused.INTERPRET or commit.INTERPRET or neumann.INTERPRET or exact.INTERPRET:
+    if fused.INTERPRET or commit.INTERPRET or neumann.INTERPRET:
         pytest.skip("the kda_tree modules were imported under TRITON_INTERPRET=1")
     mp = pytest.MonkeyPatch()
     mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_cache")))  # a real compile, kept out of the repo
-    yield SimpleNamespace(fused=fused, neumann=neumann, commit=commit, exact=exact)
+    yield SimpleNamespace(fused=fused, neumann=neumann, commit=commit)
     mp.undo()
 
 
-@pytest.mark.parametrize("form", ["fused", "neumann", "neumann_ieee", "exact"])
+@pytest.mark.parametrize("form", ["fused", "neumann", "neumann_ieee"])
 @pytest.mark.parametrize("T, raw", [(64, True), (128, False)], ids=["T64-raw_gates", "T128-formed_gates"])
 def test_kda_tree_kernels_compile_for_sm90(kda_kernels, T, raw, form):
     """Kimi Linear's KDA shape (32 heads, K = V = 128, bf16 inputs, l2-normed q/k), a T-node tree, gates raw (with
@@ -135,9 +135,6 @@ def test_kda_tree_kernels_compile_for_sm90(kda_kernels, T, raw, form):
     if form == "fused":
         verify = x.fused.kda_tree_verify_triton
         kernels = [x.fused._kda_gamma_kernel, x.fused._kda_pairs_kernel, x.fused._kda_tree_verify_kernel]
-    elif form == "exact":  # (its default: Γ's launch, pair tiles a channel at a time, the solve)
-        verify = x.exact.kda_tree_verify_exact
-        kernels = [x.fused._kda_gamma_kernel, x.exact._kda_exact_pairs_kernel, x.exact._kda_exact_solve_kernel]
     else:
         verify = functools.partial(x.neumann.kda_tree_verify_neumann,
                                    precision="ieee" if form.endswith("ieee") else "tf32x3")

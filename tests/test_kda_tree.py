@@ -3,7 +3,6 @@ token-by-token recurrence along each node's root path, in fp64; the recurrence a
 
 from __future__ import annotations
 
-import functools
 import random
 import warnings
 from types import SimpleNamespace
@@ -251,7 +250,6 @@ def ik():
     from weaver_kernels.utils import load_interpreted
 
     return SimpleNamespace(fused=load_interpreted("weaver_kernels.kda_tree.fused"),
-                           exact=load_interpreted("weaver_kernels.kda_tree.exact"),
                            neumann=load_interpreted("weaver_kernels.kda_tree.neumann"),
                            commit=load_interpreted("weaver_kernels.kda_tree.commit"))
 
@@ -261,14 +259,7 @@ FORMS = ("fused", "neumann")
 
 
 def _verify(kernels, form):
-    if form.startswith("exact"):  # "exact": the exact-pairs form's default (Γ's own launch); "exact_fg": Γ formed in
-        # the pair programs (two launches)
-        return functools.partial(kernels.exact.kda_tree_verify_exact, fuse_gamma=form == "exact_fg")
     return kernels.fused.kda_tree_verify_triton if form == "fused" else kernels.neumann.kda_tree_verify_neumann
-
-
-#: the exact-pairs form's variants: every GPU case, a few small ones on the interpreter (its [16, 16, BKC] exps)
-EXACT_FORMS = ("exact", "exact_fg")
 
 
 def _rel(x, ref):
@@ -325,26 +316,6 @@ def test_triton_verify_and_commit_interpreter(ik, case, form):
     """The Triton verify (each form) and commit against the fp64 references: several row blocks, K not a power of
     two, V not a multiple of the value block, forests, 16-bit inputs; the commit with a right-padded path."""
     _check_verify_and_commit(ik, case, form=form)
-
-
-@pytest.mark.parametrize("form", EXACT_FORMS)
-@pytest.mark.parametrize("case", [KERNEL_CASES[1], KERNEL_CASES[3]], ids=_case_id)
-def test_exact_form_verify_and_commit_interpreter(ik, case, form):
-    """The exact-pairs form (both Γ placements) on a deep tree past a row block and on a forest with K = 40 (channel
-    chunks of 32, padding): verify and commit against the fp64 references."""
-    _check_verify_and_commit(ik, case, form=form)
-
-
-def test_exact_form_raw_gates_fast_decays_interpreter(ik):
-    """The exact form (its default), decays fast enough that fp32 products of separate
-    row and column factors would overflow (``A_log`` + 5): no fallback needed, the masked exponents stay ≤ 0."""
-    c = _raw_gate_case("random", 21, 2, 16, 16, torch.float32, seed=21)
-    c.A_log = c.A_log + 5.0
-    o, u, gamma = ik.exact.kda_tree_verify_exact(c.q, c.k, c.v, c.f, c.b, c.S0, c.M, use_qk_l2norm_in_kernel=True,
-                                                 A_log=c.A_log, dt_bias=c.dt_bias)
-    S = ik.commit.kda_tree_commit_triton(c.S0.clone(), c.k, u, gamma, c.path, use_qk_l2norm_in_kernel=True)
-    _assert_near_refs(o, u, gamma, S, _raw_gate_refs(c), torch.float32)
-    _assert_paths(_channel_spreads(gamma), ik.fused.PAIR_SPREAD_MAX, "wide")
 
 
 def test_neumann_form_at_its_bound_interpreter(ik):
@@ -450,33 +421,13 @@ REAL_SHAPE_CASES = [("random", 64, 32, 32, 128, 128, torch.bfloat16, True, 32),
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("form", FORMS + EXACT_FORMS)
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("case", KERNEL_CASES + REAL_SHAPE_CASES, ids=_case_id)
 def test_triton_verify_and_commit_on_gpu(case, form):
     """The compiled kernels (not the interpreter), each form, on the small cases and at Kimi Linear's shape."""
-    from weaver_kernels.kda_tree import commit, exact, fused, neumann
+    from weaver_kernels.kda_tree import commit, fused, neumann
 
-    _check_verify_and_commit(SimpleNamespace(fused=fused, exact=exact, neumann=neumann, commit=commit), case, "cuda",
-                             form=form)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("form", EXACT_FORMS)
-@pytest.mark.parametrize("A_shift", [2.0])
-def test_exact_form_raw_gates_fast_decays_on_gpu(form, A_shift):
-    """The compiled exact form at Kimi Linear's shape with the gates formed in the kernels and fast decays (many
-    channels past the fused form's dot spread): within the fp64 references' tolerances."""
-    from weaver_kernels.kda_tree import commit, exact
-
-    c = _raw_gate_case("deep", 64, 32, 128, 128, torch.float32, seed=64)
-    c.A_log = c.A_log + A_shift
-    refs = _raw_gate_refs(c)
-    x = SimpleNamespace(**{name: t.cuda() for name, t in vars(c).items()})
-    o, u, gamma = exact.kda_tree_verify_exact(x.q, x.k, x.v, x.f, x.b, x.S0, x.M, use_qk_l2norm_in_kernel=True,
-                                              A_log=x.A_log, dt_bias=x.dt_bias, fuse_gamma=form == "exact_fg")
-    S = commit.kda_tree_commit_triton(x.S0.clone(), x.k, u, gamma, x.path, use_qk_l2norm_in_kernel=True)
-    _assert_near_refs(o, u, gamma, S, refs, torch.float32)
+    _check_verify_and_commit(SimpleNamespace(fused=fused, neumann=neumann, commit=commit), case, "cuda", form=form)
 
 
 def _raw_gate_case(kind, T, H, K, V, dtype, seed):
