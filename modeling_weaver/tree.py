@@ -391,7 +391,7 @@ def weaver_tree_tensors(
     on_cpu = cpu_weaver(weaver, device, policy)
     # [D, pool]: children of depth d+1. On a CPU one native pass a row (torch's topk was a sixth of a build); else
     # topk in the logits' dtype, then fp32 (cheaper than topk over a widened copy)
-    if on_cpu is not None and draft_logits.stride(-1) == 1:
+    if on_cpu is not None and native.supports(draft_logits):  # (fp32 or bf16 rows it can read; else torch's)
         pool_logits, pool_ids = native.pool_topk(draft_logits[:max_depth], pool)
     else:
         pool_logits, pool_ids = draft_logits[:max_depth].topk(pool, dim=-1)

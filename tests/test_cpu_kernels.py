@@ -167,6 +167,18 @@ def test_pool_topk_is_a_stable_sorts_first_k(dtype):
         native.pool_topk(logits, 258)
 
 
+def test_logits_the_native_top_k_cannot_read_go_to_torch():
+    """fp16 or non-contiguous drafter logits on a CPU: the pool comes from ``torch.topk`` (the native pass reads
+    contiguous fp32 and bf16 rows), the same tree as from the same values in contiguous fp32."""
+    _, build = _tiny()
+    logits = build.logits
+    for variant in (logits.half(), logits.t().contiguous().t()):
+        same = variant.float().contiguous()
+        for budget in (5, 12):
+            got, want = build(TreePolicy(), budget, variant), build(TreePolicy(), budget, same)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (variant.dtype, budget)
+
+
 def test_spine_buffers_match_the_torch_setup():
     pool_ids = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(4))
     for spine in (1, 4):

@@ -86,10 +86,12 @@ def _tiny_weaver_build():
     logits = torch.randn(7, target.config.vocab_size, generator=gen)
     prompt = weaver.encode_prompt(torch.randn(1, target.config.hidden_size, generator=gen), hidden[None])
 
-    def build(policy, budget):
+    def build(policy, budget, draft_logits=None):
         with torch.no_grad():
-            return weaver_tree_tensors(3, weaver, prompt, logits, target.get_input_embeddings(),
-                                       target.get_output_embeddings().weight, budget, policy=policy)
+            return weaver_tree_tensors(3, weaver, prompt, logits if draft_logits is None else draft_logits,
+                                       target.get_input_embeddings(), target.get_output_embeddings().weight, budget,
+                                       policy=policy)
+    build.logits = logits
     return weaver, build
 
 
