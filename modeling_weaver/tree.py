@@ -389,8 +389,8 @@ def weaver_tree_tensors(
         rounds = 0  # every candidate is a leaf: stepping one adds nothing
     pool = min(policy.pool_on(device, weaver.config.candidate_pool_size), draft_logits.shape[-1])
     on_cpu = cpu_weaver(weaver, device, policy)
-    # [D, pool]: children of depth d+1. On a CPU one native pass a row (torch's topk was a sixth of a build); else
-    # topk in the logits' dtype, then fp32 (cheaper than topk over a widened copy)
+    # [D, pool]: children of depth d+1. On a CPU one native pass a row (torch's topk over the vocabulary was a large
+    # part of a build); else topk in the logits' dtype, then fp32 (cheaper than topk over a widened copy)
     if on_cpu is not None and native.supports(draft_logits):  # (fp32 or bf16 rows it can read; else torch's)
         pool_logits, pool_ids = native.pool_topk(draft_logits[:max_depth], pool)
     else:
