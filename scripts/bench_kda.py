@@ -71,6 +71,8 @@ from weaver_kernels.kda_tree.commit import kda_tree_commit_triton  # noqa: E402
 from weaver_kernels.kda_tree.fused import kda_tree_verify_triton  # noqa: E402
 from weaver_kernels.kda_tree.neumann import MAX_NODES as NEUMANN_MAX_NODES  # noqa: E402
 from weaver_kernels.kda_tree.neumann import kda_tree_verify_neumann  # noqa: E402
+from weaver_kernels.kda_tree.strip import MAX_NODES as STRIP_MAX_NODES  # noqa: E402
+from weaver_kernels.kda_tree.strip import kda_tree_verify_strip  # noqa: E402
 from weaver_kernels.kda_tree.naive import (  # noqa: E402
     kda_gates,
     kda_recurrent_ref,
@@ -251,6 +253,15 @@ def check(res, name, errs, bound):
     return ok
 
 
+def strip_config(name: str) -> dict:
+    """The strip form's keyword arguments from a ``--strip`` config such as ``BV=32,num_warps=8,precision=ieee``."""
+    kw = {}
+    for item in filter(None, name.split(",")):
+        key, value = item.split("=")
+        kw[key] = value if key.endswith("precision") else int(value)
+    return kw
+
+
 def sweep_configs(sweep: bool, K: int, V: int):
     """The fused form's launch configs that ``--sweep`` times: warps (every launch's), value block, key chunk."""
     if not sweep:
@@ -278,10 +289,13 @@ def bench_tree(T, kind, layers, args, dev):
              ("kda_neumann_bkc32", functools.partial(kda_tree_verify_neumann, BKC=32)))
     if args.no_neumann:
         forms = forms[:1]
+    forms += (("kda_strip", kda_tree_verify_strip),)
+    forms += tuple((f"strip_{c}", functools.partial(kda_tree_verify_strip, **strip_config(c))) for c in args.strip)
     forms += tuple((f"sweep_w{w}_bv{bv}_bkc{c}", functools.partial(kda_tree_verify_triton, num_warps=w, BV=bv, BKC=c))
                    for w, bv, c in sweep_configs(args.sweep, x["k"].shape[-1], x["v"].shape[-1]))
     for name, verify in forms:
-        if (name.startswith("kda_neumann") and T > NEUMANN_MAX_NODES) or (name.endswith("bkc32")
+        if (name.startswith(("kda_strip", "strip_")) and T > STRIP_MAX_NODES) or (
+                name.startswith("kda_neumann") and T > NEUMANN_MAX_NODES) or (name.endswith("bkc32")
                                                                           and x["k"].shape[-1] < 32):
             continue  # (past the Neumann form's nodes; 32 channels per chunk need K >= 32)
 
@@ -472,7 +486,7 @@ def table(results, fla_res, meta):
         g, b = us(r, "gdn_step")[0], us(r, "baseline")[0]
         verdict = lambda ok, v: ("n/a" if v != v or INTERPRET  # noqa: E731  (interpreter times judge nothing)
                                  else "PASS" if ok else "FAIL")
-        for form, key in (("fused", "kda_step"), ("Neumann", "kda_neumann_step"),
+        for form, key in (("fused", "kda_step"), ("strip", "kda_strip_step"), ("Neumann", "kda_neumann_step"),
                           ("Neumann, IEEE dots", "kda_neumann_ieee_step"),
                           ("Neumann, BKC 32", "kda_neumann_bkc32_step")):
             k = us(r, key)[0]
@@ -480,6 +494,13 @@ def table(results, fla_res, meta):
             lines.append(f"bar at T = 64, {r['kind']}, KDA {form}: KDA/GDN verify+commit = {rk:.2f}× "
                          f"(≤ 1.5×: {verdict(rk <= 1.5, rk)}); "
                          f"baseline/KDA = {rb:.1f}× (≥ 5×: {verdict(rb >= 5, rb)})")
+    for r in results:
+        configs = sorted((us(r, key)[0], key[len("strip_"):-len("_step")]) for key in r
+                         if key.startswith("strip_") and key.endswith("_step"))
+        if configs:
+            lines.append(f"strip form configs ({r['kind']}, T = {r['T']}; verify + commit µs, fastest first; the "
+                         f"default {us(r, 'kda_strip_step')[0]:.1f}): "
+                         + ", ".join(f"{name} {t:.1f}" for t, name in configs))
     for r in results:
         swept = sorted((us(r, key)[0], key[len("sweep_"):-len("_step")]) for key in r
                        if key.startswith("sweep_") and key.endswith("_step"))
@@ -526,6 +547,9 @@ def main():
                          "key chunk (16 32), each checked first")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-neumann", action="store_true", help="skip the Neumann form's rows")
+    ap.add_argument("--strip", nargs="+", default=[], metavar="CONFIG",
+                    help="also time the strip form at these configs, each comma-separated keyword=value pairs of "
+                         "kda_tree_verify_strip (e.g. BV=32,num_warps=8 or pair_precision=tf32x3)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--interpret", action="store_true",
                     help="CPU smoke run: tiny shape, every kernel through Triton's interpreter, checked")

@@ -251,15 +251,17 @@ def ik():
 
     return SimpleNamespace(fused=load_interpreted("weaver_kernels.kda_tree.fused"),
                            neumann=load_interpreted("weaver_kernels.kda_tree.neumann"),
+                           strip=load_interpreted("weaver_kernels.kda_tree.strip"),
                            commit=load_interpreted("weaver_kernels.kda_tree.commit"))
 
 
 #: the verify's forms: the fused row-block solve, and the Neumann form (depth-many dense products)
-FORMS = ("fused", "neumann")
+FORMS = ("fused", "neumann", "strip")
 
 
 def _verify(kernels, form):
-    return kernels.fused.kda_tree_verify_triton if form == "fused" else kernels.neumann.kda_tree_verify_neumann
+    return {"fused": lambda: kernels.fused.kda_tree_verify_triton, "neumann": lambda: kernels.neumann.kda_tree_verify_neumann,
+            "strip": lambda: kernels.strip.kda_tree_verify_strip}[form]()
 
 
 def _rel(x, ref):
@@ -425,9 +427,10 @@ REAL_SHAPE_CASES = [("random", 64, 32, 32, 128, 128, torch.bfloat16, True, 32),
 @pytest.mark.parametrize("case", KERNEL_CASES + REAL_SHAPE_CASES, ids=_case_id)
 def test_triton_verify_and_commit_on_gpu(case, form):
     """The compiled kernels (not the interpreter), each form, on the small cases and at Kimi Linear's shape."""
-    from weaver_kernels.kda_tree import commit, fused, neumann
+    from weaver_kernels.kda_tree import commit, fused, neumann, strip
 
-    _check_verify_and_commit(SimpleNamespace(fused=fused, neumann=neumann, commit=commit), case, "cuda", form=form)
+    _check_verify_and_commit(SimpleNamespace(fused=fused, neumann=neumann, strip=strip, commit=commit), case, "cuda",
+                             form=form)
 
 
 def _raw_gate_case(kind, T, H, K, V, dtype, seed):
