@@ -2,7 +2,7 @@
 
 The interpreter tests run the kernels' Python, not Triton's compiler: a kernel that the compiler rejects (an MLIR pass
 failing, ptxas refusing the PTX) passes them and fails on the GPU only. Here each launch of the real wrappers
-(``kda_tree_verify_triton``, ``kda_tree_verify_neumann``, ``kda_tree_commit_triton``) at Kimi Linear's shape is
+(``kda_tree_verify_triton``, ``kda_tree_verify_neumann``, ``kda_tree_verify_strip``, ``kda_tree_commit_triton``) at Kimi Linear's shape is
 compiled instead of run: a stand-in driver names the target (the arguments' specializations are the wrapper's own),
 and Triton's compile goes through every pass down to a cubin from ptxas. Skipped where the CUDA backend or ptxas is
 missing, or where the kernels were imported under ``TRITON_INTERPRET=1``. Nothing is cached in the repository (a
@@ -104,23 +104,25 @@ def kda_kernels(tmp_path_factory):
     reason = _offline_cuda_reason()
     if reason:
         pytest.skip(reason)
-    from weaver_kernels.kda_tree import commit, fused, neumann
+    from weaver_kernels.kda_tree import commit, fused, neumann, strip
 
-    if fused.INTERPRET or commit.INTERPRET or neumann.INTERPRET:
+    if fused.INTERPRET or commit.INTERPRET or neumann.INTERPRET or strip.INTERPRET:
         pytest.skip("the kda_tree modules were imported under TRITON_INTERPRET=1")
     mp = pytest.MonkeyPatch()
     mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton_cache")))  # a real compile, kept out of the repo
-    yield SimpleNamespace(fused=fused, neumann=neumann, commit=commit)
+    yield SimpleNamespace(fused=fused, neumann=neumann, strip=strip, commit=commit)
     mp.undo()
 
 
-@pytest.mark.parametrize("form", ["fused", "neumann", "neumann_ieee"])
+@pytest.mark.parametrize("form", ["fused", "neumann", "neumann_ieee", "strip"])
 @pytest.mark.parametrize("T, raw", [(64, True), (128, False)], ids=["T64-raw_gates", "T128-formed_gates"])
 def test_kda_tree_kernels_compile_for_sm90(kda_kernels, T, raw, form):
     """Kimi Linear's KDA shape (32 heads, K = V = 128, bf16 inputs, l2-normed q/k), a T-node tree, gates raw (with
-    A_log and dt_bias) or formed: each launch of the verify (fused or Neumann form, the latter's solve dots in tf32x3
-    or IEEE fp32) and the commit compiles to an sm_90 cubin."""
+    A_log and dt_bias) or formed: each launch of the verify (fused, Neumann form with its solve dots in tf32x3 or
+    IEEE fp32, or strip form up to its 64 nodes) and the commit compiles to an sm_90 cubin."""
     x = kda_kernels
+    if form == "strip" and T > x.strip.MAX_NODES:
+        pytest.skip(f"the strip form takes at most {x.strip.MAX_NODES} nodes")
     H = HV = 32
     K = V = 128
     bf = torch.bfloat16
@@ -135,6 +137,9 @@ def test_kda_tree_kernels_compile_for_sm90(kda_kernels, T, raw, form):
     if form == "fused":
         verify = x.fused.kda_tree_verify_triton
         kernels = [x.fused._kda_gamma_kernel, x.fused._kda_pairs_kernel, x.fused._kda_tree_verify_kernel]
+    elif form == "strip":
+        verify = x.strip.kda_tree_verify_strip
+        kernels = [x.strip._kda_strip_kernel, x.strip._kda_strip_solve_kernel]
     else:
         verify = functools.partial(x.neumann.kda_tree_verify_neumann,
                                    precision="ieee" if form.endswith("ieee") else "tf32x3")
