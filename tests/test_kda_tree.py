@@ -403,6 +403,56 @@ def test_triton_pair_scores_dots_and_wide_channels_interpreter(ik, case, g_scale
     assert path == "dots" or max(_rel(dots[0], ro), _rel(dots[1], ru)) > 1e-3
 
 
+def _block_spreads(gamma):
+    """``[B, HV, blocks, K]``: each row block's per-channel Γ spread (16 nodes; the last may hold fewer), as the strip
+    form tests it against its ``SPREAD_MAX``."""
+    return torch.stack([b.amax(2) - b.amin(2) for b in gamma.float().transpose(1, 2).split(16, dim=2)], 2)
+
+
+#: the strip form's row-block channels through the dots, each on its own, and both: (kernel case, gate scale, path)
+STRIP_SPREAD_CASES = [
+    (("deep", 37, 1, 1, 32, 24, torch.float32, False, 16), 4.0, "dots"),  # spreads up to 117: near the limit
+    (("random", 18, 1, 2, 32, 16, torch.bfloat16, True, 32), 1.0, "dots"),
+    (("forest", 24, 1, 2, 40, 16, torch.float32, True, 32), 10.0, "mixed"),  # 4 % of the block channels wide
+    (("chain", 33, 1, 2, 16, 16, torch.float32, True, 16), 6.0, "mixed"),  # 26 %
+    (("shuffled", 30, 1, 1, 16, 8, torch.float32, False, 16), 10.0, "mixed"),
+    (("random", 40, 1, 2, 24, 16, torch.float32, False, 16), 20.0, "mixed"),  # 55 %
+    (("forest", 48, 1, 2, 16, 16, torch.float32, True, 16), 100.0, "wide"),
+]
+
+
+@pytest.mark.parametrize("case,g_scale,path", STRIP_SPREAD_CASES, ids=[_spread_id(c) for c in STRIP_SPREAD_CASES])
+def test_strip_pair_scores_dots_and_wide_channels_interpreter(ik, case, g_scale, path):
+    """The strip form's pair scores: a row block's channel within ``SPREAD_MAX`` through the dots against the block's
+    midpoint, a wider one exactly on its own; the verify and commit against the fp64 references, the channels on the
+    expected path (bit for bit the result with every channel forced one way, ``spread_max`` ±inf), every channel on
+    its own within the tolerances too, and every channel forced into the dots failing them where a spread leaves
+    fp32's exp range on both sides of the midpoint (e^±89)."""
+    kind, T, H, HV, K, V, dtype, l2, BKC = case
+    o, u, gamma = _check_verify_and_commit(ik, case, g_scale=g_scale, form="strip")
+    spread = _block_spreads(gamma)
+    wide = spread > ik.strip.SPREAD_MAX
+    assert {"dots": (~wide).all(), "wide": wide.all(), "mixed": wide.any() & (~wide).any()}[path], spread
+
+    parents, x = _case_inputs(case, g_scale)
+    M = ancestor_mask(parents)
+    ro, ru, _ = kda_tree_verify_ref(*(t.double() for t in x), M, use_qk_l2norm_in_kernel=l2)
+
+    def forced(limit):
+        return ik.strip.kda_tree_verify_strip(*x, M, use_qk_l2norm_in_kernel=l2, BKC=BKC, spread_max=limit)[:2]
+
+    every_wide = forced(float("-inf"))
+    with warnings.catch_warnings():  # past the limit the interpreter's numpy warns of the overflow
+        warnings.simplefilter("ignore", RuntimeWarning)
+        every_dot = forced(float("inf"))
+    same = lambda a, b: all(torch.equal(p, r) for p, r in zip(a, b))  # noqa: E731
+    assert same((o, u), every_wide) == (path == "wide") and same((o, u), every_dot) == (path == "dots")
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert _rel(every_wide[0], ro) <= tol and _rel(every_wide[1], ru) <= 1e-5
+    if spread.max() > 2 * 89.0:
+        assert max(_rel(every_dot[0], ro), _rel(every_dot[1], ru)) > 1e-3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case,g_scale,path", SPREAD_CASES + [
