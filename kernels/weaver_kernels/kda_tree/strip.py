@@ -8,8 +8,11 @@ block diagonal of ``I + A`` and ``N = D⁻¹ E`` (``E``: ``A`` left of the diago
 
 1. strips (grid NB × B·HV): program ``b`` forms the gates of every node and ``Γ = M g`` (its pair scores' columns are
    every node), then its row block's pair scores against every node, ``A`` and ``C`` rows, the diagonal inverse
-   ``P_b = (I + A_bb)⁻¹`` and ``N``'s rows ``P_b E_b``; it writes Γ of its rows, N, C and P_b (fp32 scratch).
-2. solve (grid V / BV × B·HV): R, ``Y = D⁻¹ R``, the Horner dots, O: every row at once, no barrier, nothing reread.
+   ``P_b = (I + A_bb)⁻¹`` and ``N``'s rows ``P_b E_b``, and of ``Y = D⁻¹ R = D⁻¹ β ⊙ V − W S0`` the S0-free parts:
+   ``P_b (β ⊙ V)`` and ``W = P_b (β r ⊙ K ⊙ e^Γ)`` of its rows, with ``r^q ⊙ Q ⊙ e^Γ`` (r: the l2 norms'
+   reciprocals). It writes Γ of its rows and those (fp32 scratch).
+2. solve (grid V / BV × B·HV): ``Y`` and ``(Q ⊙ e^Γ) S0`` as dots with S0, the Horner dots, O: every row at once, no
+   barrier, nothing reread.
 
 Pair scores ``Σ_c k_ic k_jc e^{Γ_ic − Γ_jc}`` as dots with the decay folded into the operands against one reference
 per row block and channel, the midpoint ``R_c`` of the block's Γ: row factors ``e^{Γ_ic − R_c}`` lie within
@@ -34,7 +37,7 @@ from ..triton_utils import INTERPRET, head_program, lanes, maximum, minimum, nod
 from ..utils import launch_ctx, next_pow2
 from .fused import kda_gate, verify_inputs
 
-MAX_NODES = 64  # the solve holds N, C and D⁻¹ ([T_pad, T_pad] each) in registers
+MAX_NODES = 64  # the solve holds N and C ([T_pad, T_pad] each) in registers
 # the widest Γ spread (nats) of a row block's channel in the dots: every factor of an ancestor pair within e^±64
 SPREAD_MAX = 128.0
 
@@ -54,99 +57,82 @@ def _mask_dot(M, x, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _strip_loads(g_base, k_base, q_base, o_n, m_n, t_r, m_r, kc, sg_t, sk_t, sq_t, K: tl.constexpr,
-                 PKC: tl.constexpr):
-    """One key-channel chunk's inputs of a strip program: gates of every node, keys of every node, its rows' keys
-    and queries (fp32)."""
-    o_kc = kc + tl.arange(0, PKC)
-    m_nk = m_n[:, None] & (o_kc < K)[None, :]
-    m_rk = m_r[:, None] & (o_kc < K)[None, :]
-    g_c = tl.load(g_base + o_n[:, None] * sg_t + o_kc[None, :], mask=m_nk, other=0.0).to(tl.float32)
-    k_c = tl.load(k_base + o_n[:, None] * sk_t + o_kc[None, :], mask=m_nk, other=0.0).to(tl.float32)
-    k_r = tl.load(k_base + t_r[:, None] * sk_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
-    q_r = tl.load(q_base + t_r[:, None] * sq_t + o_kc[None, :], mask=m_rk, other=0.0).to(tl.float32)
-    return g_c, k_c, k_r, q_r
-
-
-@triton.jit
 def _kda_strip_kernel(
-    q, k, g, beta, tmask, a_log, dt_bias, gamma, scratch, T,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, TP: tl.constexpr, BT: tl.constexpr,
-    LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, RAW_GATES: tl.constexpr, SPREAD: tl.constexpr,
-    PAIR_PREC: tl.constexpr, SPLIT: tl.constexpr, PKC: tl.constexpr,
+    q, k, v, g, beta, tmask, a_log, dt_bias, gamma, mats, rows, T,
+    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
+    TP: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
+    SPREAD: tl.constexpr, PAIR_PREC: tl.constexpr, SPLIT: tl.constexpr,
 ):
     i_b64, i_hv, i_h = head_program(H, HV)
     b = tl.program_id(0)
     if b * BT < T:  # (a row block wholly past the nodes: the solve never reads its rows)
+        o_k, m_k = lanes(0, BK, K)
         o_n, m_n = lanes(0, TP, T)
         t_r, m_r = lanes(b, BT, T)
+        o_vf, m_vf = lanes(0, BVF, V)
+        m_nk = m_n[:, None] & m_k[None, :]
+        m_rk = m_r[:, None] & m_k[None, :]
         k_base, q_base = k + i_b64 * sk_b + i_h * sk_h, q + i_b64 * sq_b + i_h * sq_h
 
+        # every load first: one round trip
+        g_all = tl.load(g + i_b64 * sg_b + i_hv * sg_h + o_n[:, None] * sg_t + o_k[None, :], mask=m_nk,
+                        other=0.0).to(tl.float32)
         M_all = tl.load(tmask + o_n[:, None] * T + o_n[None, :], mask=m_n[:, None] & m_n[None, :], other=0)
         M_r = tl.load(tmask + t_r[:, None] * T + o_n[None, :], mask=m_r[:, None] & m_n[None, :], other=0)
+        k_all = tl.load(k_base + o_n[:, None] * sk_t + o_k[None, :], mask=m_nk, other=0.0).to(tl.float32)
+        k_r = tl.load(k_base + t_r[:, None] * sk_t + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        q_r = tl.load(q_base + t_r[:, None] * sq_t + o_k[None, :], mask=m_rk, other=0.0).to(tl.float32)
+        v_r = tl.load(v + i_b64 * sv_b + i_hv * sv_h + t_r[:, None] * sv_t + o_vf[None, :],
+                      mask=m_r[:, None] & m_vf[None, :], other=0.0).to(tl.float32)
         b_r = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + t_r * sb_t, mask=m_r, other=0.0).to(tl.float32)
         if RAW_GATES:
+            g_all = tl.where(m_nk, kda_gate(g_all, a_log, dt_bias, i_hv, o_k, m_k, K), 0.0)
             b_r = tl.where(m_r, gate_beta(b_r, beta.dtype.element_ty), 0.0)
+
+        G_all = _mask_dot(M_all, g_all, SPLIT)  # Γ of every node [TP, BK]
+        G_r = _mask_dot(M_r, g_all, SPLIT)  # and of this block's rows (a dot: no row extraction from registers)
+        tl.store(node_rows(gamma, i_b64, i_hv, T, HV, K) + t_r[:, None] * (HV * K) + o_k[None, :], G_r, mask=m_rk)
+
+        # the reference per channel: the midpoint of the block's Γ; a channel past SPREAD (or not finite) is wide
+        hi = tl.reduce(tl.where(m_r[:, None], G_r, float("-inf")), 0, maximum)
+        lo = tl.reduce(tl.where(m_r[:, None], G_r, float("inf")), 0, minimum)
+        narrow = (hi - lo <= SPREAD) & m_k  # (NaN compares false)
+        ref = tl.where(narrow, 0.5 * (hi + lo), 0.0)
+        x_r = m_r[:, None] & narrow[None, :]
+        e_r = tl.exp(tl.where(x_r, G_r - ref[None, :], 0.0))
+        x_c = m_n[:, None] & narrow[None, :]
+        # an ancestor column's exponent is ≤ SPREAD / 2 already; the clamp keeps the others finite (masked later)
+        e_c = tl.exp(tl.where(x_c, tl.minimum(ref[None, :] - G_all, 0.5 * SPREAD), 0.0))
+        kT = tl.trans(tl.where(x_c, k_all * e_c, 0.0))  # [BK, TP]
+        kk = tl.dot(tl.where(x_r, k_r * e_r, 0.0), kT, input_precision=PAIR_PREC)  # [BT, TP]
+        qk = tl.dot(tl.where(x_r, q_r * e_r, 0.0), kT, input_precision=PAIR_PREC)
+
         Mb = M_r != 0
-        g_base = g + i_b64 * sg_b + i_hv * sg_h
-        gm_rows = node_rows(gamma, i_b64, i_hv, T, HV, K) + t_r[:, None] * (HV * K)
-        kk = tl.full([BT, TP], 0.0, tl.float32)
-        qk = tl.full([BT, TP], 0.0, tl.float32)
-        ss_c = tl.full([TP, PKC], 0.0, tl.float32)  # squares summed lane by lane, across lanes once at the end
-        ss_k = tl.full([BT, PKC], 0.0, tl.float32)
-        ss_q = tl.full([BT, PKC], 0.0, tl.float32)
-        # PKC key channels at a time, the next chunk's loads issued before this chunk's work (latency hidden)
-        nxt = _strip_loads(g_base, k_base, q_base, o_n, m_n, t_r, m_r, 0, sg_t, sk_t, sq_t, K, PKC)
-        for kc in tl.static_range(0, BK, PKC):
-            g_c, k_c, k_r, q_r = nxt
-            if kc + PKC < BK:
-                nxt = _strip_loads(g_base, k_base, q_base, o_n, m_n, t_r, m_r, kc + PKC, sg_t, sk_t, sq_t, K, PKC)
-            o_kc = kc + tl.arange(0, PKC)
-            m_kc = o_kc < K
-            if RAW_GATES:
-                g_c = tl.where(m_n[:, None] & m_kc[None, :], kda_gate(g_c, a_log, dt_bias, i_hv, o_kc, m_kc, K), 0.0)
-            G_c = _mask_dot(M_all, g_c, SPLIT)  # Γ of every node [TP, PKC]
-            G_r = _mask_dot(M_r, g_c, SPLIT)  # and of this block's rows (a dot: no row extraction from registers)
-            tl.store(gm_rows + o_kc[None, :], G_r, mask=m_r[:, None] & m_kc[None, :])
-
-            # the reference per channel: the midpoint of the block's Γ; a channel past SPREAD (or not finite) is wide
-            hi = tl.reduce(tl.where(m_r[:, None], G_r, float("-inf")), 0, maximum)
-            lo = tl.reduce(tl.where(m_r[:, None], G_r, float("inf")), 0, minimum)
-            narrow = (hi - lo <= SPREAD) & m_kc  # (NaN compares false)
-            ref = tl.where(narrow, 0.5 * (hi + lo), 0.0)
-            x_r = m_r[:, None] & narrow[None, :]
-            e_r = tl.exp(tl.where(x_r, G_r - ref[None, :], 0.0))
-            x_c = m_n[:, None] & narrow[None, :]
-            # an ancestor column's exponent is ≤ SPREAD / 2 already; the clamp keeps the others finite (masked later)
-            e_c = tl.exp(tl.where(x_c, tl.minimum(ref[None, :] - G_c, 0.5 * SPREAD), 0.0))
-            kT = tl.trans(tl.where(x_c, k_c * e_c, 0.0))  # [PKC, TP]
-            kk += tl.dot(tl.where(x_r, k_r * e_r, 0.0), kT, input_precision=PAIR_PREC)  # [BT, TP]
-            qk += tl.dot(tl.where(x_r, q_r * e_r, 0.0), kT, input_precision=PAIR_PREC)
-            ss_c += k_c * k_c
-            ss_k += k_r * k_r
-            ss_q += q_r * q_r
-
-            wide = m_kc & ~narrow
-            for w in tl.static_range(kc, kc + PKC, 16):  # the wide channels, 16 to a bit mask, each exactly alone
-                bits = rsum(tl.where(wide & (o_kc // 16 == w // 16), 1 << (o_kc % 16), 0), axis=0)
-                if bits != 0:
-                    for j in range(16):
-                        if ((bits >> j) & 1) != 0:
-                            one = o_kc[None, :] == w + j
-                            G_r1 = rsum(tl.where(one, G_r, 0.0), axis=1)
-                            kD = rsum(tl.where(one, k_c, 0.0), axis=1)[None, :] * tl.exp(
-                                tl.where(Mb, G_r1[:, None] - rsum(tl.where(one, G_c, 0.0), axis=1)[None, :],
-                                         float("-inf")))
-                            kk += rsum(tl.where(one, k_r, 0.0), axis=1)[:, None] * kD
-                            qk += rsum(tl.where(one, q_r, 0.0), axis=1)[:, None] * kD
+        wide = m_k & ~narrow
+        for w in tl.static_range(0, BK, 16):  # the wide channels, 16 to a bit mask, each exactly on its own
+            bits = rsum(tl.where(wide & (o_k // 16 == w // 16), 1 << (o_k % 16), 0), axis=0)
+            if bits != 0:
+                for j in range(16):
+                    if ((bits >> j) & 1) != 0:
+                        one = o_k[None, :] == w + j
+                        G_r1 = rsum(tl.where(one, G_r, 0.0), axis=1)
+                        kD = rsum(tl.where(one, k_all, 0.0), axis=1)[None, :] * tl.exp(
+                            tl.where(Mb, G_r1[:, None] - rsum(tl.where(one, G_all, 0.0), axis=1)[None, :],
+                                     float("-inf")))
+                        kk += rsum(tl.where(one, k_r, 0.0), axis=1)[:, None] * kD
+                        qk += rsum(tl.where(one, q_r, 0.0), axis=1)[:, None] * kD
         # the mask after the dots: a non-ancestor entry may be inf there
         kk = tl.where(Mb, kk, 0.0)
         qk = tl.where(Mb, qk, 0.0)
+        rk_r = tl.full([BT], 1.0, tl.float32)
+        rq_r = tl.full([BT], 1.0, tl.float32)
         if L2NORM:
-            rk_c = tl.rsqrt(rsum(ss_c, axis=1) + 1e-6)
-            kk = kk * tl.rsqrt(rsum(ss_k, axis=1) + 1e-6)[:, None] * rk_c[None, :]
-            qk = qk * tl.rsqrt(rsum(ss_q, axis=1) + 1e-6)[:, None] * rk_c[None, :]
+            rk_c = tl.rsqrt(rsum(k_all * k_all, axis=1) + 1e-6)
+            rk_r = tl.rsqrt(rsum(k_r * k_r, axis=1) + 1e-6)
+            rq_r = tl.rsqrt(rsum(q_r * q_r, axis=1) + 1e-6)
+            kk = kk * rk_r[:, None] * rk_c[None, :]
+            qk = qk * rq_r[:, None] * rk_c[None, :]
         A = tl.where(t_r[:, None] != o_n[None, :], b_r[:, None] * kk, 0.0)  # strict ancestors only
 
         o_r = tl.arange(0, BT)
@@ -155,76 +141,63 @@ def _kda_strip_kernel(
                      input_precision="ieee")  # the diagonal block: a selection, exact
         P = block_inverse(A_d, 1.0, tl.full([BT], 1.0, tl.float32), BT, LOG2_BT, "ieee")
         N = tl.dot(P, tl.where(o_n[None, :] < b * BT, A, 0.0), input_precision="ieee")  # P_b E_b
+        eG_r = tl.exp(G_r)  # (K ⊙ e^Γ) of the rows; 0 past exp's range, where its product with S0 is below fp32's
+        W = tl.dot(P, (b_r * rk_r)[:, None] * k_r * eG_r, input_precision="ieee")
+        Vd = tl.dot(P, b_r[:, None] * v_r, input_precision="ieee")
 
-        head = scratch + (i_b64 * HV + i_hv) * TP * TP  # scratch [3, B, HV, TP, TP]: N, C, D⁻¹
-        stride = tl.num_programs(1) * TP * TP
-        rows = t_r[:, None] * TP + o_n[None, :]
-        tl.store(head + rows, N)
-        tl.store(head + stride + rows, qk)
-        tl.store(head + 2 * stride + t_r[:, None] * TP + t_r[None, :], P)
+        # mats [2, B, HV, TP, TP]: N, C; rows [B, HV, TP, 2·BK + BVF]: W, r^q ⊙ Q ⊙ e^Γ, P_b (β ⊙ V)
+        head = mats + (i_b64 * HV + i_hv) * TP * TP
+        at = t_r[:, None] * TP + o_n[None, :]
+        tl.store(head + at, N)
+        tl.store(head + tl.num_programs(1) * TP * TP + at, qk)
+        row = rows + ((i_b64 * HV + i_hv) * TP + t_r[:, None]) * (2 * BK + BVF)
+        tl.store(row + o_k[None, :], W)
+        tl.store(row + BK + o_k[None, :], rq_r[:, None] * q_r * eG_r)
+        tl.store(row + 2 * BK + o_vf[None, :], Vd)
 
 
 @triton.jit
-def _solve_loads(gm_base, k_base, q_base, s_base, o_n, m_n, o_v, m_v, kc, sk_t, sq_t, HV: tl.constexpr,
-                 K: tl.constexpr, V: tl.constexpr, BKC: tl.constexpr):
-    """One key-channel chunk's inputs of a solve program: Γ, keys and queries of every node (fp32), and the chunk's
-    rows of the committed state tile."""
+def _solve_loads(rows, o_n, m_n, o_v, m_v, s_base, kc, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 RW: tl.constexpr, BKC: tl.constexpr):
+    """One key-channel chunk's operands of a solve program: W and r^q ⊙ Q ⊙ e^Γ of every node, and the chunk's rows
+    of the committed state tile."""
     o_kc = kc + tl.arange(0, BKC)
     m_kc = o_kc < K
+    at = rows + o_n[:, None] * RW + o_kc[None, :]
     m_nk = m_n[:, None] & m_kc[None, :]
-    G = tl.load(gm_base + o_n[:, None] * (HV * K) + o_kc[None, :], mask=m_nk, other=0.0)
-    k_n = tl.load(k_base + o_n[:, None] * sk_t + o_kc[None, :], mask=m_nk, other=0.0).to(tl.float32)
-    q_n = tl.load(q_base + o_n[:, None] * sq_t + o_kc[None, :], mask=m_nk, other=0.0).to(tl.float32)
+    W = tl.load(at, mask=m_nk, other=0.0)
+    Qe = tl.load(at + BK, mask=m_nk, other=0.0)
     S = tl.load(s_base + o_kc[:, None] * V + o_v[None, :], mask=m_kc[:, None] & m_v[None, :], other=0.0)
-    return G, k_n, q_n, S.to(tl.float32)
+    return W, Qe, S.to(tl.float32)
 
 
 @triton.jit
 def _kda_strip_solve_kernel(
-    q, k, v, beta, s0, gamma, scratch, o, u, T, scale,
-    sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sb_b, sb_t, sb_h,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TP: tl.constexpr, BT: tl.constexpr,
-    BKC: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr, RAW_GATES: tl.constexpr, PREC: tl.constexpr,
+    s0, mats, rows, o, u, T, scale,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr, TP: tl.constexpr,
+    BT: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
-    i_b64, i_hv, i_h = head_program(H, HV)
+    i_b64, i_hv, _ = head_program(HV, HV)
     o_v, m_v = lanes(tl.program_id(0), BV, V)
     o_n, m_n = lanes(0, TP, T)
     m_nv = m_n[:, None] & m_v[None, :]
-    q_base, k_base = q + i_b64 * sq_b + i_h * sq_h, k + i_b64 * sk_b + i_h * sk_h
-    gm_base = node_rows(gamma, i_b64, i_hv, T, HV, K)
+    RW: tl.constexpr = 2 * BK + BVF
+    head_rows = rows + (i_b64 * HV + i_hv) * TP * RW
     s_base = state_tile(s0, i_b64, i_hv, HV, K, V)
-    mats = scratch + (i_b64 * HV + i_hv) * TP * TP + o_n[:, None] * TP + o_n[None, :]  # N, C, D⁻¹ of the strips
-    stride = tl.num_programs(1) * TP * TP
-    blk = o_n // BT
-    v_n = tl.load(v + i_b64 * sv_b + i_hv * sv_h + o_n[:, None] * sv_t + o_v[None, :], mask=m_nv,
-                  other=0.0).to(tl.float32)
-    b_n = tl.load(beta + i_b64 * sb_b + i_hv * sb_h + o_n * sb_t, mask=m_n, other=0.0).to(tl.float32)
-    if RAW_GATES:  # β = sigmoid(b) in b's dtype, as the module computes it
-        b_n = tl.where(m_n, gate_beta(b_n, beta.dtype.element_ty), 0.0)
-    # (K ⊙ e^Γ) S0 and (Q ⊙ e^Γ) S0, BKC channels at a time (three [T_pad, K] operands at once would spill)
-    kS = tl.full([TP, BV], 0.0, tl.float32)
+    Y = tl.load(head_rows + o_n[:, None] * RW + 2 * BK + o_v[None, :], mask=m_nv, other=0.0)  # D⁻¹ (β ⊙ V)
+    # Y −= W S0 and (r^q ⊙ Q ⊙ e^Γ) S0, BKC channels at a time, the next chunk's loads issued before this one's dots
     qS = tl.full([TP, BV], 0.0, tl.float32)
-    kss = tl.full([TP, BKC], 0.0, tl.float32)
-    qss = tl.full([TP, BKC], 0.0, tl.float32)
-    nxt = _solve_loads(gm_base, k_base, q_base, s_base, o_n, m_n, o_v, m_v, 0, sk_t, sq_t, HV, K, V, BKC)
-    for kc in tl.static_range(0, K, BKC):  # the next chunk's loads issued before this chunk's dots
-        G, k_n, q_n, S = nxt
+    at = mats + (i_b64 * HV + i_hv) * TP * TP + o_n[:, None] * TP + o_n[None, :]
+    nxt = _solve_loads(head_rows, o_n, m_n, o_v, m_v, s_base, 0, K, V, BK, RW, BKC)
+    for kc in tl.static_range(0, K, BKC):
+        W, Qe, S = nxt
         if kc + BKC < K:
-            nxt = _solve_loads(gm_base, k_base, q_base, s_base, o_n, m_n, o_v, m_v, kc + BKC, sk_t, sq_t, HV, K, V,
-                               BKC)
+            nxt = _solve_loads(head_rows, o_n, m_n, o_v, m_v, s_base, kc + BKC, K, V, BK, RW, BKC)
         else:  # the last chunk: the solve's matrices instead (not held through the loop: registers)
-            Dinv = tl.load(mats + 2 * stride, mask=m_n[:, None] & (blk[:, None] == blk[None, :]), other=0.0)
-            N = tl.load(mats, mask=m_n[:, None], other=0.0)
-            C = tl.load(mats + stride, mask=m_n[:, None], other=0.0)
-        eG = tl.exp(G)
-        kS += tl.dot(k_n * eG, S, input_precision=PREC)
-        qS += tl.dot(q_n * eG, S, input_precision=PREC)
-        kss += k_n * k_n
-        qss += q_n * q_n
-    if L2NORM:
-        kS = kS * tl.rsqrt(rsum(kss, axis=1) + 1e-6)[:, None]
-        qS = qS * tl.rsqrt(rsum(qss, axis=1) + 1e-6)[:, None]
-    Y = tl.dot(Dinv, b_n[:, None] * (v_n - kS), input_precision=PREC)
+            N = tl.load(at, mask=m_n[:, None], other=0.0)
+            C = tl.load(at + tl.num_programs(1) * TP * TP, mask=m_n[:, None], other=0.0)
+        Y -= tl.dot(W, S, input_precision=PREC)
+        qS += tl.dot(Qe, S, input_precision=PREC)
     U = Y
     for _ in tl.static_range(TP // BT - 1):  # U = Σ_{m<NB} (−N)^m Y
         U = Y - tl.dot(N, U, input_precision=PREC)
@@ -247,43 +220,43 @@ def kda_tree_verify_strip(
     *,
     BV: int = 16,
     BKC: int | None = None,
-    num_warps: int = 8,
+    num_warps: int = 4,
     strip_warps: int = 8,
-    pair_chunk: int = 32,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     spread_max: float = SPREAD_MAX,
-    pair_precision: str = "ieee",
+    pair_precision: str = "tf32x3",
     precision: str = "tf32x3",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~.fused.kda_tree_verify_triton`'s contract (same arguments and outputs) in the strip form, for trees of
     at most :data:`MAX_NODES` nodes. ``BV``: value columns per solve program; ``BKC``: key channels per step of its
-    state products (None: 32, or K's padded size below that); ``num_warps`` / ``strip_warps``: the solve's and the strips' warps; ``pair_chunk``: key
-    channels per step of the strips' pair scores; ``spread_max``: the widest Γ
-    spread (nats) of a row block's channel in the pair dots (±inf sends every channel one way: the tests' check of
-    each); ``pair_precision`` / ``precision``: the ``input_precision`` of the pair-score dots and of the solve's."""
+    state products (None: 32, or K's padded size below that); ``num_warps`` / ``strip_warps``: the solve's and the
+    strips' warps; ``spread_max``: the widest Γ spread (nats) of a row block's channel in the pair dots (±inf sends
+    every channel one way: the tests' check of each); ``pair_precision`` / ``precision``: the ``input_precision`` of
+    the pair-score dots and of the solve's (tf32x3: tensor cores, about fp32's accuracy)."""
     BKC = BKC or min(32, max(16, next_pow2(q.shape[-1])))
     q, k, v, g, s0, mask, scale, raw, BK = verify_inputs(q, k, v, g, initial_state, tree_mask, scale, A_log, dt_bias,
                                                          BKC, MAX_NODES, "kda_tree_verify_strip")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     TP = max(16, next_pow2(T))
+    BVF = max(16, next_pow2(V))
     o = torch.empty((B, T, HV, V), dtype=v.dtype, device=v.device)
     u = torch.empty((B, T, HV, V), dtype=torch.float32, device=v.device)
     gamma = torch.empty((B, T, HV, K), dtype=torch.float32, device=v.device)
-    scratch = torch.empty((3, B, HV, TP, TP), dtype=torch.float32, device=v.device)  # N, C, D⁻¹
+    mats = torch.empty((2, B, HV, TP, TP), dtype=torch.float32, device=v.device)  # N, C
+    rows = torch.empty((B, HV, TP, 2 * BK + BVF), dtype=torch.float32, device=v.device)  # W, r^q Q e^Γ, D⁻¹ β V
     a_log, dt = (A_log.contiguous(), dt_bias.contiguous()) if raw else (s0, s0)
-    l2 = bool(use_qk_l2norm_in_kernel)
     sq, sk, sv, sg, sb = q.stride()[:3], k.stride()[:3], v.stride()[:3], g.stride()[:3], beta.stride()[:3]
     with launch_ctx(INTERPRET):
         _kda_strip_kernel[(TP // 16, B * HV)](
-            q, k, g, beta, mask, a_log, dt, gamma, scratch, T, *sq, *sk, *sg, *sb, H=H, HV=HV, K=K, BK=BK, TP=TP,
-            BT=16, LOG2_BT=4, L2NORM=l2, RAW_GATES=raw, SPREAD=float(spread_max), PAIR_PREC=pair_precision, SPLIT=not INTERPRET,
-            PKC=min(pair_chunk, BK),
-            num_warps=strip_warps, num_stages=1,
+            q, k, v, g, beta, mask, a_log, dt, gamma, mats, rows, T, *sq, *sk, *sv, *sg, *sb, H=H, HV=HV, K=K, V=V,
+            BK=BK, BVF=BVF, TP=TP, BT=16, LOG2_BT=4, L2NORM=bool(use_qk_l2norm_in_kernel), RAW_GATES=raw,
+            SPREAD=float(spread_max), PAIR_PREC=pair_precision, SPLIT=not INTERPRET, num_warps=strip_warps,
+            num_stages=1,
         )
         _kda_strip_solve_kernel[(triton.cdiv(V, BV), B * HV)](
-            q, k, v, beta, s0, gamma, scratch, o, u, T, scale, *sq, *sk, *sv, *sb, H=H, HV=HV, K=K, V=V, TP=TP,
-            BT=16, BKC=BKC, BV=BV, L2NORM=l2, RAW_GATES=raw, PREC=precision, num_warps=num_warps, num_stages=1,
+            s0, mats, rows, o, u, T, scale, HV=HV, K=K, V=V, BK=BK, BVF=BVF, TP=TP, BT=16, BKC=BKC, BV=BV,
+            PREC=precision, num_warps=num_warps, num_stages=1,
         )
     return o, u, gamma
