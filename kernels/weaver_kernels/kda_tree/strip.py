@@ -44,10 +44,11 @@ SPREAD_MAX = 128.0
 
 @triton.jit
 def _mask_dot(M, x, SPLIT: tl.constexpr):
-    """``M x`` for a 0/1 matrix M and fp32 x; with SPLIT as three bf16 dots: x split exactly into bf16 parts (8 bits
-    each), so the sums keep fp32's precision on tensor cores (the interpreter's 16-bit dots are not exact: IEEE)."""
-    if not SPLIT:
-        return tl.dot(M.to(tl.float32), x, input_precision="ieee")
+    """``M x`` for a 0/1 matrix M and fp32 x; with SPLIT "bf16x3" as three bf16 dots: x split exactly into bf16 parts
+    (8 bits each), so the sums keep fp32's precision on tensor cores (the interpreter's 16-bit dots are not exact);
+    else one dot at that ``input_precision``."""
+    if SPLIT != "bf16x3":
+        return tl.dot(M.to(tl.float32), x, input_precision=SPLIT)
     m = M.to(tl.bfloat16)
     x1 = x.to(tl.bfloat16)
     r = x - x1.to(tl.float32)
@@ -62,7 +63,7 @@ def _kda_strip_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
     TP: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
-    SPREAD: tl.constexpr, PAIR_PREC: tl.constexpr, SPLIT: tl.constexpr,
+    SPREAD: tl.constexpr, PAIR_PREC: tl.constexpr, SPLIT: tl.constexpr, INV_PREC: tl.constexpr,
 ):
     i_b64, i_hv, i_h = head_program(H, HV)
     b = tl.program_id(0)
@@ -139,11 +140,11 @@ def _kda_strip_kernel(
         blk = o_n // BT == b
         A_d = tl.dot(A, tl.where(blk[:, None] & (o_n[:, None] - b * BT == o_r[None, :]), 1.0, 0.0),
                      input_precision="ieee")  # the diagonal block: a selection, exact
-        P = block_inverse(A_d, 1.0, tl.full([BT], 1.0, tl.float32), BT, LOG2_BT, "ieee")
-        N = tl.dot(P, tl.where(o_n[None, :] < b * BT, A, 0.0), input_precision="ieee")  # P_b E_b
+        P = block_inverse(A_d, 1.0, tl.full([BT], 1.0, tl.float32), BT, LOG2_BT, INV_PREC)
+        N = tl.dot(P, tl.where(o_n[None, :] < b * BT, A, 0.0), input_precision=INV_PREC)  # P_b E_b
         eG_r = tl.exp(G_r)  # (K ⊙ e^Γ) of the rows; 0 past exp's range, where its product with S0 is below fp32's
-        W = tl.dot(P, (b_r * rk_r)[:, None] * k_r * eG_r, input_precision="ieee")
-        Vd = tl.dot(P, b_r[:, None] * v_r, input_precision="ieee")
+        W = tl.dot(P, (b_r * rk_r)[:, None] * k_r * eG_r, input_precision=INV_PREC)
+        Vd = tl.dot(P, b_r[:, None] * v_r, input_precision=INV_PREC)
 
         # mats [2, B, HV, TP, TP]: N, C; rows [B, HV, TP, 2·BK + BVF]: W, r^q ⊙ Q ⊙ e^Γ, P_b (β ⊙ V)
         head = mats + (i_b64 * HV + i_hv) * TP * TP
@@ -227,13 +228,16 @@ def kda_tree_verify_strip(
     spread_max: float = SPREAD_MAX,
     pair_precision: str = "tf32x3",
     precision: str = "tf32x3",
+    inverse_precision: str = "ieee",
+    gamma_precision: str = "bf16x3",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~.fused.kda_tree_verify_triton`'s contract (same arguments and outputs) in the strip form, for trees of
     at most :data:`MAX_NODES` nodes. ``BV``: value columns per solve program; ``BKC``: key channels per step of its
     state products (None: 32, or K's padded size below that); ``num_warps`` / ``strip_warps``: the solve's and the
     strips' warps; ``spread_max``: the widest Γ spread (nats) of a row block's channel in the pair dots (±inf sends
     every channel one way: the tests' check of each); ``pair_precision`` / ``precision``: the ``input_precision`` of
-    the pair-score dots and of the solve's (tf32x3: tensor cores, about fp32's accuracy)."""
+    the pair-score dots and of the solve's (tf32x3: tensor cores, about fp32's accuracy); ``inverse_precision``: of the
+    diagonal inverses and their products; ``gamma_precision``: of Γ's mask dots ("bf16x3": three exact bf16 parts)."""
     BKC = BKC or min(32, max(16, next_pow2(q.shape[-1])))
     q, k, v, g, s0, mask, scale, raw, BK = verify_inputs(q, k, v, g, initial_state, tree_mask, scale, A_log, dt_bias,
                                                          BKC, MAX_NODES, "kda_tree_verify_strip")
@@ -252,7 +256,8 @@ def kda_tree_verify_strip(
         _kda_strip_kernel[(TP // 16, B * HV)](
             q, k, v, g, beta, mask, a_log, dt, gamma, mats, rows, T, *sq, *sk, *sv, *sg, *sb, H=H, HV=HV, K=K, V=V,
             BK=BK, BVF=BVF, TP=TP, BT=16, LOG2_BT=4, L2NORM=bool(use_qk_l2norm_in_kernel), RAW_GATES=raw,
-            SPREAD=float(spread_max), PAIR_PREC=pair_precision, SPLIT=not INTERPRET, num_warps=strip_warps,
+            SPREAD=float(spread_max), PAIR_PREC=pair_precision, SPLIT="ieee" if INTERPRET else gamma_precision,
+            INV_PREC=inverse_precision, num_warps=strip_warps,
             num_stages=1,
         )
         _kda_strip_solve_kernel[(triton.cdiv(V, BV), B * HV)](
