@@ -524,7 +524,7 @@ def test_ops_take_the_triton_kernels_for_cuda_tensors(ik, monkeypatch):
     interpreted kernels standing in for the compiled ones (tiny Kimi Linear's heads of 8: key and value blocks
     masked), against the fp64 references."""
     import weaver_kernels as wk
-    from weaver_kernels.kda_tree import commit, fused
+    from weaver_kernels.kda_tree import commit, fused, strip
 
     class OnCuda(torch.Tensor):  # what the op bodies' dispatch reads; the kernels get plain CPU tensors
         @property
@@ -541,16 +541,19 @@ def test_ops_take_the_triton_kernels_for_cuda_tensors(ik, monkeypatch):
             return kernel(*map(plain, args), **{key: plain(x) for key, x in kwargs.items()})
         return run
 
-    monkeypatch.setattr(fused, "kda_tree_verify_triton", stand_in("verify", ik.fused.kda_tree_verify_triton))
+    monkeypatch.setattr(fused, "kda_tree_verify_triton", stand_in("fused", ik.fused.kda_tree_verify_triton))
+    monkeypatch.setattr(strip, "kda_tree_verify_strip", stand_in("strip", ik.strip.kda_tree_verify_strip))
     monkeypatch.setattr(commit, "kda_tree_commit_triton", stand_in("commit", ik.commit.kda_tree_commit_triton))
-    c = _raw_gate_case("random", 21, 4, 8, 8, torch.float32, seed=6)
-    refs = _raw_gate_refs(c)
-    o, u, gamma = wk.kda_tree_verify(c.q.as_subclass(OnCuda), c.k, c.v, c.f, c.b, c.S0, c.M,
-                                     use_qk_l2norm_in_kernel=True, A_log=c.A_log, dt_bias=c.dt_bias)
-    S = c.S0.clone()
-    wk.kda_tree_commit(S.as_subclass(OnCuda), c.k, u, gamma, c.path, use_qk_l2norm_in_kernel=True)
-    assert calls == [("verify", ["A_log", "dt_bias"]), ("commit", [])]
-    _assert_near_refs(o, u, gamma, S, refs, torch.float32)
+    for T, form in ((21, "strip"), (strip.MAX_NODES, "strip"), (strip.MAX_NODES + 1, "fused")):
+        calls.clear()
+        c = _raw_gate_case("random", T, 4, 8, 8, torch.float32, seed=6)
+        refs = _raw_gate_refs(c)
+        o, u, gamma = wk.kda_tree_verify(c.q.as_subclass(OnCuda), c.k, c.v, c.f, c.b, c.S0, c.M,
+                                         use_qk_l2norm_in_kernel=True, A_log=c.A_log, dt_bias=c.dt_bias)
+        S = c.S0.clone()
+        wk.kda_tree_commit(S.as_subclass(OnCuda), c.k, u, gamma, c.path, use_qk_l2norm_in_kernel=True)
+        assert calls == [(form, ["A_log", "dt_bias"]), ("commit", [])], T
+        _assert_near_refs(o, u, gamma, S, refs, torch.float32)
 
     o, u, gamma = wk.kda_tree_verify(c.q, c.k, c.v, c.f, c.b, c.S0, c.M, use_qk_l2norm_in_kernel=True,
                                      A_log=c.A_log, dt_bias=c.dt_bias)

@@ -150,9 +150,10 @@ def _kda_tree_verify_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     args = (q, k, v, g, beta, initial_state, tree_mask, scale, use_qk_l2norm_in_kernel)
     if q.is_cuda:
-        from .kda_tree.fused import kda_tree_verify_triton
+        from .kda_tree import fused, strip
 
-        return kda_tree_verify_triton(*args, A_log=A_log, dt_bias=dt_bias)
+        verify = strip.kda_tree_verify_strip if q.shape[1] <= strip.MAX_NODES else fused.kda_tree_verify_triton
+        return verify(*args, A_log=A_log, dt_bias=dt_bias)
     o, u, gamma = kda_tree_verify_ref(*args, A_log=A_log, dt_bias=dt_bias)
     return _contig(o), _contig(u), _contig(gamma)
 
@@ -451,7 +452,8 @@ def kda_tree_verify(
     See ``kda_tree.naive.kda_tree_verify_ref``. Returns ``o [B, T, HV, V]`` (dtype of v), ``u [B, T, HV, V]`` fp32,
     ``gamma [B, T, HV, K]`` fp32. With ``A_log`` (HV entries) and ``dt_bias`` (HV·K), ``g`` and ``beta`` are the raw
     projections f and b (KimiLinear's gates, :func:`~weaver_kernels.kda_gates`), formed in the verify launch on CUDA.
-    CUDA: Triton (``kda_tree.fused``, three launches, T ≤ 256 nodes); elsewhere the reference."""
+    CUDA: Triton (``kda_tree.strip``, two launches, up to 64 nodes; ``kda_tree.fused``, three launches, up to 256);
+    elsewhere the reference."""
     if (A_log is None) != (dt_bias is None):
         raise ValueError("kda_tree_verify: A_log and dt_bias go together")
     if scale is None:

@@ -219,7 +219,7 @@ def kda_tree_verify_strip(
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     *,
-    BV: int = 16,
+    BV: int = 32,
     BKC: int | None = None,
     num_warps: int = 4,
     strip_warps: int = 8,
@@ -233,12 +233,12 @@ def kda_tree_verify_strip(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`~.fused.kda_tree_verify_triton`'s contract (same arguments and outputs) in the strip form, for trees of
     at most :data:`MAX_NODES` nodes. ``BV``: value columns per solve program; ``BKC``: key channels per step of its
-    state products (None: 32, or K's padded size below that); ``num_warps`` / ``strip_warps``: the solve's and the
+    state products (None: 64, or K's padded size below that); ``num_warps`` / ``strip_warps``: the solve's and the
     strips' warps; ``spread_max``: the widest Γ spread (nats) of a row block's channel in the pair dots (±inf sends
     every channel one way: the tests' check of each); ``pair_precision`` / ``precision``: the ``input_precision`` of
     the pair-score dots and of the solve's (tf32x3: tensor cores, about fp32's accuracy); ``inverse_precision``: of the
     diagonal inverses and their products; ``gamma_precision``: of Γ's mask dots ("bf16x3": three exact bf16 parts)."""
-    BKC = BKC or min(32, max(16, next_pow2(q.shape[-1])))
+    BKC = BKC or min(64, max(16, next_pow2(q.shape[-1])))
     q, k, v, g, s0, mask, scale, raw, BK = verify_inputs(q, k, v, g, initial_state, tree_mask, scale, A_log, dt_bias,
                                                          BKC, MAX_NODES, "kda_tree_verify_strip")
     B, T, H, K = q.shape
