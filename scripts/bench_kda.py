@@ -5,8 +5,10 @@ Kimi Linear's KDA layers have 32 heads of 128 (q/k heads = value heads, K = V = 
 spines with side branches (``weaver_kernels.testing``, as ``scripts/bench_kernels.py``), side by side in one process:
 
 - KDA tree: ``kda_tree_verify_triton`` (``kda_tree.fused``, rollback-free, writes no state) and
-  ``kda_tree_commit_triton`` (``kda_tree.commit``, accepted path = deepest leaf), the Triton kernels the
-  ``weaver_kernels.kda_tree_verify`` / ``kda_tree_commit`` ops launch on CUDA; separately and as one step; beside
+  ``kda_tree_commit_triton`` (``kda_tree.commit``, accepted path = deepest leaf), separately and as one step; the
+  strip form ``kda_tree_verify_strip`` (``kda_tree.strip``, T ≤ 64) with the same commit, what the
+  ``weaver_kernels.kda_tree_verify`` / ``kda_tree_commit`` ops launch on CUDA up to 64 nodes (the fused form
+  above), at its defaults and at every ``--strip`` config; the bar columns take the ops' form; beside
   them the verify's Neumann form ``kda_tree_verify_neumann`` (``kda_tree.neumann``, T ≤ 128) with the same commit,
   its solve's dots in tf32x3 (its default: tensor cores, three passes) and in IEEE fp32 (FMA dots), and with 32 key
   channels per chunk instead of 16 (half the chunks, so half the CTA barriers of the coefficient and solve loops);
@@ -32,7 +34,7 @@ included) beside them; where a graph cannot be captured the eager time stands in
 
     python scripts/bench_kda.py [--T 64 65 128 129] [--kinds best_first deep15] [--layers 16] [--reps 50]
         [--gates raw|formed] [--heads 32] [--head-dim 128] [--baseline-bv 16 32] [--no-fla] [--no-baseline]
-        [--out DIR]
+        [--no-neumann] [--strip CONFIG ...] [--sweep] [--out DIR]
     python scripts/bench_kda.py --interpret    # CPU smoke: 2 heads × 16, T 17, every row through Triton's
                                                # interpreter and checked; its timings mean nothing
 
@@ -456,15 +458,17 @@ def table(results, fla_res, meta):
         "state), not a tree",
         f"per layer, µs: {meta['timing']}",
         "",
-        "| tree | T | depth | path | KDA verify | KDA commit | KDA verify+commit | KDA Neumann verify "
+        "| tree | T | depth | path | KDA verify | KDA commit | KDA verify+commit | KDA strip verify+commit "
+        "| KDA Neumann verify "
         "| KDA Neumann verify+commit | KDA Neumann (IEEE dots) verify+commit | KDA Neumann (BKC 32) verify+commit "
         "| GDN verify+commit (form) "
-        "| KDA / GDN (bar ≤ 1.5×) | baseline: all states + copy (BV) | baseline / KDA (bar ≥ 5×) | GDN fused v+c "
+        "| KDA (ops' form) / GDN (bar ≤ 1.5×) | baseline: all states + copy (BV) | baseline / KDA (ops' form) "
+        "(bar ≥ 5×) | GDN fused v+c "
         "| fla chunk_kda (chain) | fla fused_recurrent_kda (chain) |",
-        "|---" * 18 + "|",
+        "|---" * 19 + "|",
     ]
     for r in results:
-        k, _ = us(r, "kda_step")
+        k, _ = us(r, "kda_strip_step" if "kda_strip_step" in r else "kda_step")  # the ops' form at this T
         g, _ = us(r, "gdn_step")
         b, _ = us(r, "baseline")
         fr = fla_res.get(r["T"], {})
@@ -472,7 +476,8 @@ def table(results, fla_res, meta):
                                                                                         "fused_recurrent_kda")]
         lines.append(
             f"| {r['kind']} | {r['T']} | {r['max_depth']} | {r['path_len']} | {cell(r, 'kda_verify')} "
-            f"| {cell(r, 'kda_commit')} | {cell(r, 'kda_step')} | {cell(r, 'kda_neumann_verify')} "
+            f"| {cell(r, 'kda_commit')} | {cell(r, 'kda_step')} | {cell(r, 'kda_strip_step')} "
+            f"| {cell(r, 'kda_neumann_verify')} "
             f"| {cell(r, 'kda_neumann_step')} | {cell(r, 'kda_neumann_ieee_step')} "
             f"| {cell(r, 'kda_neumann_bkc32_step')} "
             f"| {cell(r, 'gdn_step')} ({r['gdn_default_form']}) "
