@@ -15,8 +15,8 @@ block diagonal of ``I + A`` and ``N = D⁻¹ E`` (``E``: ``A`` left of the diago
    barrier, nothing reread.
 
 Pair scores ``Σ_c k_ic k_jc e^{Γ_ic − Γ_jc}`` as dots with the decay folded into the operands against one reference
-per row block and channel, the midpoint ``R_c`` of the block's Γ: row factors ``e^{Γ_ic − R_c}`` lie within
-``e^{±S_c/2}`` (``S_c``: the block's spread) and an ancestor column's ``e^{R_c − Γ_jc}`` is at most ``e^{S_c/2}``
+per row block and channel, the midpoint ``m_c`` of the block's Γ: row factors ``e^{Γ_ic − m_c}`` lie within
+``e^{±S_c/2}`` (``S_c``: the block's spread) and an ancestor column's ``e^{m_c − Γ_jc}`` is at most ``e^{S_c/2}``
 (an ancestor decayed less); non-ancestor columns are clamped there and masked after the dots. A channel with
 ``S_c ≤ SPREAD_MAX`` keeps every factor of an ancestor pair finite, and a factor underflows only where the pair's
 decay is below ``e^{-23}`` (fp32's resolution); a wider channel (or a non-finite one) is added exactly on its own, an
@@ -43,12 +43,12 @@ SPREAD_MAX = 128.0
 
 
 @triton.jit
-def _mask_dot(M, x, SPLIT: tl.constexpr):
-    """``M x`` for a 0/1 matrix M and fp32 x; with SPLIT "bf16x3" as three bf16 dots: x split exactly into bf16 parts
+def _mask_dot(M, x, PREC: tl.constexpr):
+    """``M x`` for a 0/1 matrix M and fp32 x; with PREC "bf16x3" as three bf16 dots: x split exactly into bf16 parts
     (8 bits each), so the sums keep fp32's precision on tensor cores (the interpreter's 16-bit dots are not exact);
     else one dot at that ``input_precision``."""
-    if SPLIT != "bf16x3":
-        return tl.dot(M.to(tl.float32), x, input_precision=SPLIT)
+    if PREC != "bf16x3":
+        return tl.dot(M.to(tl.float32), x, input_precision=PREC)
     m = M.to(tl.bfloat16)
     x1 = x.to(tl.bfloat16)
     r = x - x1.to(tl.float32)
@@ -63,7 +63,7 @@ def _kda_strip_kernel(
     sq_b, sq_t, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h, sb_b, sb_t, sb_h,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVF: tl.constexpr,
     TP: tl.constexpr, BT: tl.constexpr, LOG2_BT: tl.constexpr, L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
-    SPREAD: tl.constexpr, PAIR_PREC: tl.constexpr, SPLIT: tl.constexpr, INV_PREC: tl.constexpr,
+    SPREAD: tl.constexpr, PAIR_PREC: tl.constexpr, GAMMA_PREC: tl.constexpr, INV_PREC: tl.constexpr,
 ):
     i_b64, i_hv, i_h = head_program(H, HV)
     b = tl.program_id(0)
@@ -91,8 +91,8 @@ def _kda_strip_kernel(
             g_all = tl.where(m_nk, kda_gate(g_all, a_log, dt_bias, i_hv, o_k, m_k, K), 0.0)
             b_r = tl.where(m_r, gate_beta(b_r, beta.dtype.element_ty), 0.0)
 
-        G_all = _mask_dot(M_all, g_all, SPLIT)  # Γ of every node [TP, BK]
-        G_r = _mask_dot(M_r, g_all, SPLIT)  # and of this block's rows (a dot: no row extraction from registers)
+        G_all = _mask_dot(M_all, g_all, GAMMA_PREC)  # Γ of every node [TP, BK]
+        G_r = _mask_dot(M_r, g_all, GAMMA_PREC)  # and of this block's rows (a dot: no row extraction from registers)
         tl.store(node_rows(gamma, i_b64, i_hv, T, HV, K) + t_r[:, None] * (HV * K) + o_k[None, :], G_r, mask=m_rk)
 
         # the reference per channel: the midpoint of the block's Γ; a channel past SPREAD (or not finite) is wide
@@ -256,7 +256,7 @@ def kda_tree_verify_strip(
         _kda_strip_kernel[(TP // 16, B * HV)](
             q, k, v, g, beta, mask, a_log, dt, gamma, mats, rows, T, *sq, *sk, *sv, *sg, *sb, H=H, HV=HV, K=K, V=V,
             BK=BK, BVF=BVF, TP=TP, BT=16, LOG2_BT=4, L2NORM=bool(use_qk_l2norm_in_kernel), RAW_GATES=raw,
-            SPREAD=float(spread_max), PAIR_PREC=pair_precision, SPLIT="ieee" if INTERPRET else gamma_precision,
+            SPREAD=float(spread_max), PAIR_PREC=pair_precision, GAMMA_PREC="ieee" if INTERPRET else gamma_precision,
             INV_PREC=inverse_precision, num_warps=strip_warps,
             num_stages=1,
         )
