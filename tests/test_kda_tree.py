@@ -374,6 +374,30 @@ def _spread_id(c):
     return f"{_case_id(c[0])}-g{c[1]:g}-{c[2]}"
 
 
+def _check_forced_paths(verify, case, g_scale, got, path, dots_fail):
+    """``got`` (a verify's o and u at its default limit) is bit for bit the result with every channel forced into the
+    dots (``verify(..., limit=inf)``) exactly where every channel took them (``path`` "dots"), and with every channel
+    on its own (``limit=-inf``) exactly where every one did ("wide"); every channel on its own meets the tolerances,
+    and with ``dots_fail`` every channel forced into the dots fails them."""
+    kind, T, H, HV, K, V, dtype, l2, BKC = case
+    parents, x = _case_inputs(case, g_scale)
+    M = ancestor_mask(parents)
+    ro, ru, _ = kda_tree_verify_ref(*(t.double() for t in x), M, use_qk_l2norm_in_kernel=l2)
+
+    def forced(limit):
+        return verify(*x, M, limit=limit, use_qk_l2norm_in_kernel=l2, BKC=BKC)[:2]
+
+    wide = forced(float("-inf"))
+    with warnings.catch_warnings():  # past the limit the interpreter's numpy warns of the overflow
+        warnings.simplefilter("ignore", RuntimeWarning)
+        dots = forced(float("inf"))
+    same = lambda a, b: all(torch.equal(p, r) for p, r in zip(a, b))  # noqa: E731
+    assert same(got, wide) == (path == "wide") and same(got, dots) == (path == "dots")
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert _rel(wide[0], ro) <= tol and _rel(wide[1], ru) <= 1e-5
+    assert not dots_fail or max(_rel(dots[0], ro), _rel(dots[1], ru)) > 1e-3
+
+
 @pytest.mark.parametrize("case,g_scale,path", SPREAD_CASES, ids=[_spread_id(c) for c in SPREAD_CASES])
 def test_triton_pair_scores_dots_and_wide_channels_interpreter(ik, case, g_scale, path):
     """The pair scores as dots (the decay folded into the operands) over the channels whose Γ spread in a tile allows,
@@ -385,22 +409,8 @@ def test_triton_pair_scores_dots_and_wide_channels_interpreter(ik, case, g_scale
     o, u, gamma = _check_verify_and_commit(ik, case, g_scale=g_scale)
     _assert_paths(_channel_spreads(gamma), ik.fused.PAIR_SPREAD_MAX, path)
 
-    parents, x = _case_inputs(case, g_scale)
-    M = ancestor_mask(parents)
-    ro, ru, _ = kda_tree_verify_ref(*(t.double() for t in x), M, use_qk_l2norm_in_kernel=l2)
-
-    def forced(limit):
-        return ik.fused.kda_tree_verify_triton(*x, M, use_qk_l2norm_in_kernel=l2, BKC=BKC, pair_spread_max=limit)[:2]
-
-    wide = forced(float("-inf"))
-    with warnings.catch_warnings():  # past the limit the interpreter's numpy warns of the overflow
-        warnings.simplefilter("ignore", RuntimeWarning)
-        dots = forced(float("inf"))
-    same = lambda a, b: all(torch.equal(p, r) for p, r in zip(a, b))  # noqa: E731
-    assert same((o, u), wide) == (path == "wide") and same((o, u), dots) == (path == "dots")
-    tol = 1e-5 if dtype == torch.float32 else 5e-3
-    assert _rel(wide[0], ro) <= tol and _rel(wide[1], ru) <= 1e-5
-    assert path == "dots" or max(_rel(dots[0], ro), _rel(dots[1], ru)) > 1e-3
+    _check_forced_paths(lambda *a, limit, **kw: ik.fused.kda_tree_verify_triton(*a, pair_spread_max=limit, **kw),
+                        case, g_scale, (o, u), path, dots_fail=path != "dots")
 
 
 def _block_spreads(gamma):
@@ -434,23 +444,8 @@ def test_strip_pair_scores_dots_and_wide_channels_interpreter(ik, case, g_scale,
     wide = spread > ik.strip.SPREAD_MAX
     assert {"dots": (~wide).all(), "wide": wide.all(), "mixed": wide.any() & (~wide).any()}[path], spread
 
-    parents, x = _case_inputs(case, g_scale)
-    M = ancestor_mask(parents)
-    ro, ru, _ = kda_tree_verify_ref(*(t.double() for t in x), M, use_qk_l2norm_in_kernel=l2)
-
-    def forced(limit):
-        return ik.strip.kda_tree_verify_strip(*x, M, use_qk_l2norm_in_kernel=l2, BKC=BKC, spread_max=limit)[:2]
-
-    every_wide = forced(float("-inf"))
-    with warnings.catch_warnings():  # past the limit the interpreter's numpy warns of the overflow
-        warnings.simplefilter("ignore", RuntimeWarning)
-        every_dot = forced(float("inf"))
-    same = lambda a, b: all(torch.equal(p, r) for p, r in zip(a, b))  # noqa: E731
-    assert same((o, u), every_wide) == (path == "wide") and same((o, u), every_dot) == (path == "dots")
-    tol = 1e-5 if dtype == torch.float32 else 5e-3
-    assert _rel(every_wide[0], ro) <= tol and _rel(every_wide[1], ru) <= 1e-5
-    if spread.max() > 2 * 89.0:
-        assert max(_rel(every_dot[0], ro), _rel(every_dot[1], ru)) > 1e-3
+    _check_forced_paths(lambda *a, limit, **kw: ik.strip.kda_tree_verify_strip(*a, spread_max=limit, **kw),
+                        case, g_scale, (o, u), path, dots_fail=bool(spread.max() > 2 * 89.0))
 
 
 @pytest.mark.gpu
