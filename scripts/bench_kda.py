@@ -451,7 +451,8 @@ def table(results, fla_res, meta):
         f"shapes: every row batch 1, {H} q/k heads = {H} value heads, K = V = {K}; q/k/v bf16, committed states fp32; "
         f"gates: {meta['gates_note']}",
         "rows: KDA = kda_tree_verify_triton + kda_tree_commit_triton (per-channel gates g [1, T, H, K]), KDA Neumann = "
-        "kda_tree_verify_neumann (solve dots tf32x3, or IEEE; key channels 16 per chunk, or 32) + the same commit; "
+        "kda_tree_verify_neumann (solve dots tf32x3, or IEEE; key channels 16 per chunk, or 32) + the same commit; KDA "
+        "strip = kda_tree_verify_strip + the same commit (the ops' verify up to 64 nodes); "
         "GDN = gdn_tree_verify_triton (impl=None: the form named) + gdn_tree_commit_triton at the same heads/dims (scalar "
         "gates [1, T, H]); baseline = this script's recurrent Triton KDA kernel writing all T node states "
         f"[{K}, {K}] fp32 + torch copy of the accepted one; fla = fla.ops.kda on a chain of T tokens (output + final "
