@@ -4,9 +4,9 @@ The interpreter tests run the kernels' Python, not Triton's compiler: a kernel t
 failing, ptxas refusing the PTX) passes them and fails on the GPU only. Here each launch of the real wrappers
 (``kda_tree_verify_triton``, ``kda_tree_verify_neumann``, ``kda_tree_verify_strip``, ``kda_tree_commit_triton``) at
 Kimi Linear's shape is compiled instead of run: a stand-in driver names the target (the arguments' specializations
-are the wrapper's own), and Triton's compile goes through every pass down to a cubin from ptxas. Skipped where the CUDA backend or ptxas is
-missing, or where the kernels were imported under ``TRITON_INTERPRET=1``. Nothing is cached in the repository (a
-temporary Triton cache per module).
+are the wrapper's own), and Triton's compile goes through every pass down to a cubin from ptxas. Skipped where the
+CUDA backend or ptxas is missing, or where the kernels were imported under ``TRITON_INTERPRET=1``. Nothing is cached
+in the repository (a temporary Triton cache per module).
 """
 
 from __future__ import annotations
