@@ -428,6 +428,13 @@ def bench_fla(T, layers, args, fla, dev):
 
 
 # ---------------------------------------------------------------------------------------------------------- report
+def configs_line(r, prefix: str, title: str) -> list[str]:
+    """One line of a tree's rows named ``prefix…_step`` (extra configs of a form), fastest first, or none."""
+    timed = sorted((us(r, key)[0], key[len(prefix):-len("_step")]) for key in r
+                   if key.startswith(prefix) and key.endswith("_step"))
+    return [f"{title}: " + ", ".join(f"{name} {t:.1f}" for t, name in timed)] if timed else []
+
+
 def us(r, key):
     v = (r.get(key) or {}).get("us", float("nan"))
     return v, ("" if (r.get(key) or {}).get("how", "graph") == "graph" else "e")
@@ -501,19 +508,11 @@ def table(results, fla_res, meta):
                          f"(≤ 1.5×: {verdict(rk <= 1.5, rk)}); "
                          f"baseline/KDA = {rb:.1f}× (≥ 5×: {verdict(rb >= 5, rb)})")
     for r in results:
-        configs = sorted((us(r, key)[0], key[len("strip_"):-len("_step")]) for key in r
-                         if key.startswith("strip_") and key.endswith("_step"))
-        if configs:
-            lines.append(f"strip form configs ({r['kind']}, T = {r['T']}; verify + commit µs, fastest first; the "
-                         f"default {us(r, 'kda_strip_step')[0]:.1f}): "
-                         + ", ".join(f"{name} {t:.1f}" for t, name in configs))
+        lines += configs_line(r, "strip_", f"strip form configs ({r['kind']}, T = {r['T']}; verify + commit µs, "
+                              f"fastest first; the default {us(r, 'kda_strip_step')[0]:.1f})")
     for r in results:
-        swept = sorted((us(r, key)[0], key[len("sweep_"):-len("_step")]) for key in r
-                       if key.startswith("sweep_") and key.endswith("_step"))
-        if swept:
-            lines.append(f"sweep of the fused form ({r['kind']}, T = {r['T']}; warps, value block, key chunk; "
-                         f"verify + commit µs, fastest first; the default is w4_bv16_bkc16): "
-                         + ", ".join(f"{name} {t:.1f}" for t, name in swept))
+        lines += configs_line(r, "sweep_", f"sweep of the fused form ({r['kind']}, T = {r['T']}; warps, value block, "
+                              "key chunk; verify + commit µs, fastest first; the default is w4_bv16_bkc16)")
     lines.append("")
     lines.append("checks before timing (layer 0, rel. RMS against the fp64 references; a failed row is not timed):")
     for r in results:

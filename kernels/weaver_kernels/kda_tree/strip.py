@@ -248,8 +248,10 @@ def kda_tree_verify_strip(
     o = torch.empty((B, T, HV, V), dtype=v.dtype, device=v.device)
     u = torch.empty((B, T, HV, V), dtype=torch.float32, device=v.device)
     gamma = torch.empty((B, T, HV, K), dtype=torch.float32, device=v.device)
-    mats = torch.empty((2, B, HV, TP, TP), dtype=torch.float32, device=v.device)  # N, C
-    rows = torch.empty((B, HV, TP, 2 * BK + BVF), dtype=torch.float32, device=v.device)  # W, r^q Q e^Γ, D⁻¹ β V
+    # one scratch allocation: N and C [2, B, HV, TP, TP], then the rows W, r^q Q e^Γ, D⁻¹ β V [B, HV, TP, 2·BK + BVF]
+    n_mats = 2 * B * HV * TP * TP
+    scratch = torch.empty(n_mats + B * HV * TP * (2 * BK + BVF), dtype=torch.float32, device=v.device)
+    mats, rows = scratch[:n_mats], scratch[n_mats:]
     a_log, dt = (A_log.contiguous(), dt_bias.contiguous()) if raw else (s0, s0)
     sq, sk, sv, sg, sb = q.stride()[:3], k.stride()[:3], v.stride()[:3], g.stride()[:3], beta.stride()[:3]
     with launch_ctx(INTERPRET):
@@ -257,8 +259,7 @@ def kda_tree_verify_strip(
             q, k, v, g, beta, mask, a_log, dt, gamma, mats, rows, T, *sq, *sk, *sv, *sg, *sb, H=H, HV=HV, K=K, V=V,
             BK=BK, BVF=BVF, TP=TP, BT=16, LOG2_BT=4, L2NORM=bool(use_qk_l2norm_in_kernel), RAW_GATES=raw,
             SPREAD=float(spread_max), PAIR_PREC=pair_precision, GAMMA_PREC="ieee" if INTERPRET else gamma_precision,
-            INV_PREC=inverse_precision, num_warps=strip_warps,
-            num_stages=1,
+            INV_PREC=inverse_precision, num_warps=strip_warps, num_stages=1,
         )
         _kda_strip_solve_kernel[(triton.cdiv(V, BV), B * HV)](
             s0, mats, rows, o, u, T, scale, HV=HV, K=K, V=V, BK=BK, BVF=BVF, TP=TP, BT=16, BKC=BKC, BV=BV,
