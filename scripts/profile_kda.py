@@ -7,8 +7,15 @@ profiler, and each kernel's mean device µs per step is printed, with the sum; t
 compiled KDA kernels. Profiler times are per launch without the gaps between launches (a graph replay's total is
 higher).
 
+``--stages`` says where inside the strips launch (the strip form's first, its longest) the time goes: the strip
+module's source with an SM-clock stamp (``%clock64``, tied to a stage's result so that it cannot run before it)
+after each stage of ``_kda_strip_kernel``, written to a temporary file and imported; its outputs are checked equal to
+the unstamped form's, then per stage the median cycles over programs and the stages of the slowest program (a
+launch waits for it). Each stamp reduces its tensor (a barrier), so the stamped launch is slower than the plain one.
+
     PYTHONPATH=$PWD:$PWD/kernels python scripts/profile_kda.py [--kinds best_first deep15] [--T 64] [--reps 30]
         [--strip CONFIG ...]     # the strip form at bench_kda's --strip configs too
+        [--stages]               # only the strips launch's stages
 """
 
 from __future__ import annotations
@@ -16,8 +23,11 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import importlib.util
+import inspect
 import os
 import sys
+import tempfile
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -45,16 +55,111 @@ def per_launch(step, reps: int) -> dict[str, float]:
     return {name: t / reps for name, t in total.items()}
 
 
+# where the stamps go in _kda_strip_kernel: (a line's start, the tensor stamped, the stage that ends there); the stamp
+# follows the line, or precedes it where the tensor is marked "<"
+STAGES = (
+    ("if b * BT < T:", "tl.zeros([16, 16], tl.float32) + b", "start"),
+    ("G_all = _mask_dot(M_all, g_all", "<g_all", "loads, gates"),
+    ("G_r = _mask_dot(M_r, g_all", "G_r", "Γ (mask dots)"),
+    ("kT = tl.trans(", "kT", "references, exps"),
+    ("qk = tl.dot(", "qk", "pair dots"),
+    ("# the mask after the dots", "<kk", "wide channels"),
+    ("A = tl.where(", "A", "l2 norms, A"),
+    ("P = block_inverse(", "<A_d", "diagonal block"),
+    ("N = tl.dot(P,", "<P", "inverse"),
+    ("# mats [2, B, HV, TP, TP]", "<Vd", "N, W, Vd"),
+    ("tl.store(row + 2 * BK + o_vf", "Vd", "stores"),
+)
+STAMP = '''
+@triton.jit
+def _stamp(x):  # the SM clock once x is formed: the asm reads it, the reduction ends every thread's part
+    t = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
+    return tl.max(tl.max(t, 1), 0)
+
+'''
+
+
+def stamped_strip(folder: str):
+    """The strip module with a clock stamp after each of :data:`STAGES`, stored ``[programs, 16]`` (int64) into
+    ``module.STAMPS[0]``, which the caller sets before a launch."""
+    lines, out, i = inspect.getsource(strip).split("\n"), [], 0
+    for line in lines:
+        text = line.strip()
+        if i < len(STAGES) and text.startswith(STAGES[i][0]):
+            before = STAGES[i][1].startswith("<")
+            stamp = f"        st{i} = _stamp({STAGES[i][1].lstrip('<')})"
+            out += [stamp, line] if before else [line, stamp]
+            i += 1
+            if i == len(STAGES):
+                out.append("        at_ = stamps + (tl.program_id(1) * tl.num_programs(0) + b) * 16")
+                out += [f"        tl.store(at_ + {j}, st{j})" for j in range(len(STAGES))]
+        else:
+            out.append(line)
+    if i < len(STAGES):
+        raise RuntimeError(f"strip.py changed: no line starts with {STAGES[i][0]!r}; update STAGES")
+    src = "\n".join(out).replace("\n@triton.jit\ndef _mask_dot", STAMP + "\n@triton.jit\ndef _mask_dot", 1)
+    for old, new in (("dt_bias, gamma, mats, rows, T,", "dt_bias, gamma, mats, rows, stamps, T,"),
+                     ("dt, gamma, mats, rows, T, *sq", "dt, gamma, mats, rows, STAMPS[0], T, *sq")):
+        if src.count(old) != 1:
+            raise RuntimeError(f"strip.py changed: {old!r} not found once")
+        src = src.replace(old, new)
+    path = os.path.join(folder, "_strip_stamped.py")
+    with open(path, "w") as f:
+        f.write(src + "\n\nSTAMPS = [None]\n")
+    spec = importlib.util.spec_from_file_location("weaver_kernels.kda_tree._strip_stamped", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def stages(mod, kind: str, T: int, reps: int, dev: str):
+    """Per-stage cycles of the strips launch of ``mod`` (:func:`stamped_strip`) on one tree of ``kind`` (bench_kda's
+    inputs)."""
+    parents, _, _ = bk.make_tree(T, kind, seed=T + {"chain": 7, "deep15": 3}.get(kind, 0))
+    mask = ancestor_mask(parents, dev)
+    y = bk.make_layer(T, 32, 128, 0, dev, True)
+    mod.STAMPS[0] = torch.zeros(max(16, T) // 16 * 32, 16, dtype=torch.int64, device=dev)  # programs × stamps
+
+    def verify(f):
+        return f(y["q"], y["k"], y["v"], y["kg"], y["kb"], y["S0"], mask, use_qk_l2norm_in_kernel=True, **y["kraw"])
+
+    same = all(torch.equal(a, b) for a, b in zip(verify(strip.kda_tree_verify_strip),
+                                                  verify(mod.kda_tree_verify_strip)))
+    runs = []
+    for r in range(reps + 5):
+        verify(mod.kda_tree_verify_strip)
+        if r >= 5:
+            runs.append(mod.STAMPS[0][:, :len(STAGES)].cpu())
+    st = torch.stack(runs).double()  # [reps, programs, stages]
+    d, total = st.diff(dim=-1), st[..., -1] - st[..., 0]
+    slow = d.gather(1, total.argmax(1)[:, None, None].expand(-1, 1, d.shape[-1]))[:, 0]  # [reps, stages - 1]
+    print(f"{kind}: outputs equal to the unstamped form's: {same}; cycles per program: median "
+          f"{total.median():.0f}, the slowest program's median {total.max(1).values.median():.0f}")
+    for j, (_, _, name) in enumerate(STAGES[1:]):
+        print(f"  {name:18s} median {d[..., j].median():7.0f}   slowest program {slow[:, j].median():7.0f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kinds", nargs="+", default=["best_first", "deep15"], choices=("best_first", "deep15", "chain"))
     ap.add_argument("--T", type=int, default=64)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--strip", nargs="+", default=[], metavar="CONFIG", help="bench_kda's --strip configs")
+    ap.add_argument("--stages", action="store_true", help="only the strips launch's stages, in SM cycles")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     dev = "cuda"
+    if args.stages:
+        if args.T > strip.MAX_NODES:
+            ap.error(f"--stages: the strip form takes at most {strip.MAX_NODES} nodes")
+        print(f"{torch.cuda.get_device_name()} | T = {args.T} | strips launch, SM cycles by stage")
+        with tempfile.TemporaryDirectory() as tmp:
+            mod = stamped_strip(tmp)
+            for kind in args.kinds:
+                stages(mod, kind, args.T, args.reps, dev)
+        return
     forms = {"fused": fused.kda_tree_verify_triton, "neumann": neumann.kda_tree_verify_neumann}
     if args.T <= strip.MAX_NODES:
         forms["strip"] = strip.kda_tree_verify_strip

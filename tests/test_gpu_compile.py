@@ -157,6 +157,33 @@ def test_kda_tree_kernels_compile_for_sm90(kda_kernels, T, raw, form):
         assert spill_bytes(solve) == 0, f"{solve.name} spills at T = {T}"
 
 
+def test_profile_kda_stage_stamps_compile_for_sm90(kda_kernels, tmp_path):
+    """``scripts/profile_kda.py --stages``: its stamps still find their lines in strip.py's source, and the stamped
+    strips kernel compiles to sm_90 with one clock read per stage (Kimi's shape, 64 nodes, raw gates)."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    try:
+        profile_kda = importlib.import_module("profile_kda")
+    finally:
+        sys.path.pop(0)
+    mod = profile_kda.stamped_strip(str(tmp_path))
+    T, H, K = 64, 32, 128
+    bf = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g = (torch.randn(1, T, H, K, generator=gen).to(bf) for _ in range(4))
+    beta = torch.randn(1, T, H, generator=gen).to(bf)
+    mod.STAMPS[0] = torch.zeros(T // 16 * H, 16, dtype=torch.int64)
+    compiled: list = []
+    with compile_only([mod._kda_strip_kernel, mod._kda_strip_solve_kernel], TARGET_ARCH, compiled):
+        mask = ancestor_mask(random_parents(T, random.Random(0)))
+        mod.kda_tree_verify_strip(q, k, v, g, beta, torch.zeros(1, H, K, K), mask, use_qk_l2norm_in_kernel=True,
+                                  A_log=torch.zeros(H), dt_bias=torch.zeros(H * K))
+    ptx = compiled[0].asm["ptx"]
+    assert compiled[0].name == "_kda_strip_kernel" and ptx.count("%clock64") >= len(profile_kda.STAGES)
+
+
 def spill_bytes(compiled) -> int:
     """Bytes of spill stores ptxas reports for a compiled kernel's PTX (``ptxas -v`` at its target)."""
     import re
