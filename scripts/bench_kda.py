@@ -208,8 +208,9 @@ def timed(fns, reps):
 
 
 # ---------------------------------------------------------------------------------------------------------- inputs
-def make_tree(T, kind, seed):
-    return tree_of_kind(T, kind, random.Random(seed))
+def make_tree(T, kind):
+    """The bench's tree of ``kind`` at T nodes (one fixed seed per T and kind: every script times the same trees)."""
+    return tree_of_kind(T, kind, random.Random(T + {"chain": 7, "deep15": 3}.get(kind, 0)))
 
 
 def make_layer(T, H, K, seed, dev, raw):
@@ -273,7 +274,7 @@ def sweep_configs(sweep: bool, K: int, V: int):
 
 # ------------------------------------------------------------------------------------------------------ one tree
 def bench_tree(T, kind, layers, args, dev):
-    parents, dep, leaf = make_tree(T, kind, seed=T + {"chain": 7, "deep15": 3}.get(kind, 0))
+    parents, dep, leaf = make_tree(T, kind)
     mask = ancestor_mask(parents, dev)
     par_t = torch.tensor(parents, device=dev, dtype=torch.int32)
     path = torch.tensor(path_to(parents, leaf), device=dev)

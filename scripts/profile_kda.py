@@ -116,7 +116,7 @@ def stamped_strip(folder: str):
 def stages(mod, kind: str, T: int, reps: int, dev: str):
     """Per-stage cycles of the strips launch of ``mod`` (:func:`stamped_strip`) on one tree of ``kind`` (bench_kda's
     inputs)."""
-    parents, _, _ = bk.make_tree(T, kind, seed=T + {"chain": 7, "deep15": 3}.get(kind, 0))
+    parents, _, _ = bk.make_tree(T, kind)
     mask = ancestor_mask(parents, dev)
     y = bk.make_layer(T, 32, 128, 0, dev, True)
     mod.STAMPS[0] = torch.zeros(max(16, T) // 16 * 32, 16, dtype=torch.int64, device=dev)  # programs × stamps
@@ -167,7 +167,7 @@ def main():
                       for c in args.strip})
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | T = {args.T} | µs per step by launch")
     for kind in args.kinds:
-        parents, _, leaf = bk.make_tree(args.T, kind, seed=args.T + {"chain": 7, "deep15": 3}.get(kind, 0))
+        parents, _, leaf = bk.make_tree(args.T, kind)
         mask = ancestor_mask(parents, dev)
         path = torch.tensor(path_to(parents, leaf), device=dev)
         y = bk.make_layer(args.T, 32, 128, 0, dev, True)
