@@ -558,20 +558,22 @@ def test_ops_take_the_triton_kernels_for_cuda_tensors(ik, monkeypatch):
     assert wk.max_tree_nodes("cuda") == fused.MAX_NODES and wk.max_tree_nodes("cpu") is None
 
 
-#: tiny Kimi Linear's heads (4 of 8), then Kimi Linear's KDA shape (32 heads of 128) with a 64-node tree.
-OP_GPU_CASES = [("random", 33, 4, 8, 8, torch.float32), ("random", 64, 32, 128, 128, torch.bfloat16),
-                ("deep", 64, 32, 128, 128, torch.float32)]
+#: tiny Kimi Linear's heads (4 of 8) on both sides of the strip form's node limit, then Kimi Linear's KDA shape (32
+#: heads of 128) with a 64-node tree.
+OP_GPU_CASES = [("random", 33, 4, 8, 8, torch.float32), ("random", 65, 4, 8, 8, torch.float32),
+                ("random", 64, 32, 128, 128, torch.bfloat16), ("deep", 64, 32, 128, 128, torch.float32)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case", OP_GPU_CASES, ids=lambda c: f"{c[0]}-T{c[1]}-H{c[2]}-K{c[3]}V{c[4]}-{str(c[5])[6:]}")
 def test_ops_run_triton_on_gpu(case):
-    """The ops on CUDA with the adapter's raw gates: the Triton kernels' results (bit for bit), within the fp64
-    references' tolerances; no host sync (sync debug mode, then verify + commit + decode captured in a CUDA graph and
-    replayed from a fresh state); fake implementations against the kernels (``opcheck``, small case)."""
+    """The ops on CUDA with the adapter's raw gates: the results (bit for bit) of the Triton form they dispatch to by
+    node count (strips up to ``strip.MAX_NODES``, else fused), within the fp64 references' tolerances; no host sync
+    (sync debug mode, then verify + commit + decode captured in a CUDA graph and replayed from a fresh state); fake
+    implementations against the kernels (``opcheck``, small cases)."""
     import weaver_kernels as wk
-    from weaver_kernels.kda_tree import commit, fused
+    from weaver_kernels.kda_tree import commit, fused, strip
 
     kind, T, H, K, V, dtype = case
     c = _raw_gate_case(kind, T, H, K, V, dtype, seed=T)
@@ -579,7 +581,8 @@ def test_ops_run_triton_on_gpu(case):
     x = SimpleNamespace(**{name: t.cuda() for name, t in vars(c).items()})
     raw = dict(A_log=x.A_log, dt_bias=x.dt_bias)
     args = (x.q, x.k, x.v, x.f, x.b, x.S0, x.M)
-    want = fused.kda_tree_verify_triton(*args, use_qk_l2norm_in_kernel=True, **raw)  # (compiles the kernels first)
+    form = strip.kda_tree_verify_strip if T <= strip.MAX_NODES else fused.kda_tree_verify_triton
+    want = form(*args, use_qk_l2norm_in_kernel=True, **raw)  # (compiles the kernels first)
     S_want = commit.kda_tree_commit_triton(x.S0.clone(), x.k, want[1], want[2], x.path, True)
     one = [t[:, :1] for t in (x.q, x.k, x.v, x.f, x.b)]  # the AR step's token (kda_decode: the reference on CUDA)
     S, S_dec = x.S0.clone(), x.S0.clone()
@@ -617,7 +620,7 @@ def test_ops_run_triton_on_gpu(case):
     assert torch.equal(o_static, o) and torch.equal(S_static, S)
     assert torch.equal(o_dec_static, o_dec) and torch.equal(S_dec_static, S_dec)
 
-    if T <= 33:
+    if K <= 8:
         torch.library.opcheck(torch.ops.weaver.kda_tree_verify.default,
                               (*args, K**-0.5, True, x.A_log, x.dt_bias))
         torch.library.opcheck(torch.ops.weaver.kda_tree_commit.default, (x.S0.clone(), x.k, u, gamma, x.path, True))
