@@ -32,7 +32,7 @@ CUDA graph per measurement replaying all layers; per-layer µs = replay time / l
 timed with CUDA events after warm-up (autotuning happens before capture). Eager per-call medians (host launch
 included) beside them; where a graph cannot be captured the eager time stands in (marked ``e``).
 
-    python scripts/bench_kda.py [--T 64 65 128 129] [--kinds best_first deep15] [--layers 16] [--reps 50]
+    python scripts/bench_kda.py [--T 16 32 64 128] [--kinds best_first deep15] [--layers 16] [--reps 50]
         [--gates raw|formed] [--heads 32] [--head-dim 128] [--baseline-bv 16 32] [--no-fla] [--no-baseline]
         [--no-neumann] [--strip CONFIG ...] [--sweep] [--out DIR]
     python scripts/bench_kda.py --interpret    # CPU smoke: 2 heads × 16, T 17, every row through Triton's
@@ -536,7 +536,7 @@ def table(results, fla_res, meta):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--T", type=int, nargs="+", default=None,
-                    help="tree nodes (default 64 65 128 129; --interpret: 17)")
+                    help="tree nodes (default 16 32 64 128, issue #31's list; --interpret: 17)")
     ap.add_argument("--kinds", nargs="+", default=None, choices=("best_first", "deep15", "chain"),
                     help="tree shapes (default best_first deep15; --interpret: best_first)")
     ap.add_argument("--heads", type=int, default=None, help="q/k = value heads (default 32, Kimi Linear's; "
@@ -563,7 +563,7 @@ def main():
                                                 "files there are refused)")
     args = ap.parse_args()
     small = args.interpret
-    args.T = args.T or ([17] if small else [64, 65, 128, 129])
+    args.T = args.T or ([17] if small else [16, 32, 64, 128])
     args.kinds = args.kinds or (["best_first"] if small else ["best_first", "deep15"])
     args.heads = args.heads or (2 if small else 32)
     args.head_dim = args.head_dim or (16 if small else 128)

@@ -11,7 +11,7 @@
 #   run carry=[".oldk"]        bash scripts/gpu_check.sh replay [replay args]    # > 8 min with every method
 #   run                        bash scripts/gpu_check.sh auto [replay args]      # budget auto vs fixed (#29)
 #   run carry=[".whl"]         bash scripts/gpu_check.sh kda [bench_kda args]    # KDA table (issue #31), ≤ 5 min
-#   run carry=[".whl"]         bash scripts/gpu_check.sh kda_all                 # #31: T = 64 table + GPU tests, ≤ 9 min
+#   run carry=[".whl"]         bash scripts/gpu_check.sh kda_all                 # #31: table + GPU tests, ≤ 9 min
 #   run                        bash scripts/gpu_check.sh replay35 [replay args]  # Qwen3.5-35B-A3B shape (#30), ≤ 9 min
 #   run kind=nvidia-h200-x2 carry=[".whl"]  bash scripts/gpu_check.sh two_gpus  # device_map, tp_plan (#33), ≤ 8 min
 #   run kind=nvidia-h200-x2    bash scripts/gpu_check.sh replay2 [replay args]   # 27B shape on 1 vs 2 GPUs (#33)
@@ -76,12 +76,13 @@ case ${1:?suite|suite_all|parts|kernels|replay|auto|kda|kda_all|replay35|two_gpu
     PYTHONPATH=$site:$PWD:$PWD/kernels timeout ${KDA_S:-300} python3 scripts/bench_kda.py --out "$OUT/kda" "$@" \
       > "$OUT/kda.log" 2>&1
     echo "kda rc=$?"; grep -q '^device:' "$OUT/kda.log" && sed -n '/^device:/,$p' "$OUT/kda.log" || tail -30 "$OUT/kda.log" ;;
-  kda_all)  # issue #31's whole GPU check in one call: the table at T = 64 beside fla (KDA_S), then the KDA kernels'
-    # GPU tests and Kimi Linear's greedy identity on the GPU side by side (TEST_S; host-bound, so after the timings)
-    KDA_S=${KDA_S:-300} bash "$0" kda --T 64 --kinds best_first deep15 --no-neumann
+  kda_all)  # issue #31's whole GPU check in one call: the table at T = 16/32/64/128 beside fla (KDA_S; each row is
+    # logged as it is done), then the KDA kernels' GPU tests and Kimi Linear's greedy identity on the GPU side by side
+    # (TEST_S; host-bound, so after the timings)
+    KDA_S=${KDA_S:-360} bash "$0" kda --kinds best_first deep15 --no-neumann
     for t in "tests/test_kda_tree.py" "tests/test_gpu_loop.py -k kimi_linear"; do
       name=$(basename "${t%% *}" .py)
-      ( in_tree . timeout ${TEST_S:-200} python3 -m pytest -m gpu -v -p no:cacheprovider $t \
+      ( in_tree . timeout ${TEST_S:-170} python3 -m pytest -m gpu -v -p no:cacheprovider $t \
           --junitxml="$OUT/$name.xml" > "$OUT/$name.log" 2>&1
         echo "$t rc=$?: $(grep -c PASSED "$OUT/$name.log") passed; $(tail -1 "$OUT/$name.log")"
         grep -E "FAILED|ERROR" "$OUT/$name.log" | head -5 ) &
