@@ -55,6 +55,8 @@ def per_launch(step, reps: int) -> dict[str, float]:
     return {name: t / reps for name, t in total.items()}
 
 
+HEADS = 32  # Kimi Linear's KDA heads (of 128 channels)
+
 # where the stamps go in _kda_strip_kernel: (a line's start, the tensor stamped, the stage that ends there); the stamp
 # follows the line, or precedes it where the tensor is marked "<"
 STAGES = (
@@ -113,22 +115,28 @@ def stamped_strip(folder: str):
     return mod
 
 
+def inputs(T: int, kind: str, dev: str):
+    """bench_kda's tree of ``kind`` (ancestor mask, accepted path) and one layer's inputs at Kimi Linear's KDA shape."""
+    parents, _, leaf = bk.make_tree(T, kind)
+    path = torch.tensor(path_to(parents, leaf), device=dev)
+    return ancestor_mask(parents, dev), path, bk.make_layer(T, HEADS, 128, 0, dev, True)
+
+
+def kda_verify(form, y, mask):
+    """One KDA verify ``form`` on :func:`inputs`' layer ``y``, raw gates formed in the kernel."""
+    return form(y["q"], y["k"], y["v"], y["kg"], y["kb"], y["S0"], mask, use_qk_l2norm_in_kernel=True, **y["kraw"])
+
+
 def stages(mod, kind: str, T: int, reps: int, dev: str):
     """Per-stage cycles of the strips launch of ``mod`` (:func:`stamped_strip`) on one tree of ``kind`` (bench_kda's
     inputs)."""
-    parents, _, _ = bk.make_tree(T, kind)
-    mask = ancestor_mask(parents, dev)
-    y = bk.make_layer(T, 32, 128, 0, dev, True)
-    mod.STAMPS[0] = torch.zeros(max(16, T) // 16 * 32, 16, dtype=torch.int64, device=dev)  # programs × stamps
-
-    def verify(f):
-        return f(y["q"], y["k"], y["v"], y["kg"], y["kb"], y["S0"], mask, use_qk_l2norm_in_kernel=True, **y["kraw"])
-
-    same = all(torch.equal(a, b) for a, b in zip(verify(strip.kda_tree_verify_strip),
-                                                  verify(mod.kda_tree_verify_strip)))
+    mask, _, y = inputs(T, kind, dev)
+    mod.STAMPS[0] = torch.zeros(max(16, T) // 16 * HEADS, 16, dtype=torch.int64, device=dev)  # programs × stamps
+    same = all(torch.equal(a, b) for a, b in zip(kda_verify(strip.kda_tree_verify_strip, y, mask),
+                                                  kda_verify(mod.kda_tree_verify_strip, y, mask)))
     runs = []
     for r in range(reps + 5):
-        verify(mod.kda_tree_verify_strip)
+        kda_verify(mod.kda_tree_verify_strip, y, mask)
         if r >= 5:
             runs.append(mod.STAMPS[0][:, :len(STAGES)].cpu())
     st = torch.stack(runs).double()  # [reps, programs, stages]
@@ -167,16 +175,12 @@ def main():
                       for c in args.strip})
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | T = {args.T} | µs per step by launch")
     for kind in args.kinds:
-        parents, _, leaf = bk.make_tree(args.T, kind)
-        mask = ancestor_mask(parents, dev)
-        path = torch.tensor(path_to(parents, leaf), device=dev)
-        y = bk.make_layer(args.T, 32, 128, 0, dev, True)
+        mask, path, y = inputs(args.T, kind, dev)
         print(kind)
         steps = {}
         for name, verify in forms.items():
             def step(verify=verify):
-                _, u, gamma = verify(y["q"], y["k"], y["v"], y["kg"], y["kb"], y["S0"], mask,
-                                     use_qk_l2norm_in_kernel=True, **y["kraw"])
+                _, u, gamma = kda_verify(verify, y, mask)
                 commit.kda_tree_commit_triton(y["S"], y["k"], u, gamma, path, True)
             steps[f"KDA {name}"] = step
         for impl in (None, "fused"):
