@@ -18,6 +18,13 @@ from modeling_weaver import speculative_generate
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _dump(stderr: str) -> str:
+    """The launcher's stderr for a failure message: a rank's fatal-signal dump (faulthandler) wherever it is, since
+    the other rank's traceback usually follows it, then the end."""
+    at = stderr.find("Fatal Python error")
+    return (stderr[at:at + 3000] + "\n...\n" if at >= 0 else "") + stderr[-4000:]
+
+
 def _tp_run(target, tmp_path: Path) -> list[dict]:
     """``tests/tp_worker.py`` on ``target`` (saved first) as two gloo ranks under torchrun; each rank's report."""
     target.save_pretrained(tmp_path / "target")
@@ -34,8 +41,8 @@ def _tp_run(target, tmp_path: Path) -> list[dict]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail("the two ranks did not finish in 300 s (a collective one rank never reached?):\n" + stderr[-4000:])
-    assert proc.returncode == 0, stdout[-2000:] + stderr[-4000:]
+        pytest.fail("the two ranks did not finish in 300 s (a collective one rank never reached?):\n" + _dump(stderr))
+    assert proc.returncode == 0, stdout[-2000:] + _dump(stderr)
     return [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(2)]
 
 
