@@ -92,7 +92,10 @@ def _kda_strip_kernel(
             b_r = tl.where(m_r, gate_beta(b_r, beta.dtype.element_ty), 0.0)
 
         G_all = _mask_dot(M_all, g_all, GAMMA_PREC)  # Γ of every node [TP, BK]
-        G_r = _mask_dot(M_r, g_all, GAMMA_PREC)  # and of this block's rows (a dot: no row extraction from registers)
+        if TP == BT:  # one row block (T ≤ 16): its rows are every node
+            G_r = G_all
+        else:  # this block's rows (a dot: no row extraction from registers)
+            G_r = _mask_dot(M_r, g_all, GAMMA_PREC)
         tl.store(node_rows(gamma, i_b64, i_hv, T, HV, K) + t_r[:, None] * (HV * K) + o_k[None, :], G_r, mask=m_rk)
 
         # the reference per channel: the midpoint of the block's Γ; a channel past SPREAD (or not finite) is wide
@@ -138,10 +141,16 @@ def _kda_strip_kernel(
 
         o_r = tl.arange(0, BT)
         blk = o_n // BT == b
-        A_d = tl.dot(A, tl.where(blk[:, None] & (o_n[:, None] - b * BT == o_r[None, :]), 1.0, 0.0),
-                     input_precision="ieee")  # the diagonal block: a selection, exact
+        if TP == BT:
+            A_d = A
+        else:  # the diagonal block: a selection, exact
+            A_d = tl.dot(A, tl.where(blk[:, None] & (o_n[:, None] - b * BT == o_r[None, :]), 1.0, 0.0),
+                         input_precision="ieee")
         P = block_inverse(A_d, 1.0, tl.full([BT], 1.0, tl.float32), BT, LOG2_BT, INV_PREC)
-        N = tl.dot(P, tl.where(o_n[None, :] < b * BT, A, 0.0), input_precision=INV_PREC)  # P_b E_b
+        if TP == BT:  # no block left of the diagonal (the solve reads no N then)
+            N = tl.zeros([BT, TP], tl.float32)
+        else:
+            N = tl.dot(P, tl.where(o_n[None, :] < b * BT, A, 0.0), input_precision=INV_PREC)  # P_b E_b
         eG_r = tl.exp(G_r)  # (K ⊙ e^Γ) of the rows; 0 past exp's range, where its product with S0 is below fp32's
         W = tl.dot(P, (b_r * rk_r)[:, None] * k_r * eG_r, input_precision=INV_PREC)
         Vd = tl.dot(P, b_r[:, None] * v_r, input_precision=INV_PREC)
