@@ -114,18 +114,19 @@ def _kda_strip_kernel(
 
         Mb = M_r != 0
         wide = m_k & ~narrow
-        for w in tl.static_range(0, BK, 16):  # the wide channels, 16 to a bit mask, each exactly on its own
-            bits = rsum(tl.where(wide & (o_k // 16 == w // 16), 1 << (o_k % 16), 0), axis=0)
-            if bits != 0:
-                for j in range(16):
-                    if ((bits >> j) & 1) != 0:
-                        one = o_k[None, :] == w + j
-                        G_r1 = rsum(tl.where(one, G_r, 0.0), axis=1)
-                        kD = rsum(tl.where(one, k_all, 0.0), axis=1)[None, :] * tl.exp(
-                            tl.where(Mb, G_r1[:, None] - rsum(tl.where(one, G_all, 0.0), axis=1)[None, :],
-                                     float("-inf")))
-                        kk += rsum(tl.where(one, k_r, 0.0), axis=1)[:, None] * kD
-                        qk += rsum(tl.where(one, q_r, 0.0), axis=1)[:, None] * kD
+        if rsum(wide.to(tl.int32), axis=0) != 0:  # one reduction when (as usual) no channel is wide
+            for w in tl.static_range(0, BK, 16):  # the wide channels, 16 to a bit mask, each exactly on its own
+                bits = rsum(tl.where(wide & (o_k // 16 == w // 16), 1 << (o_k % 16), 0), axis=0)
+                if bits != 0:
+                    for j in range(16):
+                        if ((bits >> j) & 1) != 0:
+                            one = o_k[None, :] == w + j
+                            G_r1 = rsum(tl.where(one, G_r, 0.0), axis=1)
+                            kD = rsum(tl.where(one, k_all, 0.0), axis=1)[None, :] * tl.exp(
+                                tl.where(Mb, G_r1[:, None] - rsum(tl.where(one, G_all, 0.0), axis=1)[None, :],
+                                         float("-inf")))
+                            kk += rsum(tl.where(one, k_r, 0.0), axis=1)[:, None] * kD
+                            qk += rsum(tl.where(one, q_r, 0.0), axis=1)[:, None] * kD
         # the mask after the dots: a non-ancestor entry may be inf there
         kk = tl.where(Mb, kk, 0.0)
         qk = tl.where(Mb, qk, 0.0)
