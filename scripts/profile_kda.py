@@ -62,13 +62,13 @@ HEADS = 32  # Kimi Linear's KDA heads (of 128 channels)
 STAGES = (
     ("if b * BT < T:", "tl.zeros([16, 16], tl.float32) + b", "start"),
     ("G_all = _mask_dot(M_all, g_all", "<g_all", "loads, gates"),
-    ("G_r = _mask_dot(M_r, g_all", "G_r", "Γ (mask dots)"),
+    ("G_r = ", "G_r", "Γ (mask dots)"),
     ("kT = tl.trans(", "kT", "references, exps"),
     ("qk = tl.dot(", "qk", "pair dots"),
     ("# the mask after the dots", "<kk", "wide channels"),
     ("A = tl.where(", "A", "l2 norms, A"),
     ("P = block_inverse(", "<A_d", "diagonal block"),
-    ("N = tl.dot(P,", "<P", "inverse"),
+    ("N = ", "<P", "inverse"),
     ("# mats [2, B, HV, TP, TP]", "<Vd", "N, W, Vd"),
     ("tl.store(row + 2 * BK + o_vf", "Vd", "stores"),
 )

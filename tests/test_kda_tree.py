@@ -275,6 +275,8 @@ KERNEL_CASES = [  # kind, T, H, HV, K, V, dtype, l2, BKC
     ("forest", 24, 1, 2, 40, 16, torch.float32, True, 32),
     ("shuffled", 30, 1, 1, 16, 8, torch.float32, True, 16),
     ("random", 18, 1, 2, 32, 16, torch.bfloat16, True, 32),
+    ("star", 9, 1, 2, 16, 16, torch.float32, True, 16),  # one row block (the strip form's T ≤ 16 path)
+    ("deep", 16, 1, 1, 32, 16, torch.bfloat16, False, 16),
 ]
 
 
@@ -428,6 +430,8 @@ STRIP_SPREAD_CASES = [
     (("shuffled", 30, 1, 1, 16, 8, torch.float32, False, 16), 10.0, "mixed"),
     (("random", 40, 1, 2, 24, 16, torch.float32, False, 16), 20.0, "mixed"),  # 55 %
     (("forest", 48, 1, 2, 16, 16, torch.float32, True, 16), 100.0, "wide"),
+    (("deep", 16, 1, 2, 16, 16, torch.float32, True, 16), 10.0, "mixed"),  # one row block
+    (("deep", 16, 1, 2, 16, 16, torch.float32, True, 16), 100.0, "wide"),
 ]
 
 
@@ -461,8 +465,25 @@ def test_triton_pair_scores_dots_and_wide_channels_on_gpu(case, g_scale, path):
     _assert_paths(_channel_spreads(gamma.cpu()), fused.PAIR_SPREAD_MAX, path)
 
 
-#: Kimi Linear's KDA shape (32 heads of 128) with a 64-node tree, in both dtypes the model runs in.
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("case,g_scale,path", STRIP_SPREAD_CASES + [
+    (("deep", 16, 32, 32, 128, 128, torch.float32, True, 32), 6.0, "mixed"),  # Kimi Linear's shape, one row block
+    (("deep", 64, 32, 32, 128, 128, torch.float32, True, 32), 4.0, "mixed"),
+], ids=lambda x: _case_id(x) if isinstance(x, tuple) else str(x))
+def test_strip_pair_scores_dots_and_wide_channels_on_gpu(case, g_scale, path):
+    """The compiled strip form on row-block channels through the dots, each on its own, and both."""
+    from weaver_kernels.kda_tree import commit, strip
+
+    _, _, gamma = _check_verify_and_commit(SimpleNamespace(strip=strip, commit=commit), case, "cuda", g_scale,
+                                           form="strip")
+    wide = _block_spreads(gamma.cpu()) > strip.SPREAD_MAX
+    assert {"dots": (~wide).all(), "wide": wide.all(), "mixed": wide.any() & (~wide).any()}[path]
+
+
+#: Kimi Linear's KDA shape (32 heads of 128) with a 64-node tree, in both dtypes the model runs in, and a 16-node one.
 REAL_SHAPE_CASES = [("random", 64, 32, 32, 128, 128, torch.bfloat16, True, 32),
+                    ("random", 16, 32, 32, 128, 128, torch.bfloat16, True, 32),
                     ("deep", 64, 32, 32, 128, 128, torch.float32, True, 32)]
 
 

@@ -92,10 +92,8 @@ def _kda_strip_kernel(
             b_r = tl.where(m_r, gate_beta(b_r, beta.dtype.element_ty), 0.0)
 
         G_all = _mask_dot(M_all, g_all, GAMMA_PREC)  # Γ of every node [TP, BK]
-        if TP == BT:  # one row block (T ≤ 16): its rows are every node
-            G_r = G_all
-        else:  # this block's rows (a dot: no row extraction from registers)
-            G_r = _mask_dot(M_r, g_all, GAMMA_PREC)
+        # this block's rows (a dot: no row extraction from registers); one row block (T ≤ 16) is every node
+        G_r = G_all if TP == BT else _mask_dot(M_r, g_all, GAMMA_PREC)
         tl.store(node_rows(gamma, i_b64, i_hv, T, HV, K) + t_r[:, None] * (HV * K) + o_k[None, :], G_r, mask=m_rk)
 
         # the reference per channel: the midpoint of the block's Γ; a channel past SPREAD (or not finite) is wide
@@ -142,16 +140,13 @@ def _kda_strip_kernel(
 
         o_r = tl.arange(0, BT)
         blk = o_n // BT == b
-        if TP == BT:
-            A_d = A
-        else:  # the diagonal block: a selection, exact
-            A_d = tl.dot(A, tl.where(blk[:, None] & (o_n[:, None] - b * BT == o_r[None, :]), 1.0, 0.0),
-                         input_precision="ieee")
+        # the diagonal block: a selection, exact (one row block: A itself)
+        A_d = A if TP == BT else tl.dot(A, tl.where(blk[:, None] & (o_n[:, None] - b * BT == o_r[None, :]), 1.0, 0.0),
+                                        input_precision="ieee")
         P = block_inverse(A_d, 1.0, tl.full([BT], 1.0, tl.float32), BT, LOG2_BT, INV_PREC)
-        if TP == BT:  # no block left of the diagonal (the solve reads no N then)
-            N = tl.zeros([BT, TP], tl.float32)
-        else:
-            N = tl.dot(P, tl.where(o_n[None, :] < b * BT, A, 0.0), input_precision=INV_PREC)  # P_b E_b
+        # P_b E_b (one row block has no E_b, and the solve reads no N then)
+        N = tl.full([BT, TP], 0.0, tl.float32) if TP == BT else tl.dot(P, tl.where(o_n[None, :] < b * BT, A, 0.0),
+                                                                       input_precision=INV_PREC)
         eG_r = tl.exp(G_r)  # (K ⊙ e^Γ) of the rows; 0 past exp's range, where its product with S0 is below fp32's
         W = tl.dot(P, (b_r * rk_r)[:, None] * k_r * eG_r, input_precision=INV_PREC)
         Vd = tl.dot(P, b_r[:, None] * v_r, input_precision=INV_PREC)
@@ -236,24 +231,27 @@ def kda_tree_verify_strip(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     spread_max: float = SPREAD_MAX,
-    pair_precision: str = "tf32x3",
+    pair_precision: str | None = None,
     precision: str = "tf32x3",
     inverse_precision: str = "ieee",
     gamma_precision: str = "bf16x3",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`~.fused.kda_tree_verify_triton`'s contract (same arguments and outputs) in the strip form, for trees of
-    at most :data:`MAX_NODES` nodes. ``BV``: value columns per solve program; ``BKC``: key channels per step of its
-    state products (None: 64, or K's padded size below that); ``num_warps`` / ``strip_warps``: the solve's and the
-    strips' warps; ``spread_max``: the widest Γ spread (nats) of a row block's channel in the pair dots (±inf sends
-    every channel one way: the tests' check of each); ``pair_precision`` / ``precision``: the ``input_precision`` of
-    the pair-score dots and of the solve's (tf32x3: tensor cores, about fp32's accuracy); ``inverse_precision``: of the
-    diagonal inverses and their products; ``gamma_precision``: of Γ's mask dots ("bf16x3": three exact bf16 parts)."""
+    """:func:`~.fused.kda_tree_verify_triton`'s contract (same arguments and outputs) in the strip form, for trees
+    of at most :data:`MAX_NODES` nodes. ``BV``: value columns per solve program; ``BKC``: key channels per step of
+    its state products (None: 64, or K's padded size below that); ``num_warps`` / ``strip_warps``: the solve's and
+    the strips' warps; ``spread_max``: the widest Γ spread (nats) of a row block's channel in the pair dots (±inf
+    sends every channel one way: the tests' check of each); ``pair_precision`` / ``precision``: the
+    ``input_precision`` of the pair-score dots (None: IEEE fp32 FMA for one row block, T ≤ 16, where tf32x3's split
+    operands spill registers; tf32x3 past it) and of the solve's (tf32x3: tensor cores, about fp32's accuracy);
+    ``inverse_precision``: of the diagonal inverses and their products; ``gamma_precision``: of Γ's mask dots
+    ("bf16x3": three exact bf16 parts)."""
     BKC = BKC or min(64, max(16, next_pow2(q.shape[-1])))
     q, k, v, g, s0, mask, scale, raw, BK = verify_inputs(q, k, v, g, initial_state, tree_mask, scale, A_log, dt_bias,
                                                          BKC, MAX_NODES, "kda_tree_verify_strip")
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     TP = max(16, next_pow2(T))
+    pair_precision = pair_precision or ("ieee" if TP == 16 else "tf32x3")
     BVF = max(16, next_pow2(V))
     o = torch.empty((B, T, HV, V), dtype=v.dtype, device=v.device)
     u = torch.empty((B, T, HV, V), dtype=torch.float32, device=v.device)
