@@ -452,6 +452,32 @@ def test_strip_pair_scores_dots_and_wide_channels_interpreter(ik, case, g_scale,
                         case, g_scale, (o, u), path, dots_fail=bool(spread.max() > 2 * 89.0))
 
 
+@pytest.mark.parametrize("case,g_scale", [(("chain", 33, 1, 2, 16, 16, torch.float32, True, 16), 6.0),
+                                          (("forest", 48, 1, 2, 16, 16, torch.float32, True, 16), 100.0)],
+                         ids=["chain-T33-g6", "forest-T48-g100"])
+def test_strip_rows_take_gamma_from_every_nodes_sums_interpreter(ik, monkeypatch, case, g_scale):
+    """The strip form's pair factors ``e^{Γ_i − Γ_j}`` take both Γs from one sum per node. Tensor cores may round
+    two dots of the same sums apart (a row block's and the whole tree's), and the factor amplifies that by |Γ|: on an
+    H100 the steep-gate cases' o was off by 1.1–2.7e-5 when the rows' Γ came from a dot of their own. Emulated here:
+    the interpreter's 0/1 mask dots that sum several entries a row round one ulp up for row blocks and one down for
+    the whole tree (such a skew puts o at 3.6e-5 and 1.4e-4 here when the rows sum their own gates)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def skewed(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        m = a.data
+        if m.ndim == 2 and np.isin(m, (0.0, 1.0)).all() and (m.sum(1) > 1).any():
+            f = np.float32(1 + 2**-23 if m.shape[0] != m.shape[1] else 1 - 2**-23)
+            out = interpreter.TensorHandle((out.data * f).astype(np.float32), out.dtype)
+        return out
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", skewed)
+    _check_verify_and_commit(ik, case, g_scale=g_scale, form="strip")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("case,g_scale,path", SPREAD_CASES + [
