@@ -15,8 +15,8 @@ e^Γ) S0 + C U)``. The per-channel decay only changes how N and C are formed: fr
 Why: the fused form's solve is a chain of row blocks, each waiting for the one before (a diagonal inverse, a barrier
 and reloads per block); here the chain is d dots of the whole tree. Meant for the shallow trees of block drafters:
 on long chains (d near T) the GDN form lost to its row blocks (BENCHMARKS.md, Kernels); timed, this one is level
-with or slower than the fused form (BENCHMARKS.md, Tree KDA); the ops take the strip form or the fused one.
-T ≤ ``MAX_NODES`` (the coefficient matrix per program).
+with or slower than the fused form (docs/history/benchmarks-log.md, Tree KDA); the ops take the strip form or the
+fused one. T ≤ ``MAX_NODES`` (the coefficient matrix per program).
 """
 
 from __future__ import annotations
