@@ -92,9 +92,8 @@ def _kda_strip_kernel(
             b_r = tl.where(m_r, gate_beta(b_r, beta.dtype.element_ty), 0.0)
 
         G_all = _mask_dot(M_all, g_all, GAMMA_PREC)  # Γ of every node [TP, BK]
-        # this block's rows, selected from G_all by an exact 0/1 dot (no row extraction from registers): sums of the
-        # rows' own gates would round apart from G_all's on tensor cores, and a pair's e^{Γ_i − Γ_j} amplifies that
-        # by |Γ| (a diagonal factor off 1 by ~|Γ| ulps); one row block (T ≤ 16) is every node
+        # the rows' Γ selected from G_all by an exact 0/1 dot: a sum of their own would round apart on tensor cores,
+        # which e^{Γ_i − Γ_j} amplifies by |Γ|; one row block (T ≤ 16) is every node
         G_r = G_all if TP == BT else _mask_dot(t_r[:, None] == o_n[None, :], G_all, GAMMA_PREC)
         tl.store(node_rows(gamma, i_b64, i_hv, T, HV, K) + t_r[:, None] * (HV * K) + o_k[None, :], G_r, mask=m_rk)
 
