@@ -82,7 +82,7 @@ case ${1:?suite|suite_all|parts|kernels|replay|auto|kda|kda_all|replay35|two_gpu
     KDA_S=${KDA_S:-360} bash "$0" kda --kinds best_first deep15 --no-neumann
     for t in "tests/test_kda_tree.py" "tests/test_gpu_loop.py -k kimi_linear"; do
       name=$(basename "${t%% *}" .py)
-      ( in_tree . timeout ${TEST_S:-170} python3 -m pytest -m gpu -v -p no:cacheprovider $t \
+      ( in_tree . timeout ${TEST_S:-240} python3 -m pytest -m gpu -v -p no:cacheprovider $t \
           --junitxml="$OUT/$name.xml" > "$OUT/$name.log" 2>&1
         echo "$t rc=$?: $(grep -c PASSED "$OUT/$name.log") passed; $(tail -1 "$OUT/$name.log")"
         grep -E "FAILED|ERROR" "$OUT/$name.log" | head -5 ) &
