@@ -421,15 +421,6 @@ def _block_spreads(gamma):
     return torch.stack([b.amax(2) - b.amin(2) for b in gamma.float().transpose(1, 2).split(16, dim=2)], 2)
 
 
-def _assert_block_paths(gamma, limit, path):
-    """The row-block channels of ``gamma`` take ``path``: "dots" (every one within ``limit``), "wide" (every one
-    past it) or "mixed" (both); returns their spreads."""
-    spread = _block_spreads(gamma)
-    wide = spread > limit
-    assert {"dots": (~wide).all(), "wide": wide.all(), "mixed": wide.any() & (~wide).any()}[path], spread
-    return spread
-
-
 #: the strip form's row-block channels through the dots, each on its own, and both: (kernel case, gate scale, path)
 STRIP_SPREAD_CASES = [
     (("deep", 37, 1, 1, 32, 24, torch.float32, False, 16), 4.0, "dots"),  # spreads up to 117: near the limit
@@ -453,7 +444,8 @@ def test_strip_pair_scores_dots_and_wide_channels_interpreter(ik, case, g_scale,
     fp32's exp range on both sides of the midpoint (e^±89)."""
     kind, T, H, HV, K, V, dtype, l2, BKC = case
     o, u, gamma = _check_verify_and_commit(ik, case, g_scale=g_scale, form="strip")
-    spread = _assert_block_paths(gamma, ik.strip.SPREAD_MAX, path)
+    spread = _block_spreads(gamma)
+    _assert_paths(spread, ik.strip.SPREAD_MAX, path)
 
     _check_forced_paths(lambda *a, limit, **kw: ik.strip.kda_tree_verify_strip(*a, spread_max=limit, **kw),
                         case, g_scale, (o, u), path, dots_fail=bool(spread.max() > 2 * 89.0))
@@ -510,7 +502,7 @@ def test_strip_pair_scores_dots_and_wide_channels_on_gpu(case, g_scale, path):
 
     _, _, gamma = _check_verify_and_commit(SimpleNamespace(strip=strip, commit=commit), case, "cuda", g_scale,
                                            form="strip")
-    _assert_block_paths(gamma.cpu(), strip.SPREAD_MAX, path)
+    _assert_paths(_block_spreads(gamma.cpu()), strip.SPREAD_MAX, path)
 
 
 #: Kimi Linear's KDA shape (32 heads of 128) with a 64-node tree, in both dtypes the model runs in, and a 16-node one.
